@@ -1,0 +1,3 @@
+"""Placeholder: the `bench` commands are being written."""
+
+commands = []

@@ -1,0 +1,3 @@
+"""Placeholder: the `recall` commands are being written."""
+
+commands = []

@@ -1,0 +1,172 @@
+"""The mixer registry: the only way the harness and the recall tasks reach a mixer.
+
+A `Mixer` entry names a sequence mixer and knows how to build it three ways:
+
+- `op(**options)`: the functional op, `op(q, k, v, initial_state=None,
+  output_final_state=False) -> (o, final_state)` on `[B, T, H, D]` tensors;
+- `layer(d_model, n_heads, **options)`: an `nn.Module` mapping `[B, T, d_model]` to itself;
+- `decoder(**options)`: a `Decoder` for single-token streaming steps (decode benchmarks).
+
+Built-in mixers register when `mixers.builtin` is imported; third-party packages register
+through the entry-point group `hla_bench.mixers` (each entry point is a callable that takes
+no argument and calls `register`, or a `Mixer`, or a list of them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable, Mapping, Protocol
+
+ENTRY_POINT_GROUP = "hla_bench.mixers"
+
+
+class UnknownMixerError(ValueError):
+    """Raised for a mixer name that is not registered."""
+
+
+class MixerUnavailableError(RuntimeError):
+    """Raised when a mixer's requirements (CUDA, an optional package) are missing here."""
+
+
+class Decoder(Protocol):
+    """Streaming decode for one mixer: a state for a context, then one-token steps."""
+
+    def init_state(self, batch: int, heads: int, head_dim: int, value_dim: int,
+                   context_len: int, device: Any, dtype: Any) -> Any:
+        """A state as after a prefill of `context_len` tokens (random contents are fine)."""
+
+    def step(self, q: Any, k: Any, v: Any, state: Any) -> tuple[Any, Any]:
+        """One token: `[B, H, D]` inputs, returns (`[B, H, Dv]` output, new state)."""
+
+    def state_bytes(self, state: Any) -> int:
+        """Bytes held by `state` (KV cache for softmax attention)."""
+
+
+# A requirement is "cuda" or the import name of an optional package; PACKAGE_NAMES gives
+# the pip name shown to users when it is missing.
+PACKAGE_NAMES = {
+    "fla": "flash-linear-attention",
+    "mamba_ssm": "mamba-ssm",
+    "flash_attn": "flash-attn",
+    "triton": "triton",
+}
+
+
+def requirement_missing(requirement: str) -> str | None:
+    """Why `requirement` is not met on this machine, or None when it is."""
+    if requirement == "cuda":
+        import torch
+
+        return None if torch.cuda.is_available() else "needs a CUDA device"
+    if importlib.util.find_spec(requirement) is None:
+        return f"{PACKAGE_NAMES.get(requirement, requirement)} not installed"
+    return None
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """One registered sequence mixer.
+
+    `options` maps every accepted option to its default. The builders receive the merged
+    options as keyword arguments: `build_op(**options)`, `build_layer(d_model, n_heads,
+    **options)`, `build_decoder(**options)`. `flops(batch, seq_len, heads, head_dim,
+    value_dim, mode, **options)` gives model FLOPs for a mode (`fwd`, `fwdbwd`, `decode`)
+    or None when no formula is known.
+    """
+
+    name: str
+    family: str
+    description: str
+    build_op: Callable[..., Callable]
+    build_layer: Callable[..., Any] | None = None
+    build_decoder: Callable[..., Decoder] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    forms: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    flops: Callable[..., float | None] | None = None
+
+    def unavailable_reason(self) -> str | None:
+        """Why this mixer cannot run here, or None when it can."""
+        reasons = [r for r in (requirement_missing(req) for req in self.requires) if r]
+        return "; ".join(reasons) or None
+
+    @property
+    def available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def resolve_options(self, options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Defaults overridden by `options`; unknown option names raise ValueError."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            accepted = ", ".join(sorted(self.options)) or "none"
+            raise ValueError(f"mixer {self.name!r} has no option {', '.join(map(repr, unknown))}"
+                             f" (accepted: {accepted})")
+        return {**self.options, **options}
+
+    def _check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason:
+            raise MixerUnavailableError(f"mixer {self.name!r} is unavailable: {reason}")
+
+    def op(self, **options: Any) -> Callable:
+        self._check_available()
+        return self.build_op(**self.resolve_options(options))
+
+    def layer(self, d_model: int, n_heads: int, **options: Any) -> Any:
+        self._check_available()
+        if self.build_layer is None:
+            raise ValueError(f"mixer {self.name!r} has no layer form")
+        return self.build_layer(d_model, n_heads, **self.resolve_options(options))
+
+    def decoder(self, **options: Any) -> Decoder:
+        self._check_available()
+        if self.build_decoder is None:
+            raise ValueError(f"mixer {self.name!r} has no decode form")
+        return self.build_decoder(**self.resolve_options(options))
+
+
+_REGISTRY: dict[str, Mixer] = {}
+_loaded = False
+
+
+def register(mixer: Mixer, *, replace: bool = False) -> Mixer:
+    """Add `mixer` to the registry; a second entry with the same name needs `replace=True`."""
+    if mixer.name in _REGISTRY and not replace:
+        raise ValueError(f"mixer {mixer.name!r} is already registered")
+    _REGISTRY[mixer.name] = mixer
+    return mixer
+
+
+def _load() -> None:
+    """Import the built-ins and the entry-point plugins, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    importlib.import_module("mixers.builtin")
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        loaded = entry_point.load()
+        items = loaded() if callable(loaded) and not isinstance(loaded, Mixer) else loaded
+        for item in items if isinstance(items, (list, tuple)) else [items]:
+            if isinstance(item, Mixer):
+                register(item, replace=True)
+
+
+def get(name: str) -> Mixer:
+    """The mixer called `name`; UnknownMixerError lists the registered names otherwise."""
+    _load()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY))
+        raise UnknownMixerError(f"unknown mixer {name!r}; registered: {known}") from None
+
+
+def all_mixers() -> list[Mixer]:
+    """Every registered mixer, sorted by family then name."""
+    _load()
+    return sorted(_REGISTRY.values(), key=lambda m: (m.family, m.name))

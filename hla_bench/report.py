@@ -1,0 +1,3 @@
+"""Placeholder: the `report` commands are being written."""
+
+commands = []

@@ -1,0 +1,3 @@
+"""Placeholder: the `verify` commands are being written."""
+
+commands = []

@@ -1,0 +1,81 @@
+"""Input checks and small helpers shared by every HLA operator.
+
+Errors are `ValueError`s that name the offending argument, so a user sees what to fix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IMPLS = ("auto", "serial", "scan", "chunk", "triton")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              shared_kv_ok: bool = False) -> tuple[int, int, int, int, int]:
+    """Check `[B, T, H, D]` q, k and `[B, T, H, Dv]` v; return (B, T, H, D, Dv).
+
+    With `shared_kv_ok`, k and v may have one head shared by all query heads (multi-query).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have shape [B, T, H, D], got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, T, H, D = q.shape
+    if k.shape[:2] != (B, T) or v.shape[:2] != (B, T):
+        raise ValueError(f"q, k, v must agree on batch and length [B, T], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[3] != D:
+        raise ValueError(f"k must have the head dim of q ({D}), got {k.shape[3]}")
+    heads_ok = (H, 1) if shared_kv_ok else (H,)
+    if k.shape[2] not in heads_ok or v.shape[2] != k.shape[2]:
+        what = f"{H} heads" + (" or 1 shared head" if shared_kv_ok else "")
+        raise ValueError(f"k and v must have {what}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return B, T, H, D, v.shape[3]
+
+
+def check_decay(decay, heads: int, device: torch.device) -> torch.Tensor | None:
+    """None, or the decay as a float64-safe `[H]` tensor on `device`; each value in (0, 1]."""
+    if decay is None:
+        return None
+    g = torch.as_tensor(decay, device=device)
+    if g.dim() == 0:
+        g = g.expand(heads)
+    if g.shape != (heads,):
+        raise ValueError(f"decay must be a float or a per-head tensor of shape [{heads}], "
+                         f"got shape {tuple(g.shape)}")
+    if not bool(((g > 0) & (g <= 1)).all()):
+        raise ValueError(f"decay must lie in (0, 1], got {g.tolist()}")
+    return g
+
+
+def check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tensor:
+    """Zero-pad `x` along `dim` up to a multiple of `multiple`.
+
+    Exact for the outputs (the operators are causal, so padded tokens never reach earlier
+    outputs) and for undecayed final states (zero tokens add nothing); with decay < 1 the
+    padded steps still attenuate the state, so a decayed final state must be corrected or
+    taken before the padding.
+    """
+    pad = (-x.shape[dim]) % multiple
+    if pad == 0:
+        return x
+    widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
+    return F.pad(x, widths)

@@ -1,0 +1,65 @@
+"""A generic attention-style layer around any functional mixer op.
+
+`[B, T, d_model]` -> q, k, v projections -> heads `[B, T, H, D]` -> optional short causal
+convolution and q/k normalisation -> op -> merge heads -> output projection.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+QK_NORMS = ("none", "l2", "scale")
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal 1-D convolution over time (as in H3 / Based / fla layers)."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
+        x = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))
+        return self.conv(x).transpose(1, 2)
+
+
+class MixerLayer(nn.Module):
+    """Projections, head split and normalisation around `op(q, k, v) -> (o, state)`.
+
+    qk_norm: "l2" divides q and k by their L2 norm per head (bounded higher-order products),
+    "scale" multiplies q by head_dim**-0.5 (softmax attention's scaling), "none" leaves them.
+    short_conv: kernel size of a depthwise causal convolution on q, k and v (0 disables it).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, op: Callable, *, qk_norm: str = "l2",
+                 short_conv: int = 0, head_dim: int | None = None):
+        super().__init__()
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
+        head_dim = head_dim or d_model // n_heads
+        if head_dim * n_heads != d_model and head_dim is None:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.n_heads, self.head_dim, self.qk_norm = n_heads, head_dim, qk_norm
+        inner = n_heads * head_dim
+        self.qkv = nn.Linear(d_model, 3 * inner, bias=False)
+        self.conv = ShortConv(3 * inner, short_conv) if short_conv else None
+        self.out = nn.Linear(inner, d_model, bias=False)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        if self.conv is not None:
+            qkv = self.conv(qkv)
+        q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        if self.qk_norm == "l2":
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        elif self.qk_norm == "scale":
+            q = q * self.head_dim ** -0.5
+        o, _ = self.op(q, k, v)
+        return self.out(o.reshape(B, T, -1))
