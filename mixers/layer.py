@@ -41,9 +41,10 @@ class MixerLayer(nn.Module):
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
-        head_dim = head_dim or d_model // n_heads
-        if head_dim * n_heads != d_model and head_dim is None:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            head_dim = d_model // n_heads
         self.n_heads, self.head_dim, self.qk_norm = n_heads, head_dim, qk_norm
         inner = n_heads * head_dim
         self.qkv = nn.Linear(d_model, 3 * inner, bias=False)
