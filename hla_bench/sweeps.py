@@ -1,0 +1,540 @@
+"""Speed sweeps: mixer specs, sweep configs, and the runner that times every point.
+
+A sweep crosses mixers x modes x sequence lengths at fixed heads / head_dim / dtype. Each
+point is a plain dict (see `hla_bench.results` for the schema). Mixers are reached only
+through `hla_bench.registry`; a failure at one point (OOM, an exception, a missing package)
+is recorded as that point's status and the sweep goes on.
+
+Timing: `warmup` untimed calls, then `repeats` timed calls; CUDA events on a GPU,
+`time.perf_counter` on the CPU (CPU ops are synchronous). Median and 20th/80th percentiles.
+
+Peak memory above the inputs:
+- CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus
+  `memory_allocated()` before the call (exact for the caching allocator's tensors).
+- CPU: torch's CPU allocator is invisible to tracemalloc, so the process's peak resident
+  set is used: free heap pages are handed back (`malloc_trim`), the kernel's peak-RSS mark is
+  reset (`/proc/self/clear_refs`), and the rise of VmHWM over VmRSS before the call is
+  reported. Approximate: pages the allocator still holds are reused without being counted,
+  so it is a lower bound; None where /proc is unavailable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import yaml
+
+from hla_bench import registry
+
+MODES = ("fwd", "fwdbwd", "decode")
+STATUSES = ("ok", "oom", "error", "unavailable", "unsupported")
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+}
+_SEQ_LEN = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_seq_len(text: str | int) -> int:
+    """`1k` -> 1024, `64k` -> 65536, `1m` -> 1048576, `300` -> 300."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _SEQ_LEN.match(str(text))
+        if not match:
+            raise ValueError(f"bad sequence length {text!r}: expected an integer, "
+                             "optionally with a k (x1024) or m (x1048576) suffix")
+        value = int(match.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[match.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"sequence length must be positive, got {text!r}")
+    return value
+
+
+def parse_seq_lens(text: str) -> list[int]:
+    """Comma-separated sequence lengths, e.g. `1k,4k,16k`."""
+    items = [item for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise ValueError("no sequence lengths given")
+    return [parse_seq_len(item) for item in items]
+
+
+def format_seq_len(value: int) -> str:
+    """The inverse of `parse_seq_len` for display: 65536 -> `64k`."""
+    for suffix, size in (("m", 1024 ** 2), ("k", 1024)):
+        if value % size == 0:
+            return f"{value // size}{suffix}"
+    return str(value)
+
+
+def parse_modes(text: str | list[str]) -> list[str]:
+    modes = [m.strip() for m in text.split(",")] if isinstance(text, str) else list(text)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"bad mode {bad[0] if bad else ''!r}: expected some of {', '.join(MODES)}")
+    return modes
+
+
+def dtype_name(name: str) -> str:
+    """Canonical dtype name (`bf16` -> `bfloat16`); `auto` stays `auto`."""
+    if name == "auto":
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"bad dtype {name!r}: expected auto or one of {', '.join(DTYPES)}")
+    return str(DTYPES[name]).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """A registered mixer with option overrides, shown under `label`."""
+
+    name: str
+    label: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> "MixerSpec":
+        """`NAME[:key=value...]`; values go through yaml.safe_load; `label=` names the variant."""
+        name, *pairs = text.strip().split(":")
+        if not name:
+            raise ValueError(f"bad mixer spec {text!r}: missing mixer name")
+        options: dict[str, Any] = {}
+        label = None
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"bad mixer spec {text!r}: {pair!r} is not key=value")
+            if key.strip() == "label":
+                label = value.strip()
+            else:
+                options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        return cls(name.strip(), label or name.strip(), options)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | str) -> "MixerSpec":
+        """A YAML entry: a spec string or {name, label, options}."""
+        if isinstance(data, str):
+            return cls.parse(data)
+        if not isinstance(data, Mapping) or "name" not in data:
+            raise ValueError(f"bad mixer entry {data!r}: expected a mapping with a 'name'")
+        unknown = sorted(set(data) - {"name", "label", "options"})
+        if unknown:
+            raise ValueError(f"bad mixer entry {data!r}: unknown key {unknown[0]!r}")
+        options = data.get("options") or {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"mixer {data['name']!r}: options must be a mapping")
+        return cls(str(data["name"]), str(data.get("label") or data["name"]), dict(options))
+
+
+def parse_mixer_specs(text: str) -> list[MixerSpec]:
+    """Comma-separated specs: `hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn`."""
+    specs = [MixerSpec.parse(item) for item in text.split(",") if item.strip()]
+    if not specs:
+        raise ValueError("no mixers given")
+    return specs
+
+
+# ---------------------------------------------------------------- sweep config
+
+
+@dataclass
+class SweepConfig:
+    """One sweep: mixers x modes x seq_lens at fixed shape, dtype and device.
+
+    Batch: `batch` fixed, or `tokens_per_batch` N giving batch = max(1, N // T) so the
+    tokens per batch stay fixed across T. `decode_batch`, when set, replaces that rule for
+    decode points (one token per sequence, so a fixed batch is the natural choice).
+    `value_dim` None means `head_dim`. `dtype`/`device` `auto`: bf16 on CUDA, fp32 on CPU.
+    """
+
+    mixers: list[MixerSpec]
+    seq_lens: list[int]
+    name: str = "sweep"
+    modes: list[str] = field(default_factory=lambda: ["fwd", "fwdbwd"])
+    batch: int | None = None
+    tokens_per_batch: int | None = None
+    decode_batch: int | None = None
+    heads: int = 16
+    head_dim: int = 64
+    value_dim: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    warmup: int = 3
+    repeats: int = 10
+    baseline: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.mixers:
+            raise ValueError(f"sweep {self.name!r}: mixers is empty")
+        labels = [spec.label for spec in self.mixers]
+        duplicate = next((label for label in labels if labels.count(label) > 1), None)
+        if duplicate:
+            raise ValueError(f"sweep {self.name!r}: mixer label {duplicate!r} is used twice "
+                             "(give variants a label=)")
+        self.seq_lens = [parse_seq_len(t) for t in self.seq_lens]
+        if not self.seq_lens:
+            raise ValueError(f"sweep {self.name!r}: seq_lens is empty")
+        self.modes = parse_modes(self.modes)
+        if self.batch is not None and self.tokens_per_batch is not None:
+            raise ValueError(f"sweep {self.name!r}: give batch or tokens_per_batch, not both")
+        for key in ("batch", "tokens_per_batch", "decode_batch", "value_dim"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
+        for key in ("heads", "head_dim", "repeats"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"sweep {self.name!r}: warmup must be a non-negative integer")
+        self.dtype = dtype_name(self.dtype)
+        if self.baseline is not None and self.baseline not in labels:
+            raise ValueError(f"sweep {self.name!r}: baseline {self.baseline!r} is not one of "
+                             f"the mixer labels {', '.join(labels)}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SweepConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sweep key {unknown[0]!r} (accepted: {', '.join(sorted(known))})")
+        for key in ("mixers", "seq_lens"):
+            if key not in data:
+                raise ValueError(f"sweep {data.get('name', 'sweep')!r}: missing key {key!r}")
+        values = dict(data)
+        mixers = values.pop("mixers")
+        if isinstance(mixers, str):
+            values["mixers"] = parse_mixer_specs(mixers)
+        else:
+            values["mixers"] = [MixerSpec.from_dict(item) for item in mixers or []]
+        if isinstance(values["seq_lens"], str):
+            values["seq_lens"] = parse_seq_lens(values["seq_lens"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def batch_for(self, seq_len: int, mode: str) -> int:
+        if mode == "decode" and self.decode_batch is not None:
+            return self.decode_batch
+        if self.tokens_per_batch is not None:
+            return max(1, self.tokens_per_batch // seq_len)
+        return self.batch or 1
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> str:
+        if self.dtype == "auto":
+            return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
+        return self.dtype
+
+    def check_mixers(self) -> None:
+        """Unknown mixer names or options raise ValueError before anything runs."""
+        for spec in self.mixers:
+            registry.get(spec.name).resolve_options(spec.options)
+
+
+def parse_config(data: Mapping[str, Any]) -> list[SweepConfig]:
+    """A config file's contents: one sweep, or `sweeps:` whose entries override top-level keys.
+
+    Top-level `name`/`description` describe the file; a sweep without a name is called after
+    the file (with its index when there are several).
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError("a sweep config must be a mapping")
+    shared = {k: v for k, v in data.items() if k not in ("sweeps", "description")}
+    file_name = shared.pop("name", "sweep")
+    entries = data.get("sweeps") or [{}]
+    if not isinstance(entries, list):
+        raise ValueError("'sweeps' must be a list of mappings")
+    sweeps = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"sweeps[{index}] must be a mapping")
+        default_name = file_name if len(entries) == 1 else f"{file_name}-{index}"
+        sweeps.append(SweepConfig.from_dict({"name": default_name, **shared, **entry}))
+    names = [s.name for s in sweeps]
+    if len(set(names)) != len(names):
+        raise ValueError(f"sweep names must be distinct, got {names}")
+    return sweeps
+
+
+def load_config(path: str | Path) -> tuple[dict[str, Any], list[SweepConfig]]:
+    """The raw mapping (kept verbatim in results) and the parsed sweeps."""
+    data = yaml.safe_load(Path(path).read_text())
+    return data, parse_config(data)
+
+
+# ---------------------------------------------------------------- timing and memory
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (as numpy's default), q in [0, 100]."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize_times(times_ms: list[float]) -> dict[str, float]:
+    return {"median_ms": percentile(times_ms, 50), "p20_ms": percentile(times_ms, 20),
+            "p80_ms": percentile(times_ms, 80)}
+
+
+def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int, device: str,
+               clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Milliseconds for each of `repeats` calls of `fn` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = clock()
+            fn()
+            times.append((clock() - begin) * 1e3)
+    return times
+
+
+def _proc_status_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise OSError(f"{field_name} not in /proc/self/status")
+
+
+def _release_free_heap() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_bytes(fn: Callable[[], Any], device: str) -> int | None:
+    """Peak memory of one call of `fn` above what was allocated before it (see module doc)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return max(0, torch.cuda.max_memory_allocated() - before)
+    if device != "cpu":
+        fn()
+        return None
+    _release_free_heap()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _proc_status_kib("VmRSS")
+    except OSError:
+        fn()
+        return None
+    fn()
+    return max(0, _proc_status_kib("VmHWM") - before) * 1024
+
+
+def memory_method(device: str) -> str:
+    if device.startswith("cuda"):
+        return "cuda max_memory_allocated minus memory_allocated before the call"
+    return "cpu peak-RSS rise (VmHWM after clear_refs, minus VmRSS before); approximate lower bound"
+
+
+def is_oom(error: BaseException) -> bool:
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- the runner
+
+
+@dataclass(frozen=True)
+class Point:
+    """One planned measurement."""
+
+    sweep: SweepConfig
+    spec: MixerSpec
+    mode: str
+    seq_len: int
+
+    def describe(self) -> str:
+        return f"{self.sweep.name} {self.spec.label} {self.mode} T={format_seq_len(self.seq_len)}"
+
+
+def plan(sweeps: list[SweepConfig]) -> list[Point]:
+    """Every point, in run order: sweep, mode, mixer, then increasing T."""
+    return [Point(sweep, spec, mode, seq_len)
+            for sweep in sweeps for mode in sweep.modes for spec in sweep.mixers
+            for seq_len in sorted(sweep.seq_lens)]
+
+
+def _random(shape: tuple[int, ...], device: str, dtype: torch.dtype, generator: torch.Generator,
+            *, scale: float = 1.0, requires_grad: bool = False) -> torch.Tensor:
+    """Seeded normal values drawn on the CPU (same numbers on every device)."""
+    x = torch.randn(*shape, generator=generator) * scale
+    return x.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def _qkv(prefix: tuple[int, ...], head_dim: int, value_dim: int, device: str, dtype: torch.dtype,
+         generator: torch.Generator, requires_grad: bool = False):
+    """q, k scaled by head_dim**-0.5 (keeps higher-order products finite), v unit-variance."""
+    scale = head_dim ** -0.5
+    return (_random((*prefix, head_dim), device, dtype, generator, scale=scale, requires_grad=requires_grad),
+            _random((*prefix, head_dim), device, dtype, generator, scale=scale, requires_grad=requires_grad),
+            _random((*prefix, value_dim), device, dtype, generator, requires_grad=requires_grad))
+
+
+def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], record: dict) -> None:
+    """Build the call for `point`, then fill timing, memory and rates into `record`."""
+    sweep = point.sweep
+    device, dtype = record["device"], DTYPES[record["dtype"]]
+    batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
+    generator = torch.Generator().manual_seed(0)
+    if point.mode == "decode":
+        decoder = mixer.decoder(**options)
+        state = decoder.init_state(batch, heads, head_dim, value_dim, point.seq_len, device, dtype)
+        record["state_bytes"] = int(decoder.state_bytes(state))
+        q, k, v = _qkv((batch, heads), head_dim, value_dim, device, dtype, generator)
+
+        def call() -> Any:
+            with torch.no_grad():
+                return decoder.step(q, k, v, state)
+        tokens = batch
+    else:
+        op = mixer.op(**options)
+        backward = point.mode == "fwdbwd"
+        q, k, v = _qkv((batch, point.seq_len, heads), head_dim, value_dim, device, dtype,
+                       generator, requires_grad=backward)
+        if backward:
+            cotangent = _random((batch, point.seq_len, heads, value_dim), device, dtype, generator)
+
+            def call() -> Any:
+                q.grad = k.grad = v.grad = None
+                out, _ = op(q, k, v)
+                out.backward(cotangent)
+        else:
+            def call() -> Any:
+                with torch.no_grad():
+                    return op(q, k, v)
+        tokens = batch * point.seq_len
+
+    for _ in range(sweep.warmup):
+        call()
+    record["peak_memory_bytes"] = peak_memory_bytes(call, device)
+    times = time_calls(call, warmup=0, repeats=sweep.repeats, device=device)
+    record.update(summarize_times(times))
+    seconds = record["median_ms"] / 1e3
+    record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
+    if mixer.flops is not None:
+        flops = mixer.flops(batch, point.seq_len, heads, head_dim, value_dim, point.mode, **options)
+        if flops is not None:
+            record["flops"] = float(flops)
+            record["tflops"] = flops / seconds / 1e12 if seconds > 0 else None
+
+
+def empty_record(point: Point) -> dict[str, Any]:
+    sweep = point.sweep
+    return {
+        "sweep": sweep.name, "mixer": point.spec.label, "name": point.spec.name,
+        "options": dict(point.spec.options), "mode": point.mode, "seq_len": point.seq_len,
+        "batch": sweep.batch_for(point.seq_len, point.mode), "heads": sweep.heads,
+        "head_dim": sweep.head_dim, "value_dim": sweep.value_dim or sweep.head_dim,
+        "dtype": sweep.resolved_dtype(), "device": sweep.resolved_device(),
+        "status": "ok", "reason": None, "repeats": sweep.repeats, "warmup": sweep.warmup,
+        "median_ms": None, "p20_ms": None, "p80_ms": None, "tokens_per_s": None,
+        "peak_memory_bytes": None, "state_bytes": None, "flops": None, "tflops": None,
+    }
+
+
+def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = None) -> dict[str, Any]:
+    """Measure one point; every failure becomes the record's status and reason.
+
+    `oom_at` remembers the smallest T that ran out of memory per (sweep, mixer, mode), so
+    larger T for the same mixer and mode are recorded as oom without being tried.
+    """
+    record = empty_record(point)
+    key = (point.sweep.name, point.spec.label, point.mode)
+    mixer = registry.get(point.spec.name)
+    options = mixer.resolve_options(point.spec.options)
+    unavailable = mixer.unavailable_reason()
+    if unavailable:
+        return {**record, "status": "unavailable", "reason": unavailable}
+    if point.mode == "decode" and mixer.build_decoder is None:
+        return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}
+    if oom_at is not None and key in oom_at and point.seq_len > oom_at[key]:
+        return {**record, "status": "oom",
+                "reason": f"skipped: out of memory at T={format_seq_len(oom_at[key])}"}
+    failed = False
+    try:
+        _measure(point, mixer, options, record)
+    except Exception as error:  # every failure is a result; the sweep goes on
+        failed = True
+        message = f"{type(error).__name__}: {error}".strip()
+        if is_oom(error):
+            status = "oom"
+            if oom_at is not None:
+                oom_at[key] = min(point.seq_len, oom_at.get(key, point.seq_len))
+        elif isinstance(error, (registry.MixerUnavailableError, ImportError)):
+            status = "unavailable"
+        elif isinstance(error, NotImplementedError):
+            status = "unsupported"
+        else:
+            status = "error"
+        record = {**empty_record(point), "status": status, "reason": message[:2000]}
+    if failed:  # after the except block, so the traceback's tensors can be freed
+        free_memory()
+    return record
+
+
+def run_sweeps(sweeps: list[SweepConfig],
+               on_point: Callable[[int, int, Point], None] | None = None) -> list[dict[str, Any]]:
+    """Run every planned point; `on_point(index, total, point)` is called before each."""
+    points = plan(sweeps)
+    oom_at: dict[tuple[str, str, str], int] = {}
+    records = []
+    for index, point in enumerate(points):
+        if on_point is not None:
+            on_point(index, len(points), point)
+        records.append(run_point(point, oom_at))
+    return records
+
+
+def iter_groups(records: list[dict[str, Any]]) -> Iterator[tuple[tuple[str, str], list[dict]]]:
+    """Records grouped by (sweep, mode), in first-seen order."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["sweep"], record["mode"]), []).append(record)
+    yield from groups.items()

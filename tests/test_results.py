@@ -1,0 +1,69 @@
+"""Results files: environment capture, YAML round trip, schema errors naming the field."""
+
+import datetime as dt
+
+import pytest
+import yaml
+
+from hla_bench import results
+from hla_bench.sweeps import run_sweeps
+from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def bench_data(fake_mixers):
+    sweep = tiny_sweep(["fake-fast", "fake-broken"], modes=["fwd", "decode"])
+    points = run_sweeps([sweep])
+    return results.make_results({"name": "tiny"}, [sweep.to_dict()], points,
+                                results.capture_environment("cpu"))
+
+
+def test_environment_fields():
+    env = results.capture_environment("cpu")
+    for key in ("hostname", "utc_time", "torch", "cuda", "gpu", "driver", "git_commit",
+                "cpu_count", "memory_method", "packages"):
+        assert key in env
+    assert env["cpu_count"] >= 1 and env["git_commit"]
+    assert {"triton", "flash-linear-attention", "mamba-ssm", "flash-attn"} <= set(env["packages"])
+
+
+def test_round_trip(bench_data, tmp_path):
+    path = results.save(bench_data, tmp_path / "sub" / "r.yaml")
+    loaded = results.load(path)
+    assert loaded == bench_data
+    assert loaded["kind"] == "bench" and loaded["schema_version"] == results.SCHEMA_VERSION
+    statuses = {(p["mixer"], p["mode"]): p["status"] for p in loaded["points"]}
+    assert statuses == {("fake-fast", "fwd"): "ok", ("fake-broken", "fwd"): "error",
+                        ("fake-fast", "decode"): "ok", ("fake-broken", "decode"): "unsupported"}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("environment"), r"^environment: missing field"),
+    (lambda d: d.update(kind="recall"), r"^kind: expected 'bench'"),
+    (lambda d: d.update(schema_version=99), r"^schema_version: expected 1"),
+    (lambda d: d["points"][1].update(status="exploded"), r"^points\[1\]\.status: expected one of"),
+    (lambda d: d["points"][0].update(seq_len="16"), r"^points\[0\]\.seq_len: expected int"),
+    (lambda d: d["points"][0].update(median_ms=None), r"^points\[0\]\.median_ms: required"),
+    (lambda d: d["points"][2].pop("mode"), r"^points\[2\]\.mode: missing field"),
+    (lambda d: d["points"][0].update(batch=True), r"^points\[0\]\.batch: expected int"),
+])
+def test_schema_errors_name_the_field(bench_data, edit, message):
+    edit(bench_data)
+    with pytest.raises(results.ResultsSchemaError, match=message):
+        results.validate(bench_data)
+
+
+def test_load_names_the_file(bench_data, tmp_path):
+    bench_data["points"][0]["mode"] = "sideways"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bench_data))
+    with pytest.raises(results.ResultsSchemaError, match=r"bad\.yaml: points\[0\]\.mode"):
+        results.load(path)
+    with pytest.raises(results.ResultsSchemaError):
+        results.save(bench_data, tmp_path / "never.yaml")
+    assert not (tmp_path / "never.yaml").exists()
+
+
+def test_default_path():
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    assert str(results.default_path(when, "gpu7.example.org")) == "results/20260102T030405Z-gpu7.yaml"

@@ -1,0 +1,220 @@
+"""Sweep parsing, timing statistics and the runner, with fake mixers registered here.
+
+`fake_mixers` is also used by the other harness tests (imported from this module).
+"""
+
+import pytest
+import torch
+
+from hla_bench import registry
+from hla_bench.sweeps import (MixerSpec, SweepConfig, format_seq_len, parse_config,
+                              parse_mixer_specs, parse_seq_len, parse_seq_lens, percentile,
+                              plan, run_sweeps, summarize_times, time_calls)
+
+
+def _fast_op(**options):
+    scale = options["scale"]
+
+    def op(q, k, v, initial_state=None, output_final_state=False):
+        return v * (q * k).sum(-1, keepdim=True) * scale, None
+    return op
+
+
+class _FastDecoder:
+    def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
+        return torch.zeros(batch, heads, head_dim, value_dim, device=device, dtype=dtype)
+
+    def step(self, q, k, v, state):
+        state = state + k.unsqueeze(-1) * v.unsqueeze(-2)
+        return torch.einsum("bhd,bhdv->bhv", q, state), state
+
+    def state_bytes(self, state):
+        return state.numel() * state.element_size()
+
+
+def _raising(error):
+    def build(**options):
+        def op(q, k, v, initial_state=None, output_final_state=False):
+            raise error
+        return op
+    return build
+
+
+FAKES = [
+    registry.Mixer("fake-fast", "fake", "elementwise stand-in", _fast_op,
+                   build_decoder=lambda **o: _FastDecoder(), options={"scale": 1.0},
+                   forms=("op", "decode"),
+                   flops=lambda b, t, h, d, dv, mode, **o: 2.0 * b * t * h * (d + dv)),
+    registry.Mixer("fake-oom", "fake", "always out of memory",
+                   _raising(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")),
+                   forms=("op",)),
+    registry.Mixer("fake-oom-runtime", "fake", "out of memory as a RuntimeError",
+                   _raising(RuntimeError("DefaultCPUAllocator: can't allocate: out of memory")),
+                   forms=("op",)),
+    registry.Mixer("fake-broken", "fake", "raises", _raising(ValueError("broken on purpose")),
+                   forms=("op",)),
+    registry.Mixer("fake-missing", "fake", "needs a package that is not here", _fast_op,
+                   options={"scale": 1.0}, requires=("no_such_package_for_hla_bench",)),
+]
+
+
+@pytest.fixture
+def fake_mixers():
+    """Register the fakes for one test, then remove them."""
+    for mixer in FAKES:
+        registry.register(mixer, replace=True)
+    yield {m.name: m for m in FAKES}
+    for mixer in FAKES:
+        registry._REGISTRY.pop(mixer.name, None)
+
+
+def tiny_sweep(mixers, modes=("fwd",), seq_lens=(16, 32), **overrides):
+    values = dict(mixers=[MixerSpec.parse(m) for m in mixers], seq_lens=list(seq_lens),
+                  modes=list(modes), batch=2, heads=2, head_dim=8, warmup=1, repeats=3,
+                  device="cpu")
+    values.update(overrides)
+    return SweepConfig(**values)
+
+
+# ---------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("text, expected", [("1k", 1024), ("64k", 65536), ("4K", 4096),
+                                            ("300", 300), (" 2k ", 2048), ("1m", 1048576), (7, 7)])
+def test_parse_seq_len(text, expected):
+    assert parse_seq_len(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4q", "k", "", "1.5k", "-3", "0", "1kk"])
+def test_parse_seq_len_rejects(text):
+    with pytest.raises(ValueError, match="sequence length"):
+        parse_seq_len(text)
+
+
+def test_parse_seq_lens_and_format():
+    assert parse_seq_lens("1k,4k,16k,64k") == [1024, 4096, 16384, 65536]
+    assert [format_seq_len(t) for t in (1024, 65536, 300, 1048576)] == ["1k", "64k", "300", "1m"]
+    with pytest.raises(ValueError):
+        parse_seq_lens("1k,4q")
+
+
+def test_parse_mixer_specs():
+    specs = parse_mixer_specs("hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn,x:n=3:f=0.5:b=true")
+    assert specs[0] == MixerSpec("hla2", "hla2-chunk", {"impl": "chunk"})
+    assert specs[1] == MixerSpec("sdpa", "sdpa", {"backend": "cudnn"})
+    assert specs[2].options == {"n": 3, "f": 0.5, "b": True}
+    assert MixerSpec.from_dict({"name": "hla2", "label": "a", "options": {"impl": "triton"}}) == \
+        MixerSpec("hla2", "a", {"impl": "triton"})
+    with pytest.raises(ValueError, match="key=value"):
+        MixerSpec.parse("hla2:impl")
+    with pytest.raises(ValueError, match="unknown key 'opts'"):
+        MixerSpec.from_dict({"name": "hla2", "opts": {}})
+
+
+def test_sweep_config_batch_rules_and_errors():
+    sweep = tiny_sweep(["a"], batch=None, tokens_per_batch=4096, decode_batch=16,
+                       modes=["fwd", "decode"])
+    assert [sweep.batch_for(t, "fwd") for t in (1024, 4096, 8192)] == [4, 1, 1]
+    assert sweep.batch_for(1024, "decode") == 16
+    with pytest.raises(ValueError, match="not both"):
+        tiny_sweep(["a"], tokens_per_batch=4096)
+    with pytest.raises(ValueError, match="used twice"):
+        tiny_sweep(["a", "a"])
+    with pytest.raises(ValueError, match="bad mode 'bwd'"):
+        tiny_sweep(["a"], modes=["bwd"])
+    with pytest.raises(ValueError, match="baseline 'b'"):
+        tiny_sweep(["a"], baseline="b")
+    with pytest.raises(ValueError, match="bad dtype"):
+        tiny_sweep(["a"], dtype="fp8")
+
+
+def test_parse_config_sweeps_inherit_top_level_keys():
+    sweeps = parse_config({"name": "cfg", "heads": 4, "head_dim": 16, "seq_lens": ["1k"],
+                           "sweeps": [{"mixers": ["a"]}, {"mixers": ["b"], "head_dim": 32,
+                                                          "seq_lens": "2k,4k"}]})
+    assert [s.name for s in sweeps] == ["cfg-0", "cfg-1"]
+    assert [(s.heads, s.head_dim, s.seq_lens) for s in sweeps] == [(4, 16, [1024]), (4, 32, [2048, 4096])]
+    with pytest.raises(ValueError, match="unknown sweep key 'head_dims'"):
+        parse_config({"mixers": ["a"], "seq_lens": [1], "head_dims": 3})
+    with pytest.raises(ValueError, match="missing key 'mixers'"):
+        parse_config({"seq_lens": [1]})
+
+
+# ---------------------------------------------------------------- timing
+
+
+def test_percentiles_match_numpy_linear():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0]
+    assert percentile(values, 50) == 3.5
+    assert percentile(values, 20) == pytest.approx(2.0)
+    assert percentile(values, 80) == pytest.approx(5.0)
+    assert summarize_times([7.0]) == {"median_ms": 7.0, "p20_ms": 7.0, "p80_ms": 7.0}
+
+
+def test_time_calls_with_fake_clock():
+    ticks = iter([0.0, 0.001, 1.0, 1.003, 2.0, 2.002])
+    calls = []
+    times = time_calls(lambda: calls.append(1), warmup=2, repeats=3, device="cpu",
+                       clock=lambda: next(ticks))
+    assert len(calls) == 5
+    assert times == pytest.approx([1.0, 3.0, 2.0])
+    assert summarize_times(times)["median_ms"] == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- the runner
+
+
+def test_runner_records_every_status_and_goes_on(fake_mixers):
+    sweep = tiny_sweep(["fake-oom", "fake-oom-runtime", "fake-broken", "fake-missing",
+                        "fake-fast:scale=2:label=fast2"], modes=["fwd", "fwdbwd", "decode"])
+    seen = []
+    points = run_sweeps([sweep], lambda i, n, p: seen.append((i, n, p.describe())))
+    assert len(points) == len(plan([sweep])) == 5 * 3 * 2
+    assert seen[0][:2] == (0, 30) and seen[-1][0] == 29
+    by = {(p["mixer"], p["mode"], p["seq_len"]): p for p in points}
+
+    oom = by["fake-oom", "fwd", 16]
+    assert oom["status"] == "oom" and "out of memory" in oom["reason"] and oom["median_ms"] is None
+    assert by["fake-oom", "fwd", 32]["reason"].startswith("skipped: out of memory at T=16")
+    assert by["fake-oom-runtime", "fwdbwd", 16]["status"] == "oom"
+    assert by["fake-broken", "fwd", 32]["status"] == "error"
+    assert "ValueError: broken on purpose" in by["fake-broken", "fwd", 32]["reason"]
+    assert by["fake-missing", "fwd", 16]["status"] == "unavailable"
+    assert "no_such_package_for_hla_bench not installed" in by["fake-missing", "fwd", 16]["reason"]
+    assert by["fake-oom", "decode", 16]["status"] == "unsupported"
+
+    for mode in ("fwd", "fwdbwd", "decode"):
+        for seq_len in (16, 32):
+            ok = by["fast2", mode, seq_len]
+            assert ok["status"] == "ok", ok["reason"]
+            assert ok["options"] == {"scale": 2} and ok["name"] == "fake-fast"
+            assert ok["p20_ms"] <= ok["median_ms"] <= ok["p80_ms"]
+            tokens = 2 if mode == "decode" else 2 * seq_len
+            assert ok["tokens_per_s"] == pytest.approx(tokens / (ok["median_ms"] / 1e3))
+            assert ok["flops"] == 2.0 * 2 * seq_len * 2 * 16
+            assert ok["tflops"] == pytest.approx(ok["flops"] / (ok["median_ms"] / 1e3) / 1e12)
+            assert ok["peak_memory_bytes"] is None or ok["peak_memory_bytes"] >= 0
+    assert by["fast2", "decode", 16]["state_bytes"] == 2 * 2 * 8 * 8 * 4
+
+
+def test_fwdbwd_runs_backward(fake_mixers, monkeypatch):
+    grads = []
+    original = torch.Tensor.backward
+
+    def spy(self, gradient=None, *args, **kwargs):
+        grads.append(gradient.shape)
+        return original(self, gradient, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", spy)
+    run_sweeps([tiny_sweep(["fake-fast"], modes=["fwdbwd"], seq_lens=[16])])
+    assert grads and set(grads) == {torch.Size([2, 16, 2, 8])}
+
+
+def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):
+    from hla_bench.sweeps import peak_memory_bytes
+
+    size = 64 * 2 ** 20
+    measured = peak_memory_bytes(lambda: torch.ones(size // 4).sum(), "cpu")
+    if measured is None:
+        pytest.skip("/proc peak-RSS reset unavailable here")
+    assert 0.8 * size <= measured <= 2 * size
