@@ -31,6 +31,10 @@ class MixerUnavailableError(RuntimeError):
     """Raised when a mixer's requirements (CUDA, an optional package) are missing here."""
 
 
+# `seq_len` is the context length for "decode" (FLOPs of one token step after it).
+FLOP_MODES = ("fwd", "fwdbwd", "decode")
+
+
 class Decoder(Protocol):
     """Streaming decode for one mixer: a state for a context, then one-token steps."""
 
@@ -72,9 +76,10 @@ class Mixer:
 
     `options` maps every accepted option to its default. The builders receive the merged
     options as keyword arguments: `build_op(**options)`, `build_layer(d_model, n_heads,
-    **options)`, `build_decoder(**options)`. `flops(batch, seq_len, heads, head_dim,
-    value_dim, mode, **options)` gives model FLOPs for a mode (`fwd`, `fwdbwd`, `decode`)
-    or None when no formula is known.
+    **options)`, `build_decoder(**options)` (each takes `**options` and uses what it needs).
+    `flops(batch, seq_len, heads, head_dim, value_dim, mode, **options)` gives model FLOPs
+    for a mode (`fwd`, `fwdbwd`, `decode`) or None when no formula is known. `forms` lists
+    the implementations behind the op (e.g. "chunk", "triton"), for display.
     """
 
     name: str
@@ -87,10 +92,18 @@ class Mixer:
     forms: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     flops: Callable[..., float | None] | None = None
+    option_requires: Callable[..., tuple[str, ...]] | None = None
 
-    def unavailable_reason(self) -> str | None:
-        """Why this mixer cannot run here, or None when it can."""
-        reasons = [r for r in (requirement_missing(req) for req in self.requires) if r]
+    def unavailable_reason(self, options: Mapping[str, Any] | None = None) -> str | None:
+        """Why this mixer (with `options`, when given) cannot run here, or None when it can.
+
+        `option_requires(**resolved_options)` names extra requirements of some options, e.g.
+        an SDPA backend that exists only on CUDA.
+        """
+        requires = list(self.requires)
+        if self.option_requires is not None:
+            requires += self.option_requires(**self.resolve_options(options))
+        reasons = [r for r in (requirement_missing(req) for req in dict.fromkeys(requires)) if r]
         return "; ".join(reasons) or None
 
     @property
@@ -107,26 +120,46 @@ class Mixer:
                              f" (accepted: {accepted})")
         return {**self.options, **options}
 
-    def _check_available(self) -> None:
-        reason = self.unavailable_reason()
+    def _checked_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Resolved options, after checking that the mixer can run here with them."""
+        resolved = self.resolve_options(options)
+        reason = self.unavailable_reason(resolved)
         if reason:
             raise MixerUnavailableError(f"mixer {self.name!r} is unavailable: {reason}")
+        return resolved
 
     def op(self, **options: Any) -> Callable:
-        self._check_available()
-        return self.build_op(**self.resolve_options(options))
+        return self.build_op(**self._checked_options(options))
 
     def layer(self, d_model: int, n_heads: int, **options: Any) -> Any:
-        self._check_available()
         if self.build_layer is None:
             raise ValueError(f"mixer {self.name!r} has no layer form")
-        return self.build_layer(d_model, n_heads, **self.resolve_options(options))
+        return self.build_layer(d_model, n_heads, **self._checked_options(options))
 
     def decoder(self, **options: Any) -> Decoder:
-        self._check_available()
         if self.build_decoder is None:
             raise ValueError(f"mixer {self.name!r} has no decode form")
-        return self.build_decoder(**self.resolve_options(options))
+        return self.build_decoder(**self._checked_options(options))
+
+    def model_flops(self, batch: int, seq_len: int, heads: int, head_dim: int,
+                    value_dim: int, mode: str = "fwd", **options: Any) -> float | None:
+        """FLOPs for `mode` with `options` (defaults filled in), or None without a formula."""
+        if mode not in FLOP_MODES:
+            raise ValueError(f"mode must be one of {FLOP_MODES}, got {mode!r}")
+        if self.flops is None:
+            return None
+        return self.flops(batch, seq_len, heads, head_dim, value_dim, mode,
+                          **self.resolve_options(options))
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes of every tensor in `state` (a tensor, or a dict / list / tuple of them)."""
+    if isinstance(state, Mapping):
+        return sum(state_nbytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(value) for value in state)
+    nbytes = getattr(state, "nbytes", None)
+    return int(nbytes) if nbytes is not None else 0
 
 
 _REGISTRY: dict[str, Mixer] = {}

@@ -1,0 +1,143 @@
+"""Causal softmax attention: PyTorch SDPA (with a chosen backend), flash-attn, a KV-cache
+decoder, and the FLOP formula.
+
+Layout `[B, T, H, D]` like every op here; the default scale is 1/sqrt(D). The state of
+softmax attention is its KV cache, a `KVCache` that grows with the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mixers.hla.common import check_choice, check_qkv
+
+SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
+# Backends with no CPU kernel in PyTorch; "flash" has one, "math" runs everywhere.
+CUDA_ONLY_BACKENDS = ("efficient", "cudnn")
+
+
+@dataclass
+class KVCache:
+    """Keys `[B, H, capacity, D]` and values `[B, H, capacity, Dv]`; the first `length`
+    positions are filled. Spare capacity makes a decode step an in-place write instead of a
+    copy of the whole cache; it doubles when full."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+    @classmethod
+    def from_tensors(cls, k: torch.Tensor, v: torch.Tensor, reserve: int = 0) -> "KVCache":
+        """A cache holding `[B, H, L, *]` keys and values, with room for `reserve` more."""
+        cache = cls(k.new_empty(*k.shape[:2], k.shape[2] + reserve, k.shape[3]),
+                    v.new_empty(*v.shape[:2], v.shape[2] + reserve, v.shape[3]), k.shape[2])
+        cache.k[:, :, :cache.length] = k
+        cache.v[:, :, :cache.length] = v
+        return cache
+
+    def keys(self) -> torch.Tensor:
+        return self.k[:, :, :self.length]
+
+    def values(self) -> torch.Tensor:
+        return self.v[:, :, :self.length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """Write `[B, H, n, *]` keys and values after the filled part (in place)."""
+        n = k.shape[2]
+        if self.length + n > self.k.shape[2]:
+            grown = KVCache.from_tensors(self.keys(), self.values(),
+                                         reserve=max(self.length, n))
+            self.k, self.v = grown.k, grown.v
+        self.k[:, :, self.length:self.length + n] = k
+        self.v[:, :, self.length:self.length + n] = v
+        self.length += n
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the filled part: what a KV cache of this context costs."""
+        return self.length * (self.k.shape[-1] * self.k.element_size()
+                              + self.v.shape[-1] * self.v.element_size()) * math.prod(
+                                  self.k.shape[:2])
+
+
+def _backend_context(backend: str):
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    return sdpa_kernel([kernels[backend]])
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                   backend: str = "auto", scale: float | None = None,
+                   initial_state: KVCache | None = None, output_final_state: bool = False,
+                   cache_reserve: int = 0):
+    """Causal attention through `F.scaled_dot_product_attention`; returns (o, KVCache | None).
+
+    With `initial_state` (a KV cache) the new tokens also attend to the cached ones. The
+    returned cache has room for `cache_reserve` more tokens.
+    """
+    check_qkv(q, k, v)
+    check_choice("backend", backend, SDPA_BACKENDS)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))                    # [B, H, T, *]
+    keys, values, mask = k, v, None
+    if initial_state is not None:
+        past = initial_state.length
+        keys = torch.cat([initial_state.keys(), k], 2)
+        values = torch.cat([initial_state.values(), v], 2)
+        T = q.shape[2]
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    with _backend_context(backend):
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                           is_causal=mask is None, scale=scale)
+    cache = KVCache.from_tensors(keys, values, cache_reserve) if output_final_state else None
+    return o.transpose(1, 2), cache
+
+
+def flash_attn_attention(q, k, v, *, initial_state=None, output_final_state=False):
+    """Causal attention through flash-attn's `flash_attn_func` (CUDA, fp16/bf16)."""
+    if initial_state is not None or output_final_state:
+        raise ValueError("flash-attn op keeps no state; use the sdpa mixer for a KV cache")
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q, k, v, causal=True), None
+
+
+class KVCacheDecoder:
+    """Decode with a KV cache: each step appends one token and attends over the cache."""
+
+    def __init__(self, backend: str = "auto", scale: float | None = None,
+                 cache_reserve: int = 1024):
+        self.backend, self.scale, self.cache_reserve = backend, scale, cache_reserve
+
+    def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
+        k = torch.randn(batch, heads, context_len, head_dim, device=device, dtype=dtype)
+        v = torch.randn(batch, heads, context_len, value_dim, device=device, dtype=dtype)
+        return KVCache.from_tensors(k, v, self.cache_reserve)
+
+    def step(self, q, k, v, state: KVCache):
+        state.append(k.unsqueeze(2), v.unsqueeze(2))
+        with _backend_context(self.backend):
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), state.keys(), state.values(),
+                                               scale=self.scale)
+        return o.squeeze(2), state
+
+    def state_bytes(self, state: KVCache) -> int:
+        return state.nbytes
+
+
+def softmax_flops(batch, seq_len, heads, head_dim, value_dim, mode, **_):
+    """Causal attention: QK^T and PV over half the T x T square; backward is 2.5x forward.
+    Decode at context L: one query against L keys and values."""
+    if mode == "decode":
+        return float(2 * batch * heads * seq_len * (head_dim + value_dim))
+    fwd = 2.0 * batch * heads * seq_len * seq_len * (head_dim + value_dim) / 2
+    return fwd if mode == "fwd" else 3.5 * fwd

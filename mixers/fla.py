@@ -1,0 +1,148 @@
+"""Adapters for flash-linear-attention (fla) kernels as harness mixers.
+
+fla's ops take `[B, T, H, D]` inputs (its current layout) and return (o, final_state) with
+a `[B, H, K, V]` state, which we keep as {"S": state}. Gates and betas are bound to fixed
+values, so every entry is a plain `op(q, k, v)` like the other mixers:
+- simple GLA / gated delta rule: a per-head log decay log(1 - 2^-(5..9)) (RetNet's range);
+- GLA: the same decay on every key channel of a head;
+- delta rules: L2-normalised q and k and a constant beta.
+Nothing here catches fla's errors: the sweep runner records them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hla_bench.registry import Mixer, state_nbytes
+from mixers.layer import MixerLayer
+from mixers.linear_attn import linear_attn_flops
+
+LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4}
+
+
+def head_log_decay(heads: int, device) -> torch.Tensor:
+    """Per-head log decay, from log(1 - 1/32) (fast) to log(1 - 1/512) (slow)."""
+    exponents = torch.linspace(5.0, 9.0, heads, dtype=torch.float64)
+    return torch.log1p(-torch.pow(2.0, -exponents)).to(device=device, dtype=torch.float32)
+
+
+def _simple_gate(q, options):
+    B, T, H, _ = q.shape
+    return {"g": head_log_decay(H, q.device).expand(B, T, H).contiguous()}
+
+
+def _channel_gate(q, options):
+    B, T, H, D = q.shape
+    return {"g": head_log_decay(H, q.device)[:, None].expand(B, T, H, D).contiguous()}
+
+
+def _beta(q, options):
+    B, T, H, _ = q.shape
+    return {"beta": q.new_full((B, T, H), options["beta"])}
+
+
+def _gated_beta(q, options):
+    return {**_simple_gate(q, options), **_beta(q, options)}
+
+
+def _normalize_flag(q, options):
+    return {"normalize": options["normalize"]}
+
+
+@dataclass(frozen=True)
+class FlaKernel:
+    """One fla operator family: its module, chunk and fused-recurrent function names, the
+    extra keyword arguments it needs, and whether q and k are L2-normalised first."""
+
+    module: str
+    chunk: str
+    recurrent: str
+    extras: Callable[[torch.Tensor, dict], dict]
+    l2_qk: bool = False
+    recurrent_extras: Callable[[torch.Tensor, dict], dict] | None = None
+
+    def function(self, name: str):
+        return getattr(importlib.import_module(self.module), name)
+
+    def run(self, name, extras, q, k, v, state, output_final_state, options):
+        if self.l2_qk:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        o, final = self.function(name)(
+            q=q, k=k, v=v, **extras(q, options), scale=options["scale"],
+            initial_state=None if state is None else state["S"],
+            output_final_state=output_final_state)
+        return o, ({"S": final} if output_final_state else None)
+
+
+class FlaDecoder:
+    """Decode through the kernel's fused-recurrent form with one token (T = 1)."""
+
+    def __init__(self, kernel: FlaKernel, options: dict):
+        self.kernel, self.options = kernel, options
+
+    def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
+        return {"S": torch.randn(batch, heads, head_dim, value_dim, device=device,
+                                 dtype=torch.float32)}
+
+    def step(self, q, k, v, state):
+        extras = self.kernel.recurrent_extras or self.kernel.extras
+        o, new = self.kernel.run(self.kernel.recurrent, extras, q.unsqueeze(1),
+                                 k.unsqueeze(1), v.unsqueeze(1), state, True, self.options)
+        return o.squeeze(1), new
+
+    def state_bytes(self, state):
+        return state_nbytes(state)
+
+
+def fla_entry(name: str, kernel: FlaKernel, description: str, options: dict,
+              flops=None) -> Mixer:
+    def build_op(**opts):
+        def op(q, k, v, initial_state=None, output_final_state=False):
+            return kernel.run(kernel.chunk, kernel.extras, q, k, v, initial_state,
+                              output_final_state, opts)
+
+        return op
+
+    def build_layer(d_model, n_heads, **opts):
+        return MixerLayer(d_model, n_heads, build_op(**opts), qk_norm=opts["qk_norm"],
+                          short_conv=opts["short_conv"])
+
+    return Mixer(name=name, family="fla", description=description, build_op=build_op,
+                 build_layer=build_layer, build_decoder=lambda **opts: FlaDecoder(kernel, opts),
+                 options={"scale": None, **options, **LAYER_OPTIONS}, forms=("chunk", "triton"),
+                 requires=("fla", "cuda"), flops=flops)
+
+
+def fla_mixers() -> list[Mixer]:
+    return [
+        fla_entry("fla-linear-attn",
+                  FlaKernel("fla.ops.linear_attn", "chunk_linear_attn",
+                            "fused_recurrent_linear_attn", _normalize_flag),
+                  "fla chunked linear attention (Triton).", {"normalize": False},
+                  flops=linear_attn_flops),
+        fla_entry("fla-simple-gla",
+                  FlaKernel("fla.ops.simple_gla", "chunk_simple_gla",
+                            "fused_recurrent_simple_gla", _simple_gate),
+                  "fla simple GLA: linear attention with a fixed per-head decay.", {},
+                  flops=linear_attn_flops),
+        fla_entry("fla-gla",
+                  FlaKernel("fla.ops.gla", "chunk_gla", "fused_recurrent_gla", _channel_gate,
+                            recurrent_extras=lambda q, o: {"gk": _channel_gate(q, o)["g"]}),
+                  "fla GLA: linear attention with per-channel (here fixed) log gates.", {},
+                  flops=linear_attn_flops),
+        fla_entry("fla-delta-rule",
+                  FlaKernel("fla.ops.delta_rule", "chunk_delta_rule",
+                            "fused_recurrent_delta_rule", _beta, l2_qk=True),
+                  "fla DeltaNet: delta-rule state update, L2-normalised q/k, fixed beta.",
+                  {"beta": 1.0}),
+        fla_entry("fla-gated-delta-rule",
+                  FlaKernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
+                            "fused_recurrent_gated_delta_rule", _gated_beta, l2_qk=True),
+                  "fla Gated DeltaNet: delta rule with a fixed per-head decay and beta.",
+                  {"beta": 1.0}),
+    ]

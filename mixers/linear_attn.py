@@ -1,0 +1,119 @@
+"""Causal linear attention (Katharopoulos et al. 2020) in chunked PyTorch.
+
+o_t = phi(q_t)^T S_t with S_t = sum_{i<=t} phi(k_i) v_i^T; normalized, the output is divided
+by phi(q_t)^T z_t + eps with z_t = sum_{i<=t} phi(k_i). No scaling inside (like the HLA ops).
+The chunk form does, per chunk of C tokens, one masked C x C product and two C x D x Dv
+products; the carried state S is an exclusive prefix sum of per-chunk K^T V.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mixers.hla.common import check_chunk_size, check_choice, check_qkv, pad_to_multiple
+
+FEATURE_MAPS = {
+    "identity": lambda x: x,
+    "elu1": lambda x: F.elu(x) + 1,
+    "relu": F.relu,
+}
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def state_shapes(batch: int, heads: int, head_dim: int, value_dim: int,
+                 normalize: bool) -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the linear-attention state."""
+    shapes = {"S": (batch, heads, head_dim, value_dim)}
+    if normalize:
+        shapes["z"] = (batch, heads, head_dim)
+    return shapes
+
+
+def _initial(initial_state, shapes, device, dtype) -> dict[str, torch.Tensor]:
+    if initial_state is None:
+        return {key: torch.zeros(shape, device=device, dtype=dtype)
+                for key, shape in shapes.items()}
+    if set(initial_state) != set(shapes):
+        raise ValueError(f"initial_state must have keys {sorted(shapes)}, "
+                         f"got {sorted(initial_state)}")
+    for key, shape in shapes.items():
+        if tuple(initial_state[key].shape) != shape:
+            raise ValueError(f"initial_state[{key!r}] must have shape {shape}, "
+                             f"got {tuple(initial_state[key].shape)}")
+    return {key: value.to(dtype) for key, value in initial_state.items()}
+
+
+def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                feature_map: str = "identity", normalize: bool = False, eps: float = 1e-6,
+                chunk_size: int = 64, initial_state: dict | None = None,
+                output_final_state: bool = False):
+    """Chunked causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None)."""
+    B, T, H, D, Dv = check_qkv(q, k, v)
+    check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_chunk_size(chunk_size)
+    dtype = _compute_dtype(q)
+    state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize), q.device, dtype)
+    phi = FEATURE_MAPS[feature_map]
+    # The feature map goes before the zero padding, so padded tokens add nothing.
+    q, k, v = (pad_to_multiple(x.to(dtype), chunk_size) for x in (phi(q), phi(k), v))
+    N, C = q.shape[1] // chunk_size, chunk_size
+    q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
+    chunk_kv = k.transpose(-1, -2) @ v                                  # [B, H, N, D, Dv]
+    S_before = state["S"].unsqueeze(2) + chunk_kv.cumsum(2) - chunk_kv
+    o = q @ S_before + scores @ v
+    final = {"S": state["S"] + chunk_kv.sum(2)}
+    if normalize:
+        chunk_k = k.sum(3)                                              # [B, H, N, D]
+        z_before = state["z"].unsqueeze(2) + chunk_k.cumsum(2) - chunk_k
+        den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
+        o = o / (den.unsqueeze(-1) + eps)
+        final["z"] = state["z"] + chunk_k.sum(2)
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dv)[:, :T]
+    return o.to(v.dtype), (final if output_final_state else None)
+
+
+def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1e-6,
+                      initial_state=None):
+    """Token-by-token reference (float64 when given float64): returns (o, final state)."""
+    B, T, H, D, Dv = check_qkv(q, k, v)
+    state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize), q.device, q.dtype)
+    outputs = []
+    for t in range(T):
+        o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state,
+                                      feature_map=feature_map, normalize=normalize, eps=eps)
+        outputs.append(o_t)
+    return torch.stack(outputs, 1), state
+
+
+def linear_attn_step(q_t, k_t, v_t, state, *, feature_map="identity", normalize=False,
+                     eps=1e-6):
+    """One token, `[B, H, D]` inputs: returns (`[B, H, Dv]` output, new state)."""
+    phi = FEATURE_MAPS[feature_map]
+    dtype = state["S"].dtype
+    q_t, k_t, v_t = phi(q_t).to(dtype), phi(k_t).to(dtype), v_t.to(dtype)
+    new = {"S": state["S"] + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)}
+    o_t = (q_t.unsqueeze(-2) @ new["S"]).squeeze(-2)
+    if normalize:
+        new["z"] = state["z"] + k_t
+        o_t = o_t / ((q_t * new["z"]).sum(-1, keepdim=True) + eps)
+    return o_t, new
+
+
+def linear_attn_flops(batch, seq_len, heads, head_dim, value_dim, mode, *, chunk_size=64,
+                      normalize=False, **_):
+    """Chunk-form FLOPs: per token 2C(D+Dv) for the masked chunk products, 4 D Dv for the
+    state read and update (plus 2C + 4D when normalized); backward counted as 2x forward."""
+    D, Dv, C = head_dim, value_dim, chunk_size
+    if mode == "decode":
+        per_token = 4 * D * Dv + (4 * D if normalize else 0)
+        return float(batch * heads * per_token)
+    per_token = 2 * C * (D + Dv) + 4 * D * Dv + ((2 * C + 4 * D) if normalize else 0)
+    fwd = float(batch * heads * seq_len * per_token)
+    return fwd if mode == "fwd" else 3 * fwd
