@@ -56,19 +56,19 @@ def test_explicit_sum_equals_decayed_matrix_form():
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_low_precision_forms_agree_with_float64(normalize):
-    """float32: every form within 1e-4 of the float64 sum; bfloat16 chunk: within 3e-2 of the
+    """float32: every form within 1e-5 of the float64 sum; bfloat16 chunk: within 1e-2 of the
     float64 sum on the same (bf16-rounded) inputs."""
     q, k, v = inputs(positive=True, T=40)
     ref = ahla2_naive(q, k, v, normalize=normalize, decay=0.95)
     for impl in FORMS:
         o, _ = ahla2(*(x.float() for x in (q, k, v)), normalize=normalize, decay=0.95,
                      impl=impl, chunk_size=16)
-        assert o.dtype == torch.float32 and rel_err(o, ref) < 1e-4, impl
+        assert o.dtype == torch.float32 and rel_err(o, ref) < 1e-5, impl
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     ref_b = ahla2_naive(qb, kb, vb, normalize=normalize, decay=0.95)
     o, state = ahla2(qb, kb, vb, normalize=normalize, decay=0.95, impl="chunk", chunk_size=16,
                      output_final_state=True)
-    assert o.dtype == torch.bfloat16 and rel_err(o, ref_b) < 3e-2
+    assert o.dtype == torch.bfloat16 and rel_err(o, ref_b) < 1e-2
     assert all(x.dtype == torch.float32 for x in state.values())
 
 
