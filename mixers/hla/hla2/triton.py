@@ -1,0 +1,179 @@
+"""Fused Triton forms of masked hla2 (spec §4): a differentiable chunked op and a decode step.
+
+Forward launches: chunk increments (parallel over chunks), state scan (sequential over
+chunks, parallel over heads and state row blocks), output (parallel over chunks). Backward
+recomputes the carried states instead of saving them (memory), then runs a reverse scan of
+the state gradients and one parallel kernel for dq, dk, dv. See triton_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from mixers.hla.hla2 import triton_kernels as kern
+
+HEAD_DIMS = (16, 32, 64, 128)
+CHUNK_SIZES = (16, 32, 64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
+    """None when the Triton kernels can run these inputs and options, else why not."""
+    if not masked:
+        return "the Triton kernels implement masked hla2 only (masked=False)"
+    if ridge != 0:
+        return "the Triton kernels do not implement ridge != 0"
+    if decay is not None:
+        return f"the Triton kernels do not implement decay (decay_form={decay_form!r}) yet"
+    if q.device.type != "cuda" and not _interpreted():
+        return f"the Triton kernels need a CUDA device (got {q.device}) or TRITON_INTERPRET=1"
+    if q.dtype not in DTYPES:
+        return f"the Triton kernels support float16, bfloat16 and float32, got {q.dtype}"
+    if k.shape[2] != q.shape[2]:
+        return "the Triton kernels do not implement multi-query (k, v with one shared head)"
+    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
+        return (f"the Triton kernels need head dims in {HEAD_DIMS}, got D={q.shape[-1]}, "
+                f"Dv={v.shape[-1]}")
+    return None
+
+
+def _precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _warps(d: int, dv: int) -> int:
+    return 8 if max(d, dv) >= 128 else 4
+
+
+def _chunk_buffers(B, H, NT, D, DV, device, n_dd, n_dv):
+    f32 = dict(dtype=torch.float32, device=device)
+    return ([torch.empty(B * H, NT, D, D, **f32) for _ in range(n_dd)]
+            + [torch.empty(B * H, NT, D, DV, **f32) for _ in range(n_dv)])
+
+
+def _forward(q, k, v, s0, a0, C, want_final):
+    B, T, H, D = q.shape
+    DV = v.shape[-1]
+    NT = triton.cdiv(T, C)
+    prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
+    ds, x, da = _chunk_buffers(B, H, NT, D, DV, q.device, 1, 2)
+    kern.chunk_increments_kernel[(NT, B * H)](
+        q, k, v, q, ds, x, da, x, ds, T, NT, H=H, D=D, DV=DV, C=C,
+        WITH_GRAD=False, PREC=prec, num_warps=warps)
+    s1 = a1 = None
+    if want_final:
+        s1 = q.new_empty(B, H, D, D, dtype=torch.float32)
+        a1 = q.new_empty(B, H, D, DV, dtype=torch.float32)
+    kern.state_scan_kernel[(D // BD, B * H)](
+        ds, x, da, ds if s0 is None else s0, da if a0 is None else a0,
+        ds if s1 is None else s1, da if a1 is None else a1, NT, D=D, DV=DV, BD=BD,
+        HAS_INIT=s0 is not None, STORE_FINAL=want_final, PREC=prec, num_warps=4)
+    o = torch.empty_like(v, dtype=q.dtype)
+    BV = min(DV, 64)
+    kern.chunk_output_kernel[(DV // BV, NT, B * H)](
+        q, k, v, ds, da, o, T, NT, H=H, D=D, DV=DV, C=C, BV=BV, PREC=prec, num_warps=warps)
+    return o, s1, a1
+
+
+def _backward(q, k, v, s0, a0, do, gs1, ga1, C, want_init_grad):
+    B, T, H, D = q.shape
+    DV = v.shape[-1]
+    NT = triton.cdiv(T, C)
+    prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
+    ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q.device, 2, 3)
+    kern.chunk_increments_kernel[(NT, B * H)](
+        q, k, v, do, ds, x, da, qdo, z, T, NT, H=H, D=D, DV=DV, C=C,
+        WITH_GRAD=True, PREC=prec, num_warps=warps)
+    kern.state_scan_kernel[(D // BD, B * H)](
+        ds, x, da, ds if s0 is None else s0, da if a0 is None else a0, ds, da, NT,
+        D=D, DV=DV, BD=BD, HAS_INIT=s0 is not None, STORE_FINAL=False, PREC=prec, num_warps=4)
+    gs0 = ga0 = None
+    if want_init_grad:
+        gs0 = q.new_empty(B, H, D, D, dtype=torch.float32)
+        ga0 = q.new_empty(B, H, D, DV, dtype=torch.float32)
+    has_final_grad = gs1 is not None or ga1 is not None
+    if has_final_grad:
+        gs1 = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device) if gs1 is None \
+            else gs1.float().contiguous()
+        ga1 = torch.zeros(B, H, D, DV, dtype=torch.float32, device=q.device) if ga1 is None \
+            else ga1.float().contiguous()
+    kern.grad_scan_kernel[(D // BD, B * H)](
+        qdo, z, x, z if gs1 is None else gs1, qdo if ga1 is None else ga1,
+        z if gs0 is None else gs0, qdo if ga0 is None else ga0, NT, D=D, DV=DV, BD=BD,
+        HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, PREC=prec, num_warps=4)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kern.chunk_grads_kernel[(NT, B * H)](
+        q, k, v, do, ds, da, z, qdo, dq, dk, dv, T, NT, H=H, D=D, DV=DV, C=C, PREC=prec,
+        num_warps=warps)
+    return dq, dk, dv, gs0, ga0
+
+
+class _HLA2Masked(torch.autograd.Function):
+    """(q, k, v, S0, A0) -> (o, S1, A1) for masked hla2 without decay."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s0, a0, chunk_size, want_final):
+        o, s1, a1 = _forward(q, k, v, s0, a0, chunk_size, want_final)
+        ctx.save_for_backward(q, k, v, s0, a0)
+        ctx.chunk_size = chunk_size
+        return o, s1, a1
+
+    @staticmethod
+    def backward(ctx, do, gs1, ga1):
+        q, k, v, s0, a0 = ctx.saved_tensors
+        want_init_grad = s0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
+        dq, dk, dv, gs0, ga0 = _backward(q, k, v, s0, a0, do.contiguous(), gs1, ga1,
+                                         ctx.chunk_size, want_init_grad)
+        return dq, dk, dv, gs0, ga0, None, None
+
+
+def _chunk(chunk_size: int) -> int:
+    """The kernels need a power-of-two chunk in [16, 128]; other sizes run with 64 (the
+    result does not depend on the chunk size)."""
+    return chunk_size if chunk_size in CHUNK_SIZES else 64
+
+
+def _masked_op(q, k, v, s0, a0, chunk_size, want_final):
+    return _HLA2Masked.apply(q, k, v, s0, a0, chunk_size, want_final)
+
+
+def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="masked",
+                chunk_size=64, initial_state=None, output_final_state=False):
+    """Masked hla2 with the Triton kernels: (o [B, T, H, Dv], final state dict or None).
+
+    Inputs are assumed validated by `mixers.hla.hla2` (see triton_unsupported_reason).
+    """
+    reason = triton_unsupported_reason(q, k, v, masked=True, ridge=0.0,
+                                       decay_form=decay_form, decay=decay)
+    if reason is not None:
+        raise ValueError(reason)
+    B, T, H, D = q.shape
+    C = _chunk(chunk_size)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    s0 = a0 = a_den0 = None
+    if initial_state is not None:
+        s0 = initial_state["S"].float().contiguous()
+        a0 = initial_state["A"].float().contiguous()
+        if normalize:
+            a_den0 = initial_state["a"].float().unsqueeze(-1).expand(B, H, D, 16).contiguous()
+    o, s1, a1 = _masked_op(q, k, v, s0, a0, C, output_final_state)
+    final = {"S": s1, "A": a1} if output_final_state else None
+    if normalize:
+        ones = q.new_ones(B, T, H, 16)
+        den, _, a_den1 = _masked_op(q, k, ones, s0, a_den0, C, output_final_state)
+        o = (o.float() / (den[..., :1].float() + eps)).to(q.dtype)
+        if output_final_state:
+            final["a"] = a_den1[..., 0]
+    return o, final
+
+
+def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=None,
+                     decay_form="masked"):
+    raise NotImplementedError("hla2_step_triton is being written")

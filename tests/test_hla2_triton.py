@@ -1,0 +1,172 @@
+"""Triton hla2 kernels vs a float64 token-by-token reference (spec §1).
+
+On CPU the kernels run in the Triton interpreter (tests/conftest.py); on CUDA natively,
+plus bf16 shapes with D = 64 and 128.
+
+Tolerances (relative Frobenius error against the float64 reference):
+  fp32 inputs: outputs and states < 1e-4, gradients < 1e-4
+  bf16 / fp16 inputs: outputs and states < 2e-2, gradients < 3e-2
+"""
+
+import os
+
+import pytest
+import torch
+
+from mixers.hla.hla2.triton import hla2_triton, triton_unsupported_reason
+
+RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float16: (2e-2, 3e-2)}
+# The interpreter mishandles bfloat16 memory, so on CPU the half-precision path runs in fp16.
+HALF = torch.bfloat16 if torch.cuda.is_available() else torch.float16
+
+
+def reference(q, k, v, state=None, *, decay=None, normalize=False, eps=1e-6):
+    """Masked hla2 by its recurrence in float64: S = g S + k k^T, A = g^2 A + (S q) v^T,
+    o = q^T A; normalize runs the same with a ones column appended to v (state "a")."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, T, H, D = q.shape
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    if state is None:
+        S, A = q.new_zeros(B, H, D, D), q.new_zeros(B, H, D, v.shape[-1])
+    else:
+        S, A = state["S"].double(), state["A"].double()
+        if normalize:
+            A = torch.cat([A, state["a"].double().unsqueeze(-1)], -1)
+    g = q.new_ones(H) if decay is None else decay.to(q.device, torch.float64)
+    g = g.view(H, 1, 1)
+    outs = []
+    for t in range(T):
+        S = g * S + k[:, t, :, :, None] * k[:, t, :, None, :]
+        A = g ** 2 * A + (S @ q[:, t, :, :, None]) * v[:, t, :, None, :]
+        outs.append((q[:, t, :, None, :] @ A).squeeze(-2))
+    o = torch.stack(outs, 1)
+    if not normalize:
+        return o, {"S": S, "A": A}
+    return o[..., :-1] / (o[..., -1:] + eps), {"S": S, "A": A[..., :-1], "a": A[..., -1]}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def make_inputs(B, T, H, D, Dv, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, d, generator=gen) * d ** -0.5 for d in (D, D, Dv))
+    return [x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v)]
+
+
+def weighted_loss(o, state, seed=1):
+    """A loss that reaches every output and state entry with distinct random weights."""
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o.double() * torch.randn(o.shape, generator=gen).to(o.device, torch.float64)).sum()
+    for key in sorted(state):
+        w = torch.randn(state[key].shape, generator=gen).to(o.device, torch.float64)
+        loss = loss + (state[key].double() * w).sum()
+    return loss
+
+
+def grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def check_against_reference(q, k, v, *, chunk_size, initial_state=None, normalize=False,
+                            decay=None, eps=1e-6):
+    out_tol, grad_tol = TOL[q.dtype]
+    names = ["q", "k", "v"] + ([] if initial_state is None else sorted(initial_state))
+    leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
+    o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
+                           decay_form="masked", chunk_size=chunk_size,
+                           initial_state=initial_state, output_final_state=True)
+    ref_o, ref_final = reference(q, k, v, initial_state, decay=decay, normalize=normalize,
+                                 eps=eps)
+    assert o.dtype == q.dtype and o.shape == v.shape
+    assert sorted(final) == sorted(ref_final)
+    assert rel(o, ref_o) < out_tol
+    for key in ref_final:
+        assert final[key].dtype == torch.float32
+        assert rel(final[key], ref_final[key]) < out_tol, key
+    got = grads(weighted_loss(o, final), leaves)
+    want = grads(weighted_loss(ref_o, ref_final), leaves)
+    for name, a, b in zip(names, got, want):
+        assert rel(a, b) < grad_tol, name
+
+
+@pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (130, 32, 32, 16)])
+def test_matches_reference_fp32(T, chunk_size, D, Dv):
+    q, k, v = make_inputs(2, T, 2, D, Dv, torch.float32)
+    check_against_reference(q, k, v, chunk_size=chunk_size)
+
+
+def random_state(B, H, D, Dv, normalize=False, seed=3):
+    """A state that a previous run could have produced (S symmetric PSD)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, 2 * D, D, generator=gen) * D ** -0.5
+    state = {"S": k.transpose(-1, -2) @ k, "A": torch.randn(B, H, D, Dv, generator=gen)}
+    if normalize:
+        state["a"] = torch.rand(B, H, D, generator=gen) + 1.0
+    return {key: x.to(DEVICE).requires_grad_() for key, x in state.items()}
+
+
+def test_initial_state_values_and_grads():
+    q, k, v = make_inputs(1, 50, 2, 16, 16, torch.float32, seed=4)
+    check_against_reference(q, k, v, chunk_size=16, initial_state=random_state(1, 2, 16, 16))
+
+
+def test_initial_state_continues_the_sequence():
+    q, k, v = make_inputs(1, 70, 2, 16, 32, torch.float32, seed=5)
+    full, full_state = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None,
+                                   decay_form="masked", chunk_size=16, initial_state=None,
+                                   output_final_state=True)
+    kw = dict(normalize=False, eps=1e-6, decay=None, decay_form="masked", chunk_size=32,
+              output_final_state=True)
+    first, mid = hla2_triton(q[:, :23], k[:, :23], v[:, :23], initial_state=None, **kw)
+    second, last = hla2_triton(q[:, 23:], k[:, 23:], v[:, 23:], initial_state=mid, **kw)
+    assert rel(torch.cat([first, second], 1), full) < 1e-5
+    for key in full_state:
+        assert rel(last[key], full_state[key]) < 1e-5
+
+
+def test_no_final_state_unless_asked():
+    q, k, v = make_inputs(1, 20, 2, 16, 16, torch.float32)
+    o, final = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None, decay_form="masked",
+                           chunk_size=16, initial_state=None, output_final_state=False)
+    assert final is None
+    o.sum().backward()
+    assert all(x.grad is not None for x in (q, k, v))
+
+
+def test_normalize_matches_reference():
+    q, k, v = make_inputs(1, 45, 2, 16, 16, torch.float32, seed=8)
+    check_against_reference(q, k, v, chunk_size=16, normalize=True, eps=1e-3,
+                            initial_state=random_state(1, 2, 16, 16, normalize=True))
+
+
+def test_half_precision_matches_reference():
+    q, k, v = make_inputs(1, 40, 2, 16, 16, HALF, seed=6)
+    check_against_reference(q, k, v, chunk_size=16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
+@pytest.mark.parametrize("D", [64, 128])
+def test_bf16_large_head_dims_cuda(D):
+    q, k, v = make_inputs(2, 300, 4, D, D, torch.bfloat16, seed=7)
+    check_against_reference(q, k, v, chunk_size=64)
+
+
+def test_unsupported_reasons():
+    q, k, v = make_inputs(1, 8, 2, 16, 16, torch.float32)
+    kw = dict(masked=True, ridge=0.0, decay_form="masked", decay=None)
+    assert triton_unsupported_reason(q, k, v, **kw) is None
+    assert "masked" in triton_unsupported_reason(q, k, v, **{**kw, "masked": False})
+    assert "ridge" in triton_unsupported_reason(q, k, v, **{**kw, "ridge": 0.1})
+    q24 = torch.zeros(1, 8, 2, 24, device=DEVICE)
+    assert "head dims" in triton_unsupported_reason(q24, q24, v, **kw)
+    assert "float" in triton_unsupported_reason(q.double(), k.double(), v.double(), **kw)
+    with pytest.raises(ValueError, match="multi-query"):
+        hla2_triton(q, k[:, :, :1], v[:, :, :1], normalize=False, eps=1e-6, decay=None,
+                    decay_form="masked", chunk_size=16, initial_state=None,
+                    output_final_state=False)
