@@ -120,3 +120,14 @@ def test_entry_point_plugin_is_listed_and_runs(tmp_path, monkeypatch):
     v = torch.randn(1, 5, 2, 3)
     o, _ = mixer.op()(v, v, v)
     torch.testing.assert_close(o[:, 2], v[:, :3].mean(1))
+
+
+@pytest.mark.parametrize("name", ["hla2", "hla2-unmasked", "ahla2", "hla3"])
+def test_hla_flops_come_from_the_operator_modules(name):
+    mixer = get(name)
+    short = mixer.model_flops(1, 1024, 2, 64, 64, "fwd")
+    if short is None:
+        pytest.skip(f"{name}: no *_flops function yet")
+    assert short > 0
+    assert mixer.model_flops(1, 4096, 2, 64, 64, "fwd") == pytest.approx(4 * short, rel=0.05)
+    assert mixer.model_flops(1, 1024, 2, 64, 64, "fwdbwd") > short
