@@ -1,9 +1,184 @@
-"""Placeholder until the hla2 operator lands."""
+"""Second-order symmetric HLA (`hla2`): validation and dispatch to the serial, scan, chunk and
+Triton forms, the single-token decode step, and cost helpers.
+
+Forms: naive.py (explicit sums, the ground truth), serial.py (recurrence), scan.py
+(associative segment scans), chunk.py (dense matmul chunks), triton.py (fused kernels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mixers.hla.common import IMPLS, check_choice, check_chunk_size, check_decay, check_qkv
+from mixers.hla.hla2.chunk import hla2_chunk
+from mixers.hla.hla2.naive import hla2_naive
+from mixers.hla.hla2.scan import hla2_scan
+from mixers.hla.hla2.serial import hla2_serial, step_packed
+from mixers.hla.hla2.state import (DECAY_FORMS, compute_dtype, finish, operator_form, pack,
+                                   state_shapes, unpack, with_ones, zero_packed)
+
+__all__ = ["hla2", "hla2_step", "hla2_naive", "hla2_state_bytes", "hla2_flops"]
+
+STEP_IMPLS = ("auto", "torch", "triton")
+_FORMS = {"serial": hla2_serial, "scan": hla2_scan, "chunk": hla2_chunk}
 
 
-def hla2(*args, **kwargs):
-    raise NotImplementedError("hla2 is being written")
+def _check_scalars(eps, ridge) -> None:
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    if not isinstance(ridge, (int, float)) or not ridge >= 0:
+        raise ValueError(f"ridge must be a number >= 0, got {ridge!r}")
 
 
-def hla2_step(*args, **kwargs):
-    raise NotImplementedError("hla2_step is being written")
+def _check_decay(decay, heads: int, kv_heads: int, device) -> torch.Tensor | None:
+    """Validated [H] decay; python floats keep float64 precision."""
+    if decay is not None and not isinstance(decay, torch.Tensor):
+        decay = torch.as_tensor(decay, dtype=torch.float64)
+    g = check_decay(decay, heads, device)
+    if g is not None and kv_heads == 1 and heads > 1 and not bool((g == g[0]).all()):
+        raise ValueError("decay must be the same for every head when k and v are shared "
+                         f"(multi-query: S is stored once), got {g.tolist()}")
+    return g
+
+
+def _check_state(state, shapes: dict, dtype, device, name: str) -> dict | None:
+    """The state with exactly the expected keys and shapes, cast to the compute dtype."""
+    if state is None:
+        return None
+    if not isinstance(state, dict) or set(state) != set(shapes):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{name} must be a dict with keys {sorted(shapes)} for these options, "
+                         f"got {got}")
+    for key, shape in shapes.items():
+        x = state[key]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}[{key!r}] must have shape {shape}, got {got}")
+        if x.device != device:
+            raise ValueError(f"{name}[{key!r}] must be on {device}, got {x.device}")
+    return {key: state[key].to(dtype) for key in shapes}
+
+
+def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
+    """Why the Triton form cannot run these inputs, or None."""
+    if not q.is_cuda:
+        return "the Triton kernels need CUDA tensors"
+    try:
+        from mixers.hla.hla2 import triton as kernels
+    except ImportError as error:
+        return f"the Triton kernels are not available ({error})"
+    return kernels.triton_unsupported_reason(q, k, v, masked=masked, ridge=ridge,
+                                             decay_form=decay_form, decay=decay)
+
+
+def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None,
+         decay_form="masked", impl="auto", chunk_size=64, initial_state=None,
+         output_final_state=False):
+    """Second-order HLA over [B, T, H, D] q, k and [B, T, H, Dv] v -> (o, final_state | None).
+
+    k, v may have one head shared by all query heads (multi-query). See state.py for the state
+    keys each option set carries, and naive.py for the exact sums every impl computes.
+    """
+    B, T, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
+    check_choice("impl", impl, IMPLS)
+    check_choice("decay_form", decay_form, DECAY_FORMS)
+    check_chunk_size(chunk_size)
+    _check_scalars(eps, ridge)
+    kv_heads = k.shape[2]
+    dtype = compute_dtype(q.dtype)
+    g = _check_decay(decay, H, kv_heads, q.device)
+    form = operator_form(masked, g, decay_form)
+    shapes = state_shapes(form, normalize, ridge, B, H, kv_heads, D, Dv)
+    state = _check_state(initial_state, shapes, dtype, q.device, "initial_state")
+    g = None if g is None else g.to(dtype)
+
+    if impl in ("auto", "triton"):
+        reason = _triton_unsupported(q, k, v, masked=masked, ridge=ridge, decay_form=decay_form,
+                                     decay=g)
+        if impl == "triton" and reason is not None:
+            raise ValueError(f"impl='triton' cannot run here: {reason}")
+        impl = "triton" if reason is None else "chunk"
+    if impl == "triton":
+        from mixers.hla.hla2.triton import hla2_triton
+        return hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=g, decay_form=decay_form,
+                           chunk_size=chunk_size, initial_state=state,
+                           output_final_state=output_final_state)
+
+    packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
+        if state is None else pack(state, form, normalize, ridge)
+    if g is not None and kv_heads == 1:
+        g = g[:1]  # uniform (checked above); keeps the shared S at one head
+    kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g, packed=packed)
+    if impl != "serial":
+        kwargs.update(chunk_size=chunk_size, output_final_state=output_final_state)
+    o, packed = _FORMS[impl](q, k, v, **kwargs)
+    final = unpack(packed, form, normalize, ridge) if output_final_state else None
+    return o.to(q.dtype), final
+
+
+def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,
+              decay=None, decay_form="masked", impl="auto"):
+    """One decode step: [B, H, D] q_t, k_t and [B, H, Dv] v_t (k, v may have 1 head) ->
+    (o_t [B, H, Dv] in q_t's dtype, new_state). state=None starts from zeros."""
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must have shape [B, H, D], got {got}")
+    q, k, v = q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1)
+    B, _, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
+    check_choice("impl", impl, STEP_IMPLS)
+    check_choice("decay_form", decay_form, DECAY_FORMS)
+    _check_scalars(eps, ridge)
+    kv_heads = k.shape[2]
+    dtype = compute_dtype(q.dtype)
+    g = _check_decay(decay, H, kv_heads, q.device)
+    form = operator_form(masked, g, decay_form)
+    shapes = state_shapes(form, normalize, ridge, B, H, kv_heads, D, Dv)
+    state = _check_state(state, shapes, dtype, q.device, "state")
+    g = None if g is None else g.to(dtype)
+    packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
+        if state is None else pack(state, form, normalize, ridge)
+
+    if impl in ("auto", "triton"):
+        reason = _triton_unsupported(q, k, v, masked=masked, ridge=ridge, decay_form=decay_form,
+                                     decay=g)
+        if impl == "triton" and reason is not None:
+            raise ValueError(f"impl='triton' cannot run here: {reason}")
+        impl = "triton" if reason is None else "torch"
+    if impl == "triton":
+        from mixers.hla.hla2.triton import hla2_step_triton
+        return hla2_step_triton(q_t, k_t, v_t, unpack(packed, form, normalize, ridge),
+                                normalize=normalize, eps=eps, decay=g, decay_form=decay_form)
+
+    if g is not None and kv_heads == 1:
+        g = g[:1]
+    v_in = with_ones(v_t.to(dtype)) if normalize else v_t.to(dtype)
+    out, packed = step_packed(packed, q_t.to(dtype), k_t.to(dtype), v_in, form=form, ridge=ridge,
+                              g=g)
+    return finish(out, normalize, eps).to(q_t.dtype), unpack(packed, form, normalize, ridge)
+
+
+def hla2_state_bytes(state: dict) -> int:
+    """Bytes held by a state dict."""
+    return sum(x.numel() * x.element_size() for x in state.values())
+
+
+def hla2_flops(batch, seq_len, heads, head_dim, value_dim, chunk_size=64, mode="fwd") -> float:
+    """FLOPs (2 per multiply-add) of the masked, undecayed chunk form's matmuls.
+
+    Per chunk of c tokens and head (d = head_dim, e = value_dim): intra-chunk P = Q K^T (c^2 d),
+    (P*L) Wd^T (c^3), its product with V (c^2 e); state terms K^T K (c d^2), Wd^T V and K^T of
+    it (c^2 e + c d e), Q^T V (c d e), S0 (Q^T V) (d^2 e); carried read-out Q A0 (c d e),
+    Q S0 (c d^2), (Q S0) Q^T (c^2 d) and its product with V (c^2 e). mode "fwdbwd" counts the
+    backward as twice the forward (3x); "decode" counts seq_len single-token steps
+    (k k^T, S q: d^2 each; (S q) v^T, q^T A: d e each).
+    """
+    check_choice("mode", mode, ("fwd", "fwdbwd", "decode"))
+    c, d, e = chunk_size, head_dim, value_dim
+    if mode == "decode":
+        return 2.0 * batch * heads * seq_len * (2 * d * d + 2 * d * e)
+    per_chunk = 2 * c * c * d + c ** 3 + 3 * c * c * e + 2 * c * d * d + 3 * c * d * e + d * d * e
+    fwd = 2.0 * batch * heads * math.ceil(seq_len / c) * per_chunk
+    return 3 * fwd if mode == "fwdbwd" else fwd

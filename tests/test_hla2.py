@@ -1,0 +1,265 @@
+"""hla2: every impl against the explicit sums, state continuation, decode steps, gradients,
+input errors. All on CPU, float64 unless a test is about low precision."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mixers.hla import hla2, hla2_step
+from mixers.hla.hla2 import hla2_flops, hla2_naive, hla2_state_bytes
+
+B, H, D, DV = 2, 2, 4, 5
+PER_HEAD = "per-head"
+
+
+def make_inputs(T, *, kv_heads=H, dtype=torch.float64, seed=0, d=D, dv=DV, positive=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, T, kv_heads, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, kv_heads, dv, generator=gen, dtype=torch.float64)
+    if positive:
+        q, k = q.abs(), k.abs()
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def decay_value(kind, kv_heads):
+    """None, a float, or a per-head tensor (uniform under multi-query, where S is shared)."""
+    if kind == PER_HEAD:
+        return torch.tensor([0.85, 0.85] if kv_heads == 1 else [0.7, 0.95], dtype=torch.float64)
+    return kind
+
+
+def one_decay_if_shared(opts, kv_heads):
+    """Multi-query shares S, so every head must decay alike."""
+    if kv_heads == 1 and isinstance(opts.get("decay"), torch.Tensor):
+        return dict(opts, decay=opts["decay"][:1].expand(H))
+    return opts
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def state_err(a, b):
+    assert set(a) == set(b)
+    return max(rel_err(a[key], b[key]) for key in a)
+
+
+OPTIONS = list(itertools.product([True, False], [False, True], [0.0, 0.3], [None, 0.8, PER_HEAD],
+                                 ["masked", "paper"], [H, 1]))
+
+
+@pytest.mark.parametrize("masked,normalize,ridge,decay,decay_form,kv_heads", OPTIONS)
+def test_every_impl_matches_explicit_sums(masked, normalize, ridge, decay, decay_form, kv_heads):
+    q, k, v = make_inputs(13, kv_heads=kv_heads)
+    opts = dict(masked=masked, normalize=normalize, ridge=ridge,
+                decay=decay_value(decay, kv_heads), decay_form=decay_form)
+    ref = hla2_naive(q, k, v, **opts)
+    o_serial, s_serial = hla2(q, k, v, impl="serial", output_final_state=True, **opts)
+    assert rel_err(o_serial, ref) < 1e-10
+    assert s_serial["S"].shape[1] == kv_heads
+    for impl, chunk_size in [("scan", 1), ("scan", 5), ("chunk", 1), ("chunk", 4), ("chunk", 5),
+                             ("chunk", 13), ("chunk", 64)]:
+        o, state = hla2(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True, **opts)
+        assert o.dtype == q.dtype
+        assert rel_err(o, ref) < 1e-10, (impl, chunk_size)
+        assert state_err(state, s_serial) < 1e-10, (impl, chunk_size)
+
+
+@pytest.mark.parametrize("T,chunk_size", [(37, 8), (32, 8), (37, 37), (2, 16)])
+@pytest.mark.parametrize("decay_form", ["masked", "paper"])
+def test_longer_sequences_and_dims(T, chunk_size, decay_form):
+    q, k, v = make_inputs(T, d=8, dv=3, seed=1)
+    opts = dict(decay=torch.tensor([0.9, 0.75], dtype=torch.float64), decay_form=decay_form,
+                ridge=0.1, normalize=True)
+    ref = hla2_naive(q, k, v, **opts)
+    _, s_serial = hla2(q, k, v, impl="serial", output_final_state=True, **opts)
+    for impl in ("scan", "chunk"):
+        o, state = hla2(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True, **opts)
+        assert rel_err(o, ref) < 1e-10
+        assert state_err(state, s_serial) < 1e-10
+
+
+def test_paper_and_masked_decay_differ_below_one_and_agree_at_one():
+    q, k, v = make_inputs(16)
+    o_masked, _ = hla2(q, k, v, decay=0.8, decay_form="masked", impl="chunk", chunk_size=4)
+    o_paper, s_paper = hla2(q, k, v, decay=0.8, decay_form="paper", impl="chunk", chunk_size=4,
+                            output_final_state=True)
+    assert rel_err(o_paper, o_masked) > 0.05
+    assert set(s_paper) == {"S", "C", "G"}
+    o_masked, _ = hla2(q, k, v, decay=1.0, decay_form="masked", impl="chunk", chunk_size=4)
+    o_paper, _ = hla2(q, k, v, decay=1.0, decay_form="paper", impl="chunk", chunk_size=4)
+    o_plain, _ = hla2(q, k, v, impl="chunk", chunk_size=4)
+    assert rel_err(o_paper, o_masked) < 1e-12 and rel_err(o_plain, o_masked) < 1e-12
+
+
+@pytest.mark.parametrize("decay_form,masked", [("masked", True), ("paper", True), ("masked", False)])
+def test_float32_forms_agree(decay_form, masked):
+    q, k, v = make_inputs(33, dtype=torch.float32, d=8, dv=8)
+    opts = dict(masked=masked, decay=0.9, decay_form=decay_form, ridge=0.2,
+                output_final_state=True)
+    o_serial, s_serial = hla2(q, k, v, impl="serial", **opts)
+    assert o_serial.dtype == torch.float32 and s_serial["S"].dtype == torch.float32
+    for impl in ("scan", "chunk"):
+        o, state = hla2(q, k, v, impl=impl, chunk_size=8, **opts)
+        assert rel_err(o, o_serial) < 1e-4 and state_err(state, s_serial) < 1e-4
+
+
+@pytest.mark.parametrize("decay", [None, 0.9])
+def test_bf16_chunk_accumulates_in_float32(decay):
+    q, k, v = make_inputs(40, dtype=torch.bfloat16, d=8, dv=8)
+    o, state = hla2(q, k, v, decay=decay, impl="chunk", chunk_size=16, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and state["A"].dtype == torch.float32
+    assert rel_err(o, hla2_naive(q, k, v, decay=decay)) < 2e-2
+
+
+CONTINUATION_OPTIONS = [
+    dict(),
+    dict(decay=0.85, normalize=True),
+    dict(decay=torch.tensor([0.8, 0.95]), decay_form="paper", ridge=0.2, normalize=True),
+    dict(masked=False, decay=0.9, ridge=0.1),
+    dict(ridge=0.3, decay=0.7),
+]
+
+
+@pytest.mark.parametrize("opts", CONTINUATION_OPTIONS)
+@pytest.mark.parametrize("impl", ["serial", "scan", "chunk"])
+def test_split_sequence_continues_from_state(opts, impl):
+    q, k, v = make_inputs(23)
+    o_full, s_full = hla2(q, k, v, impl=impl, chunk_size=4, output_final_state=True, **opts)
+    for split in (1, 7, 8, 20):
+        o1, s1 = hla2(q[:, :split], k[:, :split], v[:, :split], impl=impl, chunk_size=4,
+                      output_final_state=True, **opts)
+        o2, s2 = hla2(q[:, split:], k[:, split:], v[:, split:], impl=impl, chunk_size=4,
+                      initial_state=s1, output_final_state=True, **opts)
+        assert rel_err(torch.cat([o1, o2], 1), o_full) < 1e-12
+        assert state_err(s2, s_full) < 1e-12
+
+
+@pytest.mark.parametrize("opts", CONTINUATION_OPTIONS)
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_prefill_then_steps_equals_one_call(opts, kv_heads):
+    opts = one_decay_if_shared(opts, kv_heads)
+    q, k, v = make_inputs(12, kv_heads=kv_heads)
+    o_full, s_full = hla2(q, k, v, impl="chunk", chunk_size=4, output_final_state=True, **opts)
+    _, state = hla2(q[:, :5], k[:, :5], v[:, :5], impl="chunk", output_final_state=True, **opts)
+    for t in range(5, 12):
+        o_t, state = hla2_step(q[:, t], k[:, t], v[:, t], state, **opts)
+        assert rel_err(o_t, o_full[:, t]) < 1e-12
+    assert state_err(state, s_full) < 1e-12
+    o_0, _ = hla2_step(q[:, 0], k[:, 0], v[:, 0], None, impl="torch", **opts)
+    assert rel_err(o_0, o_full[:, 0]) < 1e-12
+
+
+GRAD_OPTIONS = [
+    dict(),
+    dict(decay=torch.tensor([0.8, 0.9], dtype=torch.float64), ridge=0.2),
+    dict(decay=0.7, decay_form="paper"),
+    dict(masked=False, decay=0.9),
+]
+
+
+def _with_state(impl, opts, shapes_from):
+    """Loss inputs (q, k, v, *initial state) -> outputs incl. the final state, for gradcheck."""
+    keys = sorted(shapes_from)
+
+    def fn(q, k, v, *state):
+        o, final = hla2(q, k, v, impl=impl, chunk_size=2, output_final_state=True,
+                        initial_state=dict(zip(keys, state)), **opts)
+        return (o,) + tuple(final[key] for key in keys)
+    return fn, keys
+
+
+@pytest.mark.parametrize("opts", GRAD_OPTIONS)
+@pytest.mark.parametrize("impl", ["chunk", "serial"])
+def test_gradcheck(opts, impl):
+    q, k, v = (x[:1, :5, :, :3].clone() for x in make_inputs(5, seed=2))
+    v = v[..., :2].clone()
+    _, prefix = hla2(q, k, v, impl="serial", output_final_state=True, **opts)
+    fn, keys = _with_state(impl, opts, prefix)
+    inputs = [x.requires_grad_() for x in (q, k, v, *(prefix[key].clone() for key in keys))]
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_gradcheck_normalized_chunk():
+    q, k, v = (x[:1, :5, :, :3].clone() for x in make_inputs(5, seed=3, positive=True))
+    opts = dict(normalize=True, decay=0.9)
+    inputs = [x.requires_grad_() for x in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: hla2(*x, impl="chunk", chunk_size=2, **opts)[0],
+                                    inputs)
+
+
+@pytest.mark.parametrize("opts", GRAD_OPTIONS + [dict(normalize=True, decay=0.9, ridge=0.1)])
+@pytest.mark.parametrize("kv_heads", [H, 1])
+def test_chunk_gradients_equal_serial_gradients(opts, kv_heads):
+    opts = one_decay_if_shared(opts, kv_heads)
+    q, k, v = make_inputs(11, kv_heads=kv_heads, seed=4, positive=True)
+    weights = torch.randn(B, 11, H, DV, generator=torch.Generator().manual_seed(5),
+                          dtype=torch.float64)
+    grads = {}
+    for impl in ("serial", "chunk"):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, final = hla2(*inputs, impl=impl, chunk_size=4, output_final_state=True, **opts)
+        ((o * weights).sum() + sum(x.sum() for x in final.values())).backward()
+        grads[impl] = [x.grad for x in inputs]
+    for g_chunk, g_serial in zip(grads["chunk"], grads["serial"]):
+        assert rel_err(g_chunk, g_serial) < 1e-10
+
+
+def _error_cases():
+    q, k, v = make_inputs(6)
+    good = dict(q=q, k=k, v=v)
+    state = hla2(q, k, v, output_final_state=True)[1]
+    return [
+        (dict(good, q=q[0]), {}, "q must have shape"),
+        (dict(good, k=k[:, :5]), {}, "batch and length"),
+        (dict(good, k=k[:1]), {}, "batch and length"),
+        (dict(good, k=k[..., :3]), {}, "k must have the head dim"),
+        (dict(good, v=v.float()), {}, "share a dtype"),
+        (good, dict(decay=0.0), "decay must lie in"),
+        (good, dict(decay=1.5), "decay must lie in"),
+        (good, dict(decay=torch.tensor([0.9, 0.9, 0.9])), "decay must be a float or a per-head"),
+        (good, dict(impl="cuda"), "impl must be one of"),
+        (good, dict(decay_form="gla"), "decay_form must be one of"),
+        (good, dict(chunk_size=0), "chunk_size"),
+        (good, dict(chunk_size=2.5), "chunk_size"),
+        (good, dict(eps=0.0), "eps"),
+        (good, dict(ridge=-1.0), "ridge"),
+        (good, dict(initial_state={"S": state["S"]}), r"initial_state must be a dict with keys"),
+        (good, dict(initial_state=state, normalize=True), r"initial_state must be a dict with keys"),
+        (good, dict(initial_state=dict(state, A=state["A"][..., :2])), r"initial_state\['A'\]"),
+        (good, dict(impl="triton"), "impl='triton'"),
+        (dict(good, k=k[:, :, :1], v=v[:, :, :1]), dict(decay=torch.tensor([0.9, 0.8])),
+         "decay must be the same for every head"),
+    ]
+
+
+@pytest.mark.parametrize("tensors,opts,message", _error_cases())
+def test_bad_arguments_raise(tensors, opts, message):
+    with pytest.raises(ValueError, match=message):
+        hla2(tensors["q"], tensors["k"], tensors["v"], **opts)
+
+
+def test_step_bad_arguments_raise():
+    q, k, v = (x[:, 0] for x in make_inputs(1))
+    with pytest.raises(ValueError, match="q_t must have shape"):
+        hla2_step(q[0], k, v)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        hla2_step(q, k, v, impl="chunk")
+    with pytest.raises(ValueError, match=r"state\['S'\] must have shape"):
+        hla2_step(q, k, v, {"S": torch.zeros(B, H, 3, 3), "A": torch.zeros(B, H, D, DV)})
+    with pytest.raises(ValueError, match="impl='triton'"):
+        hla2_step(q, k, v, impl="triton")
+
+
+def test_state_bytes_and_flops():
+    q, k, v = make_inputs(3, kv_heads=1)
+    _, state = hla2(q, k, v, normalize=True, output_final_state=True)
+    assert hla2_state_bytes(state) == 8 * (B * D * D + B * H * D * DV + B * H * D)
+    fwd = hla2_flops(1, 128, 1, 64, 64, chunk_size=64)
+    assert fwd == 2 * 2 * 12 * 64 ** 3  # two chunks of twelve 64^3 products
+    assert hla2_flops(1, 128, 1, 64, 64, mode="fwdbwd") == 3 * fwd
+    assert hla2_flops(2, 10, 3, 4, 5, mode="decode") == 2 * 2 * 10 * 3 * (2 * 16 + 2 * 20)
