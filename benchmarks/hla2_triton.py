@@ -1,0 +1,172 @@
+"""Focused GPU benchmark of the hla2 Triton kernels (masked, no decay).
+
+    python benchmarks/hla2_triton.py [results.yaml] [--budget-s 150]
+
+1. Correctness on random data against a float64 reference (the one-chunk form of spec §4,
+   differentiated by torch autograd): outputs, final states and q/k/v gradients.
+2. Timings (triton.testing.do_bench, median ms) of forward and forward+backward in bf16 with
+   B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
+   PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
+   imports; with the peak memory of one forward+backward.
+Every failure is printed and the script goes on; it stops timing new rows once the time
+budget is spent, so it finishes in under 3 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+import torch
+import yaml
+
+TOKENS, HEADS = 65536, 16
+SEQ_LENS = (2048, 8192, 32768, 65536)
+HEAD_DIMS = (64, 128)
+
+
+def reference(q, k, v, s0=None, a0=None):
+    """Masked hla2 in float64 as one chunk (spec §4): (o, S1, A1)."""
+    q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))  # [B, H, T, .]
+    T = q.shape[2]
+    L = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    W = (q @ k.transpose(-1, -2)).masked_fill(~L, 0)
+    M = W @ W.transpose(-1, -2)
+    S0 = torch.zeros_like(q[..., :1, :].transpose(-1, -2) @ q[..., :1, :]) if s0 is None else s0
+    A0 = torch.zeros_like(q[..., :1, :].transpose(-1, -2) @ v[..., :1, :]) if a0 is None else a0
+    M = (M + (q @ S0) @ q.transpose(-1, -2)).masked_fill(~L, 0)
+    o = q @ A0 + M @ v
+    S1 = S0 + k.transpose(-1, -2) @ k
+    A1 = A0 + S0 @ (q.transpose(-1, -2) @ v) + k.transpose(-1, -2) @ (W.transpose(-1, -2) @ v)
+    return o.transpose(1, 2), S1, A1
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check_correctness(results):
+    from mixers.hla.hla2.triton import hla2_triton
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for D in HEAD_DIMS:
+            name = f"{str(dtype).split('.')[-1]} D={D}"
+            try:
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                B, T, H = 2, 1000, 4
+                q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen) * D ** -0.5
+                           for _ in range(3))
+                q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+                o, st = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None,
+                                    decay_form="masked", chunk_size=64, initial_state=None,
+                                    output_final_state=True)
+                ro, rS, rA = reference(q, k, v)
+                w = torch.randn_like(ro)
+                errs = {"o": rel(o, ro), "S": rel(st["S"], rS), "A": rel(st["A"], rA)}
+                got = torch.autograd.grad((o.double() * w).sum() + st["A"].double().sum(),
+                                          (q, k, v))
+                want = torch.autograd.grad((ro * w).sum() + rA.sum(), (q, k, v))
+                errs.update({f"d{n}": rel(a, b) for n, a, b in zip("qkv", got, want)})
+                tol = 1e-4 if dtype == torch.float32 else 3e-2
+                ok = all(e < tol for e in errs.values())
+                print(f"correctness {name}: {'OK' if ok else 'FAIL'} "
+                      + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+                results["correctness"][name] = {"ok": ok, **errs}
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                traceback.print_exc()
+                results["correctness"][name] = {"error": repr(exc)}
+
+
+def implementations():
+    from mixers.hla.hla2.triton import hla2_triton
+
+    impls = {"triton": lambda q, k, v: hla2_triton(
+        q, k, v, normalize=False, eps=1e-6, decay=None, decay_form="masked", chunk_size=64,
+        initial_state=None, output_final_state=False)[0]}
+    try:
+        from mixers.hla import hla2
+
+        impls["torch-chunk"] = lambda q, k, v: hla2(q, k, v, impl="chunk", chunk_size=64)[0]
+    except Exception as exc:  # noqa: BLE001
+        print(f"torch chunk form unavailable: {exc!r}")
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        impls["fla-linear-attn"] = lambda q, k, v: chunk_linear_attn(
+            q=q, k=k, v=v, scale=1.0, normalize=False)[0]
+    except Exception as exc:  # noqa: BLE001
+        print(f"fla chunk_linear_attn unavailable: {exc!r}")
+    return impls
+
+
+def time_one(fn, q, k, v):
+    from triton.testing import do_bench
+
+    out = {}
+    with torch.no_grad():
+        out["fwd_ms"] = do_bench(lambda: fn(q, k, v), warmup=10, rep=50, return_mode="median")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    do = torch.randn_like(v)
+
+    def fwd_bwd():
+        o = fn(qg, kg, vg)
+        torch.autograd.grad(o, (qg, kg, vg), do)
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    out["fwd_bwd_ms"] = do_bench(fwd_bwd, warmup=10, rep=50, return_mode="median")
+    return out
+
+
+def run_timings(results, deadline):
+    impls = implementations()
+    for D in HEAD_DIMS:
+        for T in SEQ_LENS:
+            B = TOKENS // T
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, T, HEADS, D, device="cuda", generator=gen,
+                                   dtype=torch.bfloat16) * D ** -0.5 for _ in range(3))
+            for name, fn in impls.items():
+                key = f"D={D} T={T} {name}"
+                if time.time() > deadline:
+                    print(f"{key}: skipped (time budget spent)")
+                    results["timings"][key] = {"skipped": "time budget"}
+                    continue
+                try:
+                    row = time_one(fn, q, k, v)
+                    results["timings"][key] = row
+                    print(f"{key:32s} fwd {row['fwd_ms']:8.3f} ms  fwd+bwd "
+                          f"{row['fwd_bwd_ms']:8.3f} ms  peak {row['peak_mib']:8.0f} MiB")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{key}: FAILED {exc!r}")
+                    results["timings"][key] = {"error": repr(exc)}
+                torch.cuda.empty_cache()
+            del q, k, v
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("output", nargs="?", default="hla2_triton_bench.yaml",
+                        help="YAML file for the results")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="stop starting new timings after this many seconds")
+    args = parser.parse_args()
+    start = time.time()
+    results = {"device": torch.cuda.get_device_name(), "tokens": TOKENS, "heads": HEADS,
+               "dtype": "bfloat16", "correctness": {}, "timings": {}}
+    check_correctness(results)
+    run_timings(results, start + args.budget_s)
+    results["wall_s"] = round(time.time() - start, 1)
+    with open(args.output, "w") as f:
+        yaml.safe_dump(results, f, sort_keys=False)
+    print(f"wrote {args.output} ({results['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
