@@ -182,11 +182,17 @@ def _load() -> None:
     _loaded = True
     importlib.import_module("mixers.builtin")
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        loaded = entry_point.load()
+        where = f"{ENTRY_POINT_GROUP} plugin {entry_point.name!r} ({entry_point.value})"
+        try:
+            loaded = entry_point.load()
+        except Exception as error:
+            raise ImportError(f"{where} failed to load: {error}") from error
         items = loaded() if callable(loaded) and not isinstance(loaded, Mixer) else loaded
         for item in items if isinstance(items, (list, tuple)) else [items]:
             if isinstance(item, Mixer):
                 register(item, replace=True)
+            elif item is not None:
+                raise TypeError(f"{where} gave {type(item).__name__}, expected Mixer")
 
 
 def get(name: str) -> Mixer:

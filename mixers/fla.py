@@ -11,6 +11,7 @@ Nothing here catches fla's errors: the sweep runner records them.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -25,8 +26,10 @@ from mixers.linear_attn import linear_attn_flops
 LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4}
 
 
+@functools.lru_cache(maxsize=64)
 def head_log_decay(heads: int, device) -> torch.Tensor:
-    """Per-head log decay, from log(1 - 1/32) (fast) to log(1 - 1/512) (slow)."""
+    """Per-head log decay, from log(1 - 1/32) (fast) to log(1 - 1/512) (slow); cached and
+    read-only."""
     exponents = torch.linspace(5.0, 9.0, heads, dtype=torch.float64)
     return torch.log1p(-torch.pow(2.0, -exponents)).to(device=device, dtype=torch.float32)
 
@@ -112,8 +115,14 @@ def fla_entry(name: str, kernel: FlaKernel, description: str, options: dict,
         return MixerLayer(d_model, n_heads, build_op(**opts), qk_norm=opts["qk_norm"],
                           short_conv=opts["short_conv"])
 
+    def build_decoder(**opts):
+        if opts.get("normalize"):
+            raise ValueError("fla's normalize divides by the key sum of the current call "
+                             "only, so it cannot stream; use linear-attn with normalize=True")
+        return FlaDecoder(kernel, opts)
+
     return Mixer(name=name, family="fla", description=description, build_op=build_op,
-                 build_layer=build_layer, build_decoder=lambda **opts: FlaDecoder(kernel, opts),
+                 build_layer=build_layer, build_decoder=build_decoder,
                  options={"scale": None, **options, **LAYER_OPTIONS}, forms=("chunk", "triton"),
                  requires=("fla", "cuda"), flops=flops)
 

@@ -131,3 +131,17 @@ def test_hla_flops_come_from_the_operator_modules(name):
     assert short > 0
     assert mixer.model_flops(1, 4096, 2, 64, 64, "fwd") == pytest.approx(4 * short, rel=0.05)
     assert mixer.model_flops(1, 1024, 2, 64, 64, "fwdbwd") > short
+
+
+def test_a_plugin_giving_a_non_mixer_is_an_error(monkeypatch):
+    class FakeEntryPoint:
+        name, value = "junk", "junk_module:mixers"
+
+        def load(self):
+            return lambda: ["not a mixer"]
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()])
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(TypeError, match="plugin 'junk'.*gave str, expected Mixer"):
+        all_mixers()

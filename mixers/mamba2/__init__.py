@@ -9,6 +9,7 @@ its input. State: {"h": [B, H, N, P]} (N = state size = head_dim of q/k, P = val
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -22,9 +23,11 @@ from mixers.mamba2.naive import expand_groups, ssd_naive, ssd_step
 IMPLS = ("auto", "naive", "chunk", "triton")
 
 
+@functools.lru_cache(maxsize=64)
 def ssd_parameters(heads: int, seed: int = 0, device=None, dtype=torch.float32):
     """Per-head (dt, A) as Mamba-2 initialises them: dt log-uniform in [1e-3, 0.1],
-    A uniform in [-16, -1]. Seeded, so the op and its decoder agree."""
+    A uniform in [-16, -1]. Seeded, so the op and its decoder agree; cached, so decode steps
+    do not pay a host-to-device copy. Treat the returned tensors as read-only."""
     generator = torch.Generator().manual_seed(seed)
     log_dt = torch.rand(heads, generator=generator, dtype=torch.float64)
     dt = torch.exp(log_dt * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
