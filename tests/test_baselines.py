@@ -1,6 +1,7 @@
 """Baseline ops against float64 references; every layer and decoder through the registry."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -212,3 +213,68 @@ def test_sdpa_decoder_state_grows_with_context():
     for _ in range(6):  # past the reserve: the cache reallocates
         o, small = decoder.step(*(torch.randn(1, 2, 8) for _ in range(3)), small)
     assert small.length == 16 and o.shape == (1, 2, 8)
+
+
+# --- fla adapters, against a stand-in fla with fla's keyword signatures ------------------
+
+def reference_gated_delta(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                          output_final_state=False):
+    """Serial decayed linear attention / delta rule on [B, T, H, *] (fla's layout)."""
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state
+    outputs = []
+    for t in range(T):
+        if g is not None:
+            S = S * g[:, t].exp()[..., None, None]
+        update = v[:, t]
+        if beta is not None:
+            update = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * update[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S))
+    return torch.stack(outputs, 1), (S if output_final_state else None)
+
+
+@pytest.fixture
+def stand_in_fla(monkeypatch):
+    import types
+
+    def simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                   output_final_state=False, cu_seqlens=None):
+        assert g.shape == q.shape[:3]
+        return reference_gated_delta(q, k, v, g.to(q.dtype), None, scale, initial_state,
+                                     output_final_state)
+
+    def delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                   cu_seqlens=None):
+        torch.testing.assert_close(k.norm(dim=-1), torch.ones_like(k[..., 0]))
+        return reference_gated_delta(q, k, v, None, beta, scale, initial_state,
+                                     output_final_state)
+
+    modules = {"fla": {}, "fla.ops": {},
+               "fla.ops.simple_gla": {"chunk_simple_gla": simple_gla,
+                                      "fused_recurrent_simple_gla": simple_gla},
+               "fla.ops.delta_rule": {"chunk_delta_rule": delta_rule,
+                                      "fused_recurrent_delta_rule": delta_rule}}
+    for name, functions in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(functions)
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+@pytest.mark.parametrize("name", ["fla-simple-gla", "fla-delta-rule"])
+def test_fla_adapter_op_and_decoder_agree(stand_in_fla, name):
+    from mixers.fla import head_log_decay
+
+    mixer = get(name)
+    options = mixer.resolve_options({})
+    op, decoder = mixer.build_op(**options), mixer.build_decoder(**options)
+    q, k, v = qkv(T=9)
+    full, _ = op(q, k, v)
+    _, state = op(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
+    o_t, new_state = decoder.step(q[:, -1], k[:, -1], v[:, -1], state)
+    torch.testing.assert_close(o_t, full[:, -1])
+    assert set(new_state) == {"S"} and new_state["S"].shape == (2, 3, 8, 6)
+    if name == "fla-simple-gla":
+        g = head_log_decay(3, q.device).to(q.dtype).expand(2, 9, 3)
+        torch.testing.assert_close(full, reference_gated_delta(q, k, v, g)[0])

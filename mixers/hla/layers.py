@@ -41,9 +41,10 @@ def _op_options(options: dict) -> dict:
 class HLADecoder:
     """Streaming decode through an HLA `*_step`; the state has a fixed size for any context."""
 
-    def __init__(self, step_fn, options: dict):
+    def __init__(self, step_fn, options: dict, state_bytes_fn=None):
         self.step_fn = step_fn
         self.options = _accepted(step_fn, options)
+        self.state_bytes_fn = state_bytes_fn or state_nbytes
 
     def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
         """Random tensors with the keys and shapes the step keeps (context_len is irrelevant:
@@ -57,7 +58,7 @@ class HLADecoder:
         return self.step_fn(q, k, v, state, **self.options)
 
     def state_bytes(self, state):
-        return state_nbytes(state)
+        return int(self.state_bytes_fn(state))
 
 
 def _flops_fn(module: str, name: str):
@@ -92,7 +93,8 @@ def hla_entry(name: str, module: str, op_name: str, description: str, options: d
 
     def build_decoder(**opts):
         step = _operator(module, op_name + "_step")
-        return HLADecoder(step, {**bound, **_op_options(opts)})
+        state_bytes = getattr(importlib.import_module(module), op_name + "_state_bytes", None)
+        return HLADecoder(step, {**bound, **_op_options(opts)}, state_bytes)
 
     return Mixer(name=name, family="hla", description=description, build_op=build_op,
                  build_layer=build_layer, build_decoder=build_decoder,
