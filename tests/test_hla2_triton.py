@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from mixers.hla.hla2.triton import hla2_triton, triton_unsupported_reason
+from mixers.hla.hla2.triton import hla2_step_triton, hla2_triton, triton_unsupported_reason
 
 RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -125,9 +125,9 @@ def test_initial_state_continues_the_sequence():
               output_final_state=True)
     first, mid = hla2_triton(q[:, :23], k[:, :23], v[:, :23], initial_state=None, **kw)
     second, last = hla2_triton(q[:, 23:], k[:, 23:], v[:, 23:], initial_state=mid, **kw)
-    assert rel(torch.cat([first, second], 1), full) < 1e-5
+    assert rel(torch.cat([first, second], 1), full) < 1e-4
     for key in full_state:
-        assert rel(last[key], full_state[key]) < 1e-5
+        assert rel(last[key], full_state[key]) < 1e-4
 
 
 def test_no_final_state_unless_asked():
@@ -170,3 +170,34 @@ def test_unsupported_reasons():
         hla2_triton(q, k[:, :, :1], v[:, :, :1], normalize=False, eps=1e-6, decay=None,
                     decay_form="masked", chunk_size=16, initial_state=None,
                     output_final_state=False)
+
+
+@pytest.mark.parametrize("normalize, decay", [(False, None), (True, None),
+                                              (False, "per-head"), (True, "per-head")])
+def test_decode_step_matches_reference(normalize, decay):
+    B, T, H, D, Dv = 2, 9, 2, 16, 64
+    q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=9))
+    g = None if decay is None else torch.tensor([0.9, 0.75], device=DEVICE)
+    state = {key: x.detach().clone() for key, x in random_state(B, H, D, Dv, normalize).items()}
+    ref_o, ref_state = reference(q, k, v, state, decay=g, normalize=normalize, eps=1e-3)
+    tensors = dict(state)
+    outs = []
+    for t in range(T):
+        o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, normalize=normalize,
+                                      eps=1e-3, decay=g, decay_form="masked")
+        outs.append(o_t)
+    assert all(state[key] is tensors[key] for key in state)  # updated in place
+    assert rel(torch.stack(outs, 1), ref_o) < 1e-4
+    for key in ref_state:
+        assert rel(state[key], ref_state[key]) < 1e-4, key
+
+
+def test_decode_step_continues_the_chunked_op():
+    q, k, v = (x.detach() for x in make_inputs(1, 33, 2, 32, 32, torch.float32, seed=10))
+    kw = dict(normalize=False, eps=1e-6, decay=None, decay_form="masked")
+    full, _ = hla2_triton(q, k, v, chunk_size=16, initial_state=None, output_final_state=False,
+                          **kw)
+    _, state = hla2_triton(q[:, :32], k[:, :32], v[:, :32], chunk_size=16, initial_state=None,
+                           output_final_state=True, **kw)
+    o_last, _ = hla2_step_triton(q[:, 32], k[:, 32], v[:, 32], state, **kw)
+    assert rel(o_last, full[:, 32]) < 1e-4

@@ -24,14 +24,18 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
-    """None when the Triton kernels can run these inputs and options, else why not."""
+def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay,
+                              step=False) -> str | None:
+    """None when the Triton kernels can run these inputs and options, else why not
+    (step=True asks about the decode step kernel)."""
     if not masked:
         return "the Triton kernels implement masked hla2 only (masked=False)"
     if ridge != 0:
         return "the Triton kernels do not implement ridge != 0"
-    if decay is not None:
-        return f"the Triton kernels do not implement decay (decay_form={decay_form!r}) yet"
+    if decay is not None and decay_form == "paper":
+        return "the Triton kernels do not implement decay_form='paper'"
+    if decay is not None and not step:
+        return "the Triton chunk kernels do not implement decay yet"
     if q.device.type != "cuda" and not _interpreted():
         return f"the Triton kernels need a CUDA device (got {q.device}) or TRITON_INTERPRET=1"
     if q.dtype not in DTYPES:
@@ -174,6 +178,37 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
     return o, final
 
 
+def _state_tensor(state: dict, key: str) -> torch.Tensor:
+    """The state entry as a contiguous fp32 tensor the kernel can update in place."""
+    x = state[key]
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = state[key] = x.float().contiguous()
+    return x
+
+
 def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=None,
                      decay_form="masked"):
-    raise NotImplementedError("hla2_step_triton is being written")
+    """One decode token with the fused step kernel: q_t, k_t [B, H, D], v_t [B, H, Dv] ->
+    (o_t [B, H, Dv], state). The state's fp32 tensors ("S", "A", and "a" with normalize)
+    are updated in place; state=None starts from zeros."""
+    reason = triton_unsupported_reason(q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1),
+                                       masked=True, ridge=0.0, decay_form=decay_form,
+                                       decay=decay, step=True)
+    if reason is not None:
+        raise ValueError(reason)
+    B, H, D = q_t.shape
+    DV = v_t.shape[-1]
+    if state is None:
+        state = {"S": q_t.new_zeros(B, H, D, D, dtype=torch.float32),
+                 "A": q_t.new_zeros(B, H, D, DV, dtype=torch.float32)}
+        if normalize:
+            state["a"] = q_t.new_zeros(B, H, D, dtype=torch.float32)
+    s, a = _state_tensor(state, "S"), _state_tensor(state, "A")
+    a_den = _state_tensor(state, "a") if normalize else a
+    g = a if decay is None else decay.float().contiguous()
+    o = q_t.new_empty(B, H, DV)
+    kern.decode_step_kernel[(B * H,)](
+        q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), s, a, a_den, g, o, eps, H=H,
+        D=D, DV=DV, BV=min(DV, 32), HAS_DECAY=decay is not None, NORMALIZE=normalize,
+        num_warps=4)
+    return o, state
