@@ -4,6 +4,7 @@ input errors. All on CPU, float64 unless a test is about low precision."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -263,3 +264,17 @@ def test_state_bytes_and_flops():
     assert fwd == 2 * 2 * 12 * 64 ** 3  # two chunks of twelve 64^3 products
     assert hla2_flops(1, 128, 1, 64, 64, mode="fwdbwd") == 3 * fwd
     assert hla2_flops(2, 10, 3, 4, 5, mode="decode") == 2 * 2 * 10 * 3 * (2 * 16 + 2 * 20)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_impl_is_routed_with_validated_state():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (x.to(device) for x in make_inputs(20, dtype=torch.float32, d=16, dv=16))
+    q, k = q * 0.25, k * 0.25
+    _, state = hla2(q[:, :4], k[:, :4], v[:, :4], normalize=True, impl="chunk",
+                    output_final_state=True)
+    outs = [hla2(q[:, 4:], k[:, 4:], v[:, 4:], normalize=True, impl=impl, chunk_size=16,
+                 initial_state=state, output_final_state=True) for impl in ("triton", "chunk")]
+    (o_triton, s_triton), (o_chunk, s_chunk) = outs
+    assert rel_err(o_triton, o_chunk) < 1e-4 and state_err(s_triton, s_chunk) < 1e-4

@@ -62,9 +62,7 @@ def _check_state(state, shapes: dict, dtype, device, name: str) -> dict | None:
 
 
 def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
-    """Why the Triton form cannot run these inputs, or None."""
-    if not q.is_cuda:
-        return "the Triton kernels need CUDA tensors"
+    """Why the Triton form cannot run these inputs, or None (imports the kernels lazily)."""
     try:
         from mixers.hla.hla2 import triton as kernels
     except ImportError as error:
@@ -94,12 +92,14 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     state = _check_state(initial_state, shapes, dtype, q.device, "initial_state")
     g = None if g is None else g.to(dtype)
 
-    if impl in ("auto", "triton"):
-        reason = _triton_unsupported(q, k, v, masked=masked, ridge=ridge, decay_form=decay_form,
-                                     decay=g)
-        if impl == "triton" and reason is not None:
-            raise ValueError(f"impl='triton' cannot run here: {reason}")
-        impl = "triton" if reason is None else "chunk"
+    triton_args = dict(masked=masked, ridge=ridge, decay_form=decay_form, decay=g)
+    if impl == "triton":
+        reason = _triton_unsupported(q, k, v, **triton_args)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
+    elif impl == "auto":
+        use_triton = q.is_cuda and _triton_unsupported(q, k, v, **triton_args) is None
+        impl = "triton" if use_triton else "chunk"
     if impl == "triton":
         from mixers.hla.hla2.triton import hla2_triton
         return hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=g, decay_form=decay_form,
@@ -141,12 +141,14 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
     packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
         if state is None else pack(state, form, normalize, ridge)
 
-    if impl in ("auto", "triton"):
-        reason = _triton_unsupported(q, k, v, masked=masked, ridge=ridge, decay_form=decay_form,
-                                     decay=g)
-        if impl == "triton" and reason is not None:
-            raise ValueError(f"impl='triton' cannot run here: {reason}")
-        impl = "triton" if reason is None else "torch"
+    triton_args = dict(masked=masked, ridge=ridge, decay_form=decay_form, decay=g)
+    if impl == "triton":
+        reason = _triton_unsupported(q, k, v, **triton_args)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
+    elif impl == "auto":
+        use_triton = q.is_cuda and _triton_unsupported(q, k, v, **triton_args) is None
+        impl = "triton" if use_triton else "torch"
     if impl == "triton":
         from mixers.hla.hla2.triton import hla2_step_triton
         return hla2_step_triton(q_t, k_t, v_t, unpack(packed, form, normalize, ridge),

@@ -37,46 +37,60 @@ _POWER = {"S": 1, "C": 1, "G": 1, "A": 2}
 
 
 class _Decay:
-    """Decay powers for a chunk of `length` tokens at local positions 1..length."""
+    """Decay factors for a chunk of `length` tokens at local positions 1..length.
 
-    def __init__(self, log_g: torch.Tensor, length: int):
-        self.log_g, self.length = log_g, length  # log_g: [Hg, 1, 1, 1]
-        self.pos = torch.arange(1, length + 1, dtype=log_g.dtype, device=log_g.device)
+    log_g: [Hg, 1, 1, 1] or None (no decay: every factor is 1 and is skipped, so the
+    undecayed path does no elementwise work for it)."""
+
+    def __init__(self, log_g: torch.Tensor | None, length: int, dtype, device):
+        self.log_g, self.length = log_g, length
+        self.pos = torch.arange(1, length + 1, dtype=dtype, device=device)
         diff = self.pos.view(-1, 1) - self.pos.view(1, -1)  # r - s
-        self.lower = (diff >= 0).to(log_g.dtype)
-        self.gamma = torch.exp(log_g * diff.clamp(min=0)) * self.lower
-        # g^(u-1-s) for s < u: how C_{u-1} weighs earlier tokens (paper cross term)
-        self.shifted = torch.exp(log_g * (diff - 1).clamp(min=0)) * (diff > 0)
+        self.lower = (diff >= 0).to(dtype)
+        strict = (diff > 0).to(dtype)
+        if log_g is None:
+            self.gamma, self.shifted = self.lower, strict
+        else:
+            self.gamma = torch.exp(log_g * diff.clamp(min=0)) * self.lower
+            # g^(u-1-s) for s < u: how C_{u-1} weighs earlier tokens (paper cross term)
+            self.shifted = torch.exp(log_g * (diff - 1).clamp(min=0)) * strict
 
-    def rows(self, exponent) -> torch.Tensor:
+    def rows(self, exponent) -> torch.Tensor | None:
         """[Hg, 1, L, 1]: scales row r by g^exponent[r]."""
-        return torch.exp(self.log_g * exponent.view(-1, 1))
+        return None if self.log_g is None else torch.exp(self.log_g * exponent.view(-1, 1))
 
-    def power(self, exponent: float) -> torch.Tensor:
-        return torch.exp(self.log_g * exponent)
+    def cols(self, exponent) -> torch.Tensor | None:
+        """[Hg, 1, 1, L]: scales column s by g^exponent[s]."""
+        return None if self.log_g is None else torch.exp(self.log_g * exponent.view(1, -1))
+
+    def power(self, exponent: float) -> torch.Tensor | None:
+        return None if self.log_g is None else torch.exp(self.log_g * exponent)
+
+
+def _scale(x: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    return x if factor is None else x * factor
 
 
 def _blocks(x: torch.Tensor, chunk: int) -> torch.Tensor:
     """[B, T, h, d] -> [B, h, N, chunk, d], zero-padded."""
     x = pad_to_multiple(x, chunk)
     B, T, h, d = x.shape
-    return x.view(B, T // chunk, chunk, h, d).permute(0, 3, 1, 2, 4)
+    return x.view(B, T // chunk, chunk, h, d).permute(0, 3, 1, 2, 4).contiguous()
 
 
-def _deltas(form, ridge, qc, kc, vc, P, dec) -> dict:
+def _deltas(form, ridge, qc, kc, vc, P, Wd, dec) -> dict:
     """Per-chunk contributions to the end-of-chunk states that need no carried state."""
     L, pos = dec.length, dec.pos
-    d = {"S": kc.mT @ (kc * dec.rows(L - pos))}
+    d = {"S": kc.mT @ _scale(kc, dec.rows(L - pos))}
     if form != "masked" or ridge:
-        d["C"] = qc.mT @ (vc * dec.rows(L - pos))
+        d["C"] = qc.mT @ _scale(vc, dec.rows(L - pos))
     if form == "masked":
-        Wd = P * dec.gamma
-        d["X"] = qc.mT @ (vc * dec.rows(2 * L - pos))
-        d["A"] = kc.mT @ (Wd.mT @ (vc * dec.rows(2 * (L - pos))))
+        d["X"] = qc.mT @ _scale(vc, dec.rows(2 * L - pos))
+        d["A"] = kc.mT @ (Wd.mT @ _scale(vc, dec.rows(2 * (L - pos))))
     elif form == "paper":
         d["RV"] = (P.mT * dec.shifted) @ vc
         d["Kbar"] = kc.mT @ kc
-        d["G"] = kc.mT @ (d["RV"] * dec.rows(L - pos))
+        d["G"] = kc.mT @ _scale(d["RV"], dec.rows(L - pos))
     return d
 
 
@@ -85,7 +99,7 @@ def _increment(key, starts, d, dec) -> torch.Tensor:
     if key == "A":
         return starts["S"] @ d["X"] + d["A"]
     if key == "G":
-        return dec.power(dec.length - 1) * (d["Kbar"] @ starts["C"]) + d["G"]
+        return _scale(d["Kbar"] @ starts["C"], dec.power(dec.length - 1)) + d["G"]
     return d[key]
 
 
@@ -103,25 +117,25 @@ def _exclusive_scan(increments, init, log_rho):
     return x
 
 
-def _outputs(form, ridge, qc, kc, vc, P, dec, starts, d) -> torch.Tensor:
+def _outputs(form, ridge, qc, kc, vc, P, Wd, dec, starts, d) -> torch.Tensor:
     pos = dec.pos
-    Wd = P * dec.gamma
     QS0 = qc @ starts["S"]
     if form == "masked":
         gamma2 = dec.gamma ** 2
-        o = (((P * dec.lower) @ Wd.mT) * gamma2) @ vc
-        o = o + dec.rows(2 * pos) * (qc @ starts["A"])
-        o = o + ((QS0 @ qc.mT) * gamma2 * dec.rows(pos).mT) @ vc
+        W = Wd if dec.log_g is None else P * dec.lower
+        o = ((W @ Wd.mT) * gamma2) @ vc
+        o = o + _scale(qc @ starts["A"], dec.rows(2 * pos))
+        o = o + _scale((QS0 @ qc.mT) * gamma2, dec.cols(pos)) @ vc
     else:
         KC0 = kc @ starts["C"]
-        o = dec.rows(2 * pos) * (QS0 @ starts["C"])
-        o = o + dec.rows(pos) * (((QS0 @ qc.mT) * dec.gamma) @ vc + Wd @ KC0)
+        o = _scale(QS0 @ starts["C"], dec.rows(2 * pos))
+        o = o + _scale(((QS0 @ qc.mT) * dec.gamma) @ vc + Wd @ KC0, dec.rows(pos))
         o = o + ((Wd @ P.mT) * dec.gamma) @ vc
         if form == "paper":
-            o = o - dec.rows(pos) * (qc @ starts["G"]) - Wd @ d["RV"]
-            o = o - dec.rows(pos - 1) * ((P * dec.lower) @ KC0)
+            o = o - _scale(qc @ starts["G"], dec.rows(pos)) - Wd @ d["RV"]
+            o = o - _scale((P * dec.lower) @ KC0, dec.rows(pos - 1))
     if ridge:
-        o = o + ridge * (dec.rows(pos) * (qc @ starts["C"]) + ((qc @ qc.mT) * dec.gamma) @ vc)
+        o = o + ridge * (_scale(qc @ starts["C"], dec.rows(pos)) + ((qc @ qc.mT) * dec.gamma) @ vc)
     return o
 
 
@@ -137,29 +151,30 @@ def hla2_chunk(q, k, v, *, form, normalize, eps, ridge, g, packed, chunk_size,
     if T == 0:
         return q.new_zeros(B, 0, H, v.shape[-1] - int(normalize)), packed
     chunk = min(chunk_size, T)
-    log_g = torch.zeros(1, dtype=dtype, device=q.device) if g is None else g.log()
-    log_g = log_g.view(-1, 1, 1, 1)
-    dec = _Decay(log_g, chunk)
+    log_g = None if g is None else g.log().view(-1, 1, 1, 1)
+    dec = _Decay(log_g, chunk, dtype, q.device)
     qc, kc, vc = (_blocks(x, chunk) for x in (q, k, v))
     P = qc @ kc.mT
+    Wd = P * dec.gamma
 
-    d = _deltas(form, ridge, qc, kc, vc, P, dec)
+    d = _deltas(form, ridge, qc, kc, vc, P, Wd, dec)
     starts = {}
     for key in ("S",) + value_keys(form, ridge):
         log_rho = None if g is None else _POWER[key] * chunk * log_g
         starts[key] = _exclusive_scan(_increment(key, starts, d, dec), packed[key], log_rho)
 
-    o = finish(_outputs(form, ridge, qc, kc, vc, P, dec, starts, d), normalize, eps)
+    o = finish(_outputs(form, ridge, qc, kc, vc, P, Wd, dec, starts, d), normalize, eps)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, o.shape[-1])[:, :T]
 
     final = None
     if output_final_state:
         tail = T - (math.ceil(T / chunk) - 1) * chunk
         last = [x[:, :, -1:, :tail] for x in (qc, kc, vc)]
-        dec_tail = _Decay(log_g, tail)
-        d_tail = _deltas(form, ridge, *last, last[0] @ last[1].mT, dec_tail)
+        dec_tail = _Decay(log_g, tail, dtype, q.device)
+        P_tail = last[0] @ last[1].mT
+        d_tail = _deltas(form, ridge, *last, P_tail, P_tail * dec_tail.gamma, dec_tail)
         last_starts = {key: x[:, :, -1:] for key, x in starts.items()}
-        final = {key: (dec_tail.power(_POWER[key] * tail) * last_starts[key]
+        final = {key: (_scale(last_starts[key], dec_tail.power(_POWER[key] * tail))
                        + _increment(key, last_starts, d_tail, dec_tail)).squeeze(2)
                  for key in starts}
     return o, final
