@@ -1,3 +1,192 @@
-"""Placeholder: the `bench` commands are being written."""
+"""The speed commands: `hla-bench list`, `hla-bench bench` and `hla-bench run [CONFIG]`.
 
-commands = []
+Exit codes: 0 when the sweep completed (failed points are results, recorded with their
+status); 2 for usage errors (unknown mixer or option, malformed lengths, bad config);
+1 when a results file cannot be written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import hla_bench
+from hla_bench import registry
+from hla_bench import results as results_io
+from hla_bench.report import render_bench
+from hla_bench.sweeps import (MODES, MixerSpec, SweepConfig, load_config,
+                              parse_mixer_specs, parse_seq_lens, run_sweeps)
+
+CONFIG_DIR = Path(hla_bench.__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "cpu-smoke.yaml"
+
+
+def mixer_rows() -> list[dict[str, Any]]:
+    return [{"name": m.name, "family": m.family, "forms": list(m.forms),
+             "options": dict(m.options), "available": m.available,
+             "reason": m.unavailable_reason(), "description": m.description}
+            for m in registry.all_mixers()]
+
+
+@click.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def list_(as_json: bool) -> None:
+    """List the registered mixers and whether they run on this machine."""
+    rows = mixer_rows()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    table = Table(title="mixers")
+    for column in ("name", "family", "forms", "options (defaults)", "available"):
+        table.add_column(column)
+    for row in rows:
+        options = ", ".join(f"{k}={v}" for k, v in row["options"].items())
+        available = "[green]yes[/green]" if row["available"] else f"[red]no[/red]: {row['reason']}"
+        table.add_row(row["name"], row["family"], ", ".join(row["forms"]), options, available)
+    Console().print(table)
+
+
+def _check(sweeps: list[SweepConfig]) -> None:
+    """Usage errors for unknown mixers or options, before anything runs."""
+    for sweep in sweeps:
+        try:
+            sweep.check_mixers()
+        except ValueError as error:
+            raise click.UsageError(str(error)) from None
+
+
+def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
+            baseline: str | None) -> dict[str, Any]:
+    """Run the sweeps with a progress bar, save the results file, print tables or data."""
+    _check(sweeps)
+    errors = Console(stderr=True)
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=errors, transient=True) as progress:
+        task = progress.add_task("sweep", total=None)
+
+        def on_point(index: int, total: int, point) -> None:
+            progress.update(task, completed=index, total=total, description=point.describe())
+
+        points = run_sweeps(sweeps, on_point)
+        progress.update(task, completed=len(points))
+    devices = sorted({s.resolved_device() for s in sweeps})
+    data = results_io.make_results(config, [s.to_dict() for s in sweeps], points,
+                                   results_io.capture_environment(",".join(devices)))
+    data["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
+    path = Path(out) if out else results_io.default_path()
+    try:
+        results_io.save(data, path)
+    except OSError as error:
+        raise click.ClickException(f"cannot write {path}: {error}")
+    if output_format == "json":
+        click.echo(json.dumps(data, indent=2, default=str))
+    elif output_format == "yaml":
+        click.echo(yaml.safe_dump(data, sort_keys=False))
+    else:
+        console = Console()
+        render_bench(data, console, ("time", "memory"), baseline)
+        console.print(f"{len(points)} points in {data['environment']['wall_s']:.1f} s; "
+                      f"results written to {path}")
+    if output_format != "table":
+        errors.print(f"results written to {path}")
+    return data
+
+
+def _output_format(as_json: bool, as_yaml: bool) -> str:
+    if as_json and as_yaml:
+        raise click.UsageError("give --json or --yaml, not both")
+    return "json" if as_json else "yaml" if as_yaml else "table"
+
+
+output_options = [
+    click.option("--out", type=click.Path(dir_okay=False),
+                 help="Results file (default results/<UTC timestamp>-<host>.yaml)."),
+    click.option("--json", "as_json", is_flag=True, help="Print the results as JSON, not tables."),
+    click.option("--yaml", "as_yaml", is_flag=True, help="Print the results as YAML, not tables."),
+    click.option("--baseline", help="Mixer label whose ratios the tables show."),
+]
+
+
+def with_output_options(command):
+    for option in reversed(output_options):
+        command = option(command)
+    return command
+
+
+@click.command()
+@click.option("--mixers", required=True,
+              help="Comma-separated NAME[:key=value...] specs; label= names a variant, "
+                   "e.g. hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn")
+@click.option("--seq-lens", default="1k,4k", show_default=True, help="e.g. 1k,4k,16k,64k")
+@click.option("--batch", type=click.IntRange(min=1), help="Fixed batch size.")
+@click.option("--tokens-per-batch", type=click.IntRange(min=1),
+              help="Keep batch*T fixed: batch = N // T (at least 1).")
+@click.option("--decode-batch", type=click.IntRange(min=1), help="Batch for decode points.")
+@click.option("--heads", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--head-dim", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--value-dim", type=click.IntRange(min=1), help="Default: head dim.")
+@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
+@click.option("--modes", default="fwd,fwdbwd", show_default=True, help=f"Some of {','.join(MODES)}.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
+@with_output_options
+def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int | None,
+          decode_batch: int | None, heads: int, head_dim: int, value_dim: int | None, dtype: str,
+          modes: str, device: str, repeats: int, warmup: int, out: str | None, as_json: bool,
+          as_yaml: bool, baseline: str | None) -> None:
+    """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
+    output_format = _output_format(as_json, as_yaml)
+    try:
+        specs = parse_mixer_specs(mixers)
+        config = {
+            "name": "bench", "mixers": [_spec_dict(s) for s in specs],
+            "seq_lens": parse_seq_lens(seq_lens), "modes": modes.split(","), "batch": batch,
+            "tokens_per_batch": tokens_per_batch, "decode_batch": decode_batch, "heads": heads,
+            "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype, "device": device,
+            "warmup": warmup, "repeats": repeats, "baseline": baseline,
+        }
+        sweep = SweepConfig.from_dict(config)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    execute(config, [sweep], out, output_format, baseline)
+
+
+def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
+    return {"name": spec.name, "label": spec.label, "options": spec.options}
+
+
+@click.command()
+@click.argument("config_path", metavar="[CONFIG]", required=False,
+                type=click.Path(exists=True, dir_okay=False))
+@with_output_options
+def run(config_path: str | None, out: str | None, as_json: bool, as_yaml: bool,
+        baseline: str | None) -> None:
+    """Run the sweeps of a config file (default: configs/cpu-smoke.yaml)."""
+    output_format = _output_format(as_json, as_yaml)
+    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    try:
+        config, sweeps = load_config(path)
+    except (ValueError, yaml.YAMLError) as error:
+        raise click.UsageError(f"{path}: {error}") from None
+    except OSError as error:
+        raise click.UsageError(f"cannot read {path}: {error}") from None
+    labels = {spec.label for sweep in sweeps for spec in sweep.mixers}
+    if baseline is not None and baseline not in labels:
+        raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of {path.name} "
+                               f"({', '.join(sorted(labels))})")
+    total = sum(len(s.mixers) * len(s.modes) * len(s.seq_lens) for s in sweeps)
+    Console(stderr=True).print(f"{path.name}: {len(sweeps)} sweep(s), {total} points")
+    execute(config, sweeps, out, output_format, baseline)
+
+
+commands = [list_, bench, run]

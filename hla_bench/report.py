@@ -1,3 +1,284 @@
-"""Placeholder: the `report` commands are being written."""
+"""Tables, comparisons and plots of results files, and the `hla-bench report` command.
 
-commands = []
+Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
+`hla_bench.recall_report.render_recall` (imported only when such a file is given).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Iterable
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from hla_bench import results as results_io
+from hla_bench.sweeps import format_seq_len, iter_groups
+
+METRICS = {
+    # metric -> (point field, column unit, higher is better)
+    "time": ("median_ms", "median ms", False),
+    "memory": ("peak_memory_bytes", "peak memory above inputs", False),
+    "tflops": ("tflops", "TFLOP/s", True),
+}
+STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsupported": "—"}
+
+
+def _format_value(metric: str, value: float) -> str:
+    if metric == "memory":
+        return format_bytes(value)
+    if metric == "tflops":
+        return f"{value:.2f}"
+    return f"{value:.3f}" if value < 10 else f"{value:,.1f}"
+
+
+def format_bytes(value: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _value(point: dict[str, Any], metric: str) -> float | None:
+    if point["status"] != "ok":
+        return None
+    return point.get(METRICS[metric][0])
+
+
+def _group_title(points: list[dict[str, Any]], sweep: str, mode: str) -> str:
+    first = points[0]
+    dims = f"H={first['heads']} D={first['head_dim']}"
+    if first["value_dim"] != first["head_dim"]:
+        dims += f" Dv={first['value_dim']}"
+    return f"{sweep} · {mode} · {dims} · {first['dtype']} on {first['device']}"
+
+
+def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
+                baseline: str | None = None) -> Table:
+    """Rows: T (with batch); columns: mixer labels; best value per row in bold."""
+    field_name, unit, higher_better = METRICS[metric]
+    labels = list(dict.fromkeys(p["mixer"] for p in points))
+    caption = f"{unit}; best in bold"
+    if baseline in labels:
+        caption += f"; (x) = ratio to {baseline}"
+    table = Table(title=title, caption=caption)
+    table.add_column("T", justify="right")
+    table.add_column("batch", justify="right")
+    for label in labels:
+        table.add_column(label, justify="right", overflow="fold")
+    by_row: dict[int, dict[str, dict]] = {}
+    for point in points:
+        by_row.setdefault(point["seq_len"], {})[point["mixer"]] = point
+    for seq_len in sorted(by_row):
+        row = by_row[seq_len]
+        values = {label: _value(row[label], metric) for label in labels if label in row}
+        present = [v for v in values.values() if v is not None]
+        best = (max if higher_better else min)(present) if present else None
+        base = values.get(baseline) if baseline else None
+        batch = next(iter(row.values()))["batch"]
+        cells = []
+        for label in labels:
+            point = row.get(label)
+            value = values.get(label)
+            if point is None:
+                cells.append("")
+            elif value is None:
+                cells.append(f"[dim]{STATUS_LABELS.get(point['status'], point['status'])}[/dim]")
+            else:
+                text = _format_value(metric, value)
+                if base and label != baseline:
+                    text += f" ({value / base:.2f}x)"
+                cells.append(f"[bold]{text}[/bold]" if value == best and len(present) > 1 else text)
+        table.add_row(format_seq_len(seq_len), str(batch), *cells)
+    return table
+
+
+def _failure_notes(points: list[dict[str, Any]]) -> list[str]:
+    """One line per (mixer, status, reason), for the points that did not run."""
+    seen: dict[tuple[str, str, str], list[int]] = {}
+    for p in points:
+        if p["status"] != "ok":
+            seen.setdefault((p["mixer"], p["status"], p.get("reason") or ""), []).append(p["seq_len"])
+    return [f"{mixer} {status} at T={','.join(format_seq_len(t) for t in sorted(ts))}: {reason}"
+            for (mixer, status, reason), ts in seen.items()]
+
+
+def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] = ("time",),
+                 baseline: str | None = None) -> None:
+    """A table per (sweep, mode) and metric, then the reasons points failed."""
+    env = data.get("environment", {})
+    console.print(f"[bold]bench[/bold] {data.get('created', '')}  host {env.get('hostname')}  "
+                  f"gpu {env.get('gpu') or 'none'}  torch {env.get('torch')}  "
+                  f"commit {str(env.get('git_commit', ''))[:12]}")
+    baselines = {s.get("name"): s.get("baseline") for s in data.get("sweeps", [])}
+    for (sweep, mode), points in iter_groups(data["points"]):
+        for metric in metrics:
+            base = baseline or baselines.get(sweep)
+            console.print(bench_table(points, _group_title(points, sweep, mode), metric, base))
+        for note in _failure_notes(points):
+            console.print(f"  [yellow]{note}[/yellow]", highlight=False)
+
+
+def _key(point: dict[str, Any]) -> tuple:
+    return (point["sweep"], point["mode"], point["mixer"], point["seq_len"], point["batch"],
+            point["heads"], point["head_dim"], point["value_dim"], point["dtype"])
+
+
+def compare(old: dict[str, Any], new: dict[str, Any], threshold: float = 0.05) -> list[dict[str, Any]]:
+    """Points present in both files: speedup = old median / new median (> 1: new is faster).
+
+    `regression` is True when new is slower by more than `threshold` (a fraction), or when
+    a point that ran before no longer does.
+    """
+    old_points = {_key(p): p for p in old["points"]}
+    rows = []
+    for point in new["points"]:
+        before = old_points.get(_key(point))
+        if before is None:
+            continue
+        old_ms, new_ms = _value(before, "time"), _value(point, "time")
+        speedup = old_ms / new_ms if old_ms and new_ms else None
+        regression = (speedup is not None and speedup < 1 / (1 + threshold)) or (
+            before["status"] == "ok" and point["status"] != "ok")
+        rows.append({"sweep": point["sweep"], "mode": point["mode"], "mixer": point["mixer"],
+                     "seq_len": point["seq_len"], "old_ms": old_ms, "new_ms": new_ms,
+                     "old_status": before["status"], "new_status": point["status"],
+                     "speedup": speedup, "regression": regression})
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]], old_name: str, new_name: str,
+                     threshold: float) -> Table:
+    table = Table(title=f"{old_name} -> {new_name}",
+                  caption=f"speedup = old/new median; red: slower by more than {threshold:.0%}")
+    for name in ("sweep", "mode", "mixer", "T", "old ms", "new ms", "speedup"):
+        table.add_column(name, justify="right" if name in ("T", "old ms", "new ms", "speedup") else "left")
+    for row in rows:
+        def cell(ms: float | None, status: str) -> str:
+            return _format_value("time", ms) if ms is not None else STATUS_LABELS.get(status, status)
+        speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "—"
+        style = "red" if row["regression"] else ("green" if (row["speedup"] or 0) > 1.05 else None)
+        table.add_row(row["sweep"], row["mode"], row["mixer"], format_seq_len(row["seq_len"]),
+                      cell(row["old_ms"], row["old_status"]), cell(row["new_ms"], row["new_status"]),
+                      speedup, style=style)
+    return table
+
+
+def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """One PNG per (sweep, mode): time vs T and peak memory vs T, log-log, a line per mixer.
+
+    Points that did not run are drawn as an `x` on the bottom edge at their T.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for (sweep, mode), points in iter_groups(data["points"]):
+        figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        any_failed = False
+        for ax, metric, ylabel in ((axes[0], "time", "median time (ms)"),
+                                   (axes[1], "memory", "peak memory above inputs (MiB)")):
+            plotted = False
+            for index, label in enumerate(dict.fromkeys(p["mixer"] for p in points)):
+                color = f"C{index % 10}"
+                mine = sorted((p for p in points if p["mixer"] == label), key=lambda p: p["seq_len"])
+                ran = [(p["seq_len"], _value(p, metric)) for p in mine if _value(p, metric)]
+                if metric == "memory":
+                    ran = [(t, v / 2 ** 20) for t, v in ran]
+                if ran:
+                    plotted = True
+                    ax.plot(*zip(*ran), marker="o", color=color, label=label)
+                failed = [p["seq_len"] for p in mine if p["status"] != "ok"]
+                if failed:
+                    any_failed = True
+                    ax.plot(failed, [0.03] * len(failed), "x", color=color, markersize=9,
+                            transform=ax.get_xaxis_transform(), clip_on=False,
+                            label=None if ran else f"{label} (did not run)")
+            ax.set_xscale("log", base=2)
+            if plotted:
+                ax.set_yscale("log")
+            ax.set_xlabel("sequence length T")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        title = _group_title(points, sweep, mode)
+        if any_failed:
+            title += "\nx on the axis: OOM / error / unavailable at that T"
+        figure.suptitle(title, fontsize=10)
+        figure.tight_layout()
+        path = out_dir / f"{sweep}-{mode}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def _render_recall(data: dict[str, Any], console: Console, plots: Path | None) -> None:
+    try:
+        from hla_bench.recall_report import render_recall
+    except ImportError:
+        raise click.ClickException("this is a recall results file, but the recall report "
+                                   "(hla_bench.recall_report.render_recall) is not installed")
+    accepted = inspect.signature(render_recall).parameters
+    extra = {name: value for name, value in (("console", console), ("plots_dir", plots))
+             if name in accepted}
+    render_recall(data, **extra)
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--compare", "compare_files", is_flag=True,
+              help="Two bench files: per-point speedup old/new, regressions in red.")
+@click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots to this folder.")
+@click.option("--metric", type=click.Choice(sorted(METRICS)), default="time", show_default=True)
+@click.option("--baseline", help="Mixer label to show ratios against.")
+@click.option("--threshold", type=float, default=0.05, show_default=True,
+              help="Slowdown fraction counted as a regression with --compare.")
+def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metric: str,
+           baseline: str | None, threshold: float) -> None:
+    """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots)."""
+    console = Console()
+    loaded = []
+    for path in files:
+        try:
+            data = results_io.read_yaml(path)
+            kind = data.get("kind")
+            if kind == "bench":
+                data = results_io.load(path)
+        except (results_io.ResultsSchemaError, OSError, ValueError) as error:
+            raise click.ClickException(str(error))
+        loaded.append((path, kind, data))
+    if compare_files:
+        if len(loaded) != 2 or any(kind != "bench" for _, kind, _ in loaded):
+            raise click.UsageError("--compare takes exactly two bench results files")
+        (old_path, _, old), (new_path, _, new) = loaded
+        rows = compare(old, new, threshold)
+        if not rows:
+            console.print("[yellow]no points in common[/yellow]")
+        else:
+            console.print(comparison_table(rows, Path(old_path).name, Path(new_path).name, threshold))
+            console.print(f"{sum(r['regression'] for r in rows)} regression(s) in {len(rows)} points")
+        return
+    for path, kind, data in loaded:
+        console.rule(str(path))
+        plot_dir = Path(plots) / Path(path).stem if plots and len(loaded) > 1 else (
+            Path(plots) if plots else None)
+        if kind == "bench":
+            render_bench(data, console, (metric,), baseline)
+            if plot_dir is not None:
+                for written in write_plots(data, plot_dir):
+                    console.print(f"wrote {written}")
+        elif kind == "recall":
+            _render_recall(data, console, plot_dir)
+        else:
+            raise click.ClickException(f"{path}: unknown results kind {kind!r} "
+                                       "(expected bench or recall)")
+
+
+commands = [report]

@@ -458,11 +458,10 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
     record.update(summarize_times(times))
     seconds = record["median_ms"] / 1e3
     record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
-    if mixer.flops is not None:
-        flops = mixer.flops(batch, point.seq_len, heads, head_dim, value_dim, point.mode, **options)
-        if flops is not None:
-            record["flops"] = float(flops)
-            record["tflops"] = flops / seconds / 1e12 if seconds > 0 else None
+    flops = mixer.model_flops(batch, point.seq_len, heads, head_dim, value_dim, point.mode, **options)
+    if flops is not None:
+        record["flops"] = float(flops)
+        record["tflops"] = flops / seconds / 1e12 if seconds > 0 else None
 
 
 def empty_record(point: Point) -> dict[str, Any]:
@@ -489,7 +488,7 @@ def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = Non
     key = (point.sweep.name, point.spec.label, point.mode)
     mixer = registry.get(point.spec.name)
     options = mixer.resolve_options(point.spec.options)
-    unavailable = mixer.unavailable_reason()
+    unavailable = mixer.unavailable_reason(options)
     if unavailable:
         return {**record, "status": "unavailable", "reason": unavailable}
     if point.mode == "decode" and mixer.build_decoder is None:

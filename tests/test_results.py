@@ -1,5 +1,6 @@
 """Results files: environment capture, YAML round trip, schema errors naming the field."""
 
+import copy
 import datetime as dt
 
 import pytest
@@ -7,15 +8,28 @@ import yaml
 
 from hla_bench import results
 from hla_bench.sweeps import run_sweeps
-from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
+from hla_bench import registry
+from test_sweeps import FAKES, tiny_sweep
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """One small real run (fakes registered only while it runs), shared by the module."""
+    for mixer in FAKES:
+        registry.register(mixer, replace=True)
+    try:
+        sweep = tiny_sweep(["fake-fast", "fake-broken"], modes=["fwd", "decode"])
+        points = run_sweeps([sweep])
+    finally:
+        for mixer in FAKES:
+            registry._REGISTRY.pop(mixer.name, None)
+    return results.make_results({"name": "tiny"}, [sweep.to_dict()], points,
+                                results.capture_environment("cpu"))
 
 
 @pytest.fixture
-def bench_data(fake_mixers):
-    sweep = tiny_sweep(["fake-fast", "fake-broken"], modes=["fwd", "decode"])
-    points = run_sweeps([sweep])
-    return results.make_results({"name": "tiny"}, [sweep.to_dict()], points,
-                                results.capture_environment("cpu"))
+def bench_data(measured):
+    return copy.deepcopy(measured)
 
 
 def test_environment_fields():

@@ -1,0 +1,119 @@
+"""The `list`, `bench` and `run` commands through click's test runner, with fake mixers."""
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from hla_bench import bench, results
+from hla_bench.cli import main
+from test_sweeps import fake_mixers  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def runner():
+    return CliRunner(env={"COLUMNS": "200"})
+
+
+def test_list_table_and_json(runner, fake_mixers):
+    table = runner.invoke(main, ["list"])
+    assert table.exit_code == 0, table.output
+    assert "fake-fast" in table.output and "scale=1.0" in table.output
+    assert "no_such_package_for_hla_bench not installed" in table.output
+    rows = {row["name"]: row for row in json.loads(runner.invoke(main, ["list", "--json"]).output)}
+    assert rows["fake-fast"]["available"] and rows["fake-fast"]["options"] == {"scale": 1.0}
+    assert not rows["fake-missing"]["available"]
+    assert rows["fake-missing"]["reason"] == "no_such_package_for_hla_bench not installed"
+
+
+def test_bench_writes_results_and_tables(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    result = runner.invoke(main, [
+        "bench", "--mixers", "fake-fast,fake-fast:scale=2:label=double,fake-oom,fake-missing",
+        "--seq-lens", "64,128", "--tokens-per-batch", "256", "--heads", "2", "--head-dim", "8",
+        "--value-dim", "4", "--modes", "fwd,decode", "--decode-batch", "3", "--device", "cpu",
+        "--repeats", "2", "--warmup", "1", "--baseline", "fake-fast", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "median ms" in result.output and "peak memory above inputs" in result.output
+    assert f"results written to {out}" in result.output.replace("\n", "")
+    data = results.load(out)
+    assert data["config"]["seq_lens"] == [64, 128] and data["sweeps"][0]["baseline"] == "fake-fast"
+    by = {(p["mixer"], p["mode"], p["seq_len"]): p for p in data["points"]}
+    assert len(by) == 4 * 2 * 2
+    assert by["double", "fwd", 64]["batch"] == 4 and by["double", "fwd", 128]["batch"] == 2
+    assert by["double", "decode", 128]["batch"] == 3 and by["double", "fwd", 64]["value_dim"] == 4
+    assert by["double", "fwd", 64]["options"] == {"scale": 2}
+    assert {by["fake-oom", "fwd", t]["status"] for t in (64, 128)} == {"oom"}
+    assert by["fake-missing", "decode", 64]["status"] == "unavailable"
+    assert data["environment"]["wall_s"] > 0
+
+
+def test_bench_json_output(runner, fake_mixers, tmp_path):
+    result = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--seq-lens", "32",
+                                  "--heads", "1", "--head-dim", "4", "--device", "cpu",
+                                  "--repeats", "1", "--warmup", "0", "--json",
+                                  "--out", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 0, result.output
+    stdout = result.stdout
+    data = json.loads(stdout)
+    assert data["kind"] == "bench" and [p["status"] for p in data["points"]] == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mixers", "no-such-mixer"], "unknown mixer 'no-such-mixer'"),
+    (["--mixers", "fake-fast:colour=red"], "has no option 'colour'"),
+    (["--mixers", "fake-fast", "--seq-lens", "4q"], "bad sequence length '4q'"),
+    (["--mixers", "fake-fast", "--modes", "fwd,bwd"], "bad mode 'bwd'"),
+    (["--mixers", "fake-fast", "--baseline", "sdpa"], "baseline 'sdpa'"),
+    (["--mixers", "fake-fast", "--batch", "2", "--tokens-per-batch", "8"], "not both"),
+    (["--mixers", "fake-fast", "--json", "--yaml"], "not both"),
+])
+def test_bench_usage_errors_exit_2_without_traceback(runner, fake_mixers, tmp_path, args, message):
+    result = runner.invoke(main, ["bench", *args, "--out", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "r.yaml").exists()
+
+
+def test_run_config_with_two_sweeps(runner, fake_mixers, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny", "heads": 2, "device": "cpu", "warmup": 0, "repeats": 2,
+        "seq_lens": ["64", "128"], "batch": 1, "modes": ["fwd", "fwdbwd"],
+        "sweeps": [
+            {"name": "d8", "head_dim": 8, "baseline": "fast",
+             "mixers": [{"name": "fake-fast", "label": "fast"}, "fake-broken"]},
+            {"name": "d16", "head_dim": 16,
+             "mixers": [{"name": "fake-fast", "label": "fast", "options": {"scale": 0.5}}]},
+        ]}))
+    out = tmp_path / "out.yaml"
+    result = runner.invoke(main, ["run", str(config), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 sweep(s), 12 points" in result.output
+    assert "d8 · fwd · H=2 D=8" in result.output and "d16 · fwdbwd · H=2 D=16" in result.output
+    data = results.load(out)
+    assert data["config"]["sweeps"][1]["head_dim"] == 16
+    assert {p["sweep"] for p in data["points"]} == {"d8", "d16"}
+    assert {p["status"] for p in data["points"] if p["mixer"] == "fake-broken"} == {"error"}
+    assert all(p["status"] == "ok" for p in data["points"] if p["mixer"] == "fast")
+
+
+def test_run_bad_config_exit_2(runner, fake_mixers, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("mixers: [no-such-mixer]\nseq_lens: [64]\n")
+    result = runner.invoke(main, ["run", str(config), "--out", str(tmp_path / "o.yaml")])
+    assert result.exit_code == 2 and "unknown mixer 'no-such-mixer'" in result.output
+    config.write_text("mixers: [fake-fast]\nseq_lens: [64]\nrepeat: 3\n")
+    result = runner.invoke(main, ["run", str(config)])
+    assert result.exit_code == 2 and "unknown sweep key 'repeat'" in result.output
+
+
+def test_shipped_configs_parse_and_name_registered_mixers():
+    from hla_bench.sweeps import load_config
+
+    for name in ("cpu-smoke.yaml", "h200.yaml"):
+        _, sweeps = load_config(bench.CONFIG_DIR / name)
+        for sweep in sweeps:
+            sweep.check_mixers()
+    assert bench.DEFAULT_CONFIG.name == "cpu-smoke.yaml" and bench.DEFAULT_CONFIG.exists()

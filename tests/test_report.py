@@ -1,0 +1,136 @@
+"""Report rendering: tables, two-file comparison, plots, and dispatch on `kind`."""
+
+import copy
+import sys
+import types
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from rich.console import Console
+
+from hla_bench import report, results
+from hla_bench.sweeps import run_sweeps
+from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
+
+
+def _point(mixer, seq_len, median_ms, status="ok", mode="fwd", memory=2 ** 20):
+    ran = status == "ok"
+    return {"sweep": "s", "mixer": mixer, "name": mixer, "options": {}, "mode": mode,
+            "seq_len": seq_len, "batch": 1, "heads": 2, "head_dim": 8, "value_dim": 8,
+            "dtype": "float32", "device": "cpu", "status": status,
+            "reason": None if ran else "CUDA out of memory", "repeats": 3, "warmup": 1,
+            "median_ms": median_ms if ran else None, "p20_ms": median_ms if ran else None,
+            "p80_ms": median_ms if ran else None, "tokens_per_s": seq_len / median_ms * 1e3 if ran else None,
+            "peak_memory_bytes": memory if ran else None, "state_bytes": None,
+            "flops": 1e9 if ran else None, "tflops": 1e9 / median_ms / 1e9 if ran else None}
+
+
+def _data(points):
+    return results.make_results({"name": "s"}, [{"name": "s", "baseline": None}], points,
+                                results.capture_environment("cpu"))
+
+
+@pytest.fixture
+def synthetic():
+    return _data([_point("a", 1024, 4.0), _point("b", 1024, 2.0), _point("a", 4096, 16.0),
+                  _point("b", 4096, 0, status="oom")])
+
+
+def _render(renderable_fn):
+    console = Console(record=True, width=160, force_terminal=False)
+    renderable_fn(console)
+    return console.export_text()
+
+
+def test_table_cells_best_and_baseline(synthetic):
+    table = report.bench_table(synthetic["points"], "title", "time", baseline="a")
+    cells = {(c.header, i): cell for c in table.columns for i, cell in enumerate(c._cells)}
+    assert cells["T", 0] == "1k" and cells["T", 1] == "4k"
+    assert cells["a", 0] == "4.000"
+    assert cells["b", 0] == "[bold]2.000 (0.50x)[/bold]"
+    assert cells["b", 1] == "[dim]OOM[/dim]"
+    assert cells["a", 1] == "16.0"  # the only value in its row: not marked best
+    memory = report.bench_table(synthetic["points"], "t", "memory")
+    assert [c._cells[0] for c in memory.columns][2:] == ["[bold]1.0 MiB[/bold]"] * 2  # a tie
+
+
+def test_format_bytes():
+    assert [report.format_bytes(v) for v in (512, 2048, 3 * 2 ** 20, 1.5 * 2 ** 30)] == \
+        ["512 B", "2.0 KiB", "3.0 MiB", "1.5 GiB"]
+
+
+def test_render_bench_text(synthetic):
+    text = _render(lambda console: report.render_bench(synthetic, console, ("time", "tflops")))
+    assert "s · fwd · H=2 D=8" in text and "median ms" in text and "TFLOP/s" in text
+    assert "b oom at T=4k: CUDA out of memory" in text
+
+
+def test_compare_speedups_and_regressions(synthetic):
+    new = copy.deepcopy(synthetic)
+    new["points"][0]["median_ms"] = 2.0    # a @1k: 4 -> 2, 2x faster
+    new["points"][1]["median_ms"] = 3.0    # b @1k: 2 -> 3, slower: regression
+    new["points"][2]["median_ms"] = 16.4   # a @4k: within the 5% threshold
+    rows = {(r["mixer"], r["seq_len"]): r for r in report.compare(synthetic, new)}
+    assert rows["a", 1024]["speedup"] == pytest.approx(2.0) and not rows["a", 1024]["regression"]
+    assert rows["b", 1024]["speedup"] == pytest.approx(2 / 3) and rows["b", 1024]["regression"]
+    assert rows["a", 4096]["speedup"] == pytest.approx(16 / 16.4) and not rows["a", 4096]["regression"]
+    assert rows["b", 4096]["speedup"] is None and not rows["b", 4096]["regression"]
+    # a point that ran before and now fails is a regression
+    broken = copy.deepcopy(synthetic)
+    broken["points"][0].update(status="error", median_ms=None)
+    assert {(r["mixer"], r["seq_len"]): r["regression"] for r in report.compare(synthetic, broken)}["a", 1024]
+
+
+def test_plots_written(synthetic, tmp_path):
+    synthetic["points"] += [_point("a", 1024, 5.0, mode="decode"), _point("b", 1024, 0, "error", "decode")]
+    written = report.write_plots(synthetic, tmp_path / "plots")
+    assert sorted(p.name for p in written) == ["s-decode.png", "s-fwd.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_report_command_on_real_run(fake_mixers, tmp_path):
+    sweep = tiny_sweep(["fake-fast", "fake-fast:scale=3:label=other", "fake-broken"])
+    data = results.make_results({}, [sweep.to_dict()], run_sweeps([sweep]),
+                                results.capture_environment("cpu"))
+    old, new = results.save(data, tmp_path / "old.yaml"), results.save(data, tmp_path / "new.yaml")
+    runner = CliRunner(env={"COLUMNS": "200"})
+    shown = runner.invoke(report.report, [str(old), "--metric", "memory", "--baseline", "fake-fast",
+                                          "--plots", str(tmp_path / "p")])
+    assert shown.exit_code == 0, shown.output
+    assert "peak memory above inputs" in shown.output and "ratio to" in shown.output
+    assert "fake-broken error at T=16,32: ValueError: broken on purpose" in shown.output
+    assert (tmp_path / "p" / "sweep-fwd.png").stat().st_size > 0
+    compared = runner.invoke(report.report, [str(old), str(new), "--compare"])
+    assert compared.exit_code == 0, compared.output
+    assert "speedup" in compared.output and "in 6 points" in compared.output
+    bad = runner.invoke(report.report, [str(old), "--compare"])
+    assert bad.exit_code == 2 and "exactly two" in bad.output
+
+
+def test_report_rejects_invalid_and_unknown_kind(synthetic, tmp_path):
+    synthetic["points"][0]["status"] = "weird"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(synthetic))
+    result = CliRunner().invoke(report.report, [str(bad)])
+    assert result.exit_code == 1 and "points[0].status" in result.output
+    other = tmp_path / "other.yaml"
+    other.write_text("kind: poetry\n")
+    result = CliRunner().invoke(report.report, [str(other)])
+    assert result.exit_code == 1 and "unknown results kind 'poetry'" in result.output
+
+
+def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
+    path = tmp_path / "recall.yaml"
+    path.write_text("kind: recall\ntasks: []\n")
+    monkeypatch.setitem(sys.modules, "hla_bench.recall_report", None)  # as if not written yet
+    missing = CliRunner().invoke(report.report, [str(path)])
+    assert missing.exit_code == 1 and "recall report" in missing.output and "not installed" in missing.output
+    seen = []
+    module = types.ModuleType("hla_bench.recall_report")
+    module.render_recall = lambda data, console=None: seen.append((data, console))
+    monkeypatch.setitem(sys.modules, "hla_bench.recall_report", module)
+    rendered = CliRunner().invoke(report.report, [str(path)])
+    assert rendered.exit_code == 0, rendered.output
+    assert seen[0][0] == {"kind": "recall", "tasks": []} and isinstance(seen[0][1], Console)
