@@ -1,0 +1,94 @@
+"""`hla-bench verify`: tables, JSON/YAML output, exit codes (with an injected disagreement)."""
+
+import importlib
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from hla_bench.cli import main
+from hla_bench.verify import hla2_reference
+
+FAST = ["verify", "--seq-len", "14"]
+# The modules (mixers.hla re-exports functions under the same names).
+ahla2_module = importlib.import_module("mixers.hla.ahla2")
+hla3_module = importlib.import_module("mixers.hla.hla3")
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [*FAST, *args], catch_exceptions=False,
+                              env={"COLUMNS": "160"})
+
+
+def test_default_run_agrees_and_prints_both_tables():
+    result = invoke()
+    assert result.exit_code == 0, result.output
+    for text in ("HLA identities", "Paper formulas vs corrected operators", "hla2", "ahla2",
+                 "hla3", "chunk vs naive", "prefill + step"):
+        assert text in result.output
+    assert "FAIL" not in result.output
+
+
+def test_json_and_yaml_outputs(tmp_path):
+    path = tmp_path / "verify.yaml"
+    result = invoke("--json", "--dtype", "float32", "--seed", "3", "--yaml", str(path))
+    assert result.exit_code == 0
+    data = json.loads(result.output)
+    assert data["passed"] and data["dtype"] == "float32" and data["seed"] == 3
+    assert yaml.safe_load(path.read_text())["checks"] == data["checks"]
+    covered = {(row["operator"], row["pair"].split()[0]) for row in data["checks"]}
+    for operator in ("hla2", "ahla2", "hla3"):
+        assert {(operator, form) for form in ("serial", "scan", "chunk", "split", "prefill")} \
+            <= covered
+    assert all(row["status"] == "pass" and row["tolerance"] == 1e-4 for row in data["checks"])
+    notes = {(row["comparison"], row["setting"]): row["relative_difference"]
+             for row in data["discrepancies"]}
+    assert notes[("hla2 decay_form paper vs masked", "decay 1.0")] < 1e-5
+    assert notes[("hla2 decay_form paper vs masked", "decay 0.9")] > 1e-2
+    assert notes[("hla3 variant paper vs causal", "plain")] > 1e-1
+
+
+def test_injected_disagreement_exits_1(monkeypatch):
+    real_scan = ahla2_module.FORMS["scan"]
+
+    def skewed_scan(*args):
+        o, state = real_scan(*args)
+        return o * (1 + 1e-6), state
+
+    monkeypatch.setitem(ahla2_module.FORMS, "scan", skewed_scan)
+    result = invoke("--json")
+    assert result.exit_code == 1
+    failed = {(row["operator"], row["pair"]) for row in json.loads(result.output)["checks"]
+              if row["status"] == "FAIL"}
+    assert failed == {("ahla2", "scan vs naive")}
+
+
+def test_a_broken_form_is_an_error_row_and_exits_1(monkeypatch):
+    def unfinished(*args):
+        raise NotImplementedError("hla3 scan")
+
+    monkeypatch.setattr(hla3_module, "hla3_scan", unfinished)
+    result = invoke()
+    assert result.exit_code == 1 and "error" in result.output and "failed" in result.output
+
+
+def test_cuda_without_a_device_is_a_usage_error():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert invoke("--device", "cuda").exit_code == 2
+
+
+def test_hla2_reference_masks_and_decays_as_specified():
+    """Against matrix forms of spec §1 (A = QK^T, L the causal mask, L_g[t, s] = g^(t-s)):
+    masked with decay weights g^((t-i)+(t-j)) on i <= j <= t is ((L_g*A)(L*A)^T * L_g) V."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64) for _ in "qkv")
+    g = 0.8
+    lag = torch.arange(9).view(-1, 1) - torch.arange(9).view(1, -1)
+    L_g = torch.where(lag >= 0, g ** lag.clamp(min=0).double(), 0)
+    A = torch.einsum("bthd,bshd->bhts", q, k)
+    weights = ((L_g * A) @ torch.tril(A).transpose(-1, -2)) * L_g
+    expected = (weights @ v.transpose(1, 2)).transpose(1, 2)
+    assert torch.allclose(hla2_reference(q, k, v, decay=g), expected, rtol=1e-12, atol=1e-12)
