@@ -1,6 +1,8 @@
 """ahla2: every form against the explicit float64 sum, against each other in low precision,
 state continuation, gradients and input errors."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -52,6 +54,22 @@ def test_explicit_sum_equals_decayed_matrix_form():
     W = L_g * torch.einsum("bthd,bshd->bhts", q, k)
     expected = (W @ W @ v.transpose(1, 2)).transpose(1, 2)
     assert rel_err(ahla2_naive(q, k, v, decay=g), expected) < 1e-12
+
+
+def test_paper_decayed_R_rule_breaks_the_scan(monkeypatch):
+    """§6.2 says R attenuates as rho_B R_A + R_B; with decay the cross term needs the
+    undecayed R (scan.py), and the paper's rule is far off."""
+    scan = importlib.import_module("mixers.hla.ahla2.scan")
+    q, k, v = inputs(T=16)
+    ref = ahla2_naive(q, k, v, decay=0.8)
+
+    def paper_combine(a, b):
+        (R_a, P_a, E_a, rho_a), (R_b, P_b, E_b, rho_b) = a, b
+        return rho_b * R_a + R_b, rho_b * P_a + P_b, rho_b * (E_a + R_b @ P_a) + E_b, rho_a * rho_b
+
+    assert rel_err(ahla2(q, k, v, decay=0.8, impl="scan")[0], ref) < 1e-10
+    monkeypatch.setattr(scan, "combine", paper_combine)
+    assert rel_err(ahla2(q, k, v, decay=0.8, impl="scan")[0], ref) > 1e-2
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -123,7 +141,7 @@ def test_state_bytes_and_flops():
     one = ahla2_flops(1, 64, 1, 64, 64, chunk_size=64)
     assert ahla2_flops(2, 128, 3, 64, 64) == 12 * one
     assert ahla2_flops(1, 64, 1, 64, 64, mode="fwdbwd") == 3 * one
-    assert ahla2_flops(1, 1, 1, 64, 64, mode="decode") == 4 * 64 * 64
+    assert ahla2_flops(1, 1, 1, 64, 64, mode="decode") == 8 * 64 * 64
 
 
 def test_bad_inputs_name_the_argument():

@@ -128,6 +128,7 @@ def test_state_bytes_and_flops():
     one = hla3_flops(1, 64, 1, 64, 64)
     assert hla3_flops(2, 100, 3, 64, 64) == 12 * one          # 100 tokens -> 2 chunks
     assert hla3_flops(1, 64, 1, 64, 64, mode="fwdbwd") == 3 * one
+    assert hla3_flops(1, 1, 1, 64, 64, mode="decode") == 12 * 64 * 64
 
 
 def test_bad_inputs_name_the_argument():

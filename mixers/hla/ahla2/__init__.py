@@ -97,11 +97,11 @@ def ahla2_state_bytes(state: dict) -> int:
 def ahla2_flops(batch, seq_len, heads, head_dim, value_dim, chunk_size=64, mode="fwd", *,
                 normalize=False):
     """Matmul FLOPs (2 per multiply-add) of the chunk form; "fwdbwd" counts backward as 2x
-    forward; "decode" is one Alg. 2 step (4 D Dv)."""
+    forward; "decode" is one Alg. 2 step (two outer-product updates, two reads: 8 D Dv)."""
     D, Dv, C = head_dim, value_dim + normalize, chunk_size
     check_choice("mode", mode, ("fwd", "fwdbwd", "decode"))
     if mode == "decode":
-        return float(batch * heads * 4 * D * Dv)
+        return float(batch * heads * 8 * D * Dv)
     per_chunk = 2 * (C * C * D                # Q K^T
                      + 2 * C * C * Dv         # W V, W X
                      + 2 * C * D * Dv         # Q P0, Q E0

@@ -127,11 +127,11 @@ def hla3_state_bytes(state: dict) -> int:
 def hla3_flops(batch, seq_len, heads, head_dim, value_dim, chunk_size=64, mode="fwd", *,
                normalize=False):
     """Matmul FLOPs (2 per multiply-add) of the causal chunk form; "fwdbwd" counts backward
-    as 2x forward; "decode" is one causal serial step (6 D^2 + 6 D Dv)."""
+    as 2x forward; "decode" is one causal serial step (4 D^2 + 8 D Dv)."""
     D, Dv, C = head_dim, value_dim + normalize, chunk_size
     check_choice("mode", mode, ("fwd", "fwdbwd", "decode"))
     if mode == "decode":
-        return float(batch * heads * (6 * D * D + 6 * D * Dv))
+        return float(batch * heads * (4 * D * D + 8 * D * Dv))
     per_chunk = 2 * (2 * C * C * D + C * D * D   # Q K^T, (Q S0) Q^T, Q S0
                      + C * C * C                 # A (L * A)^T
                      + 3 * C * C * Dv            # (L * A) V, Bm r, (L * A)^T r
