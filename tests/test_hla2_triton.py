@@ -201,3 +201,12 @@ def test_decode_step_continues_the_chunked_op():
                            output_final_state=True, **kw)
     o_last, _ = hla2_step_triton(q[:, 32], k[:, 32], v[:, 32], state, **kw)
     assert rel(o_last, full[:, 32]) < 1e-4
+
+
+@pytest.mark.parametrize("decay, normalize, with_state", [
+    ((0.9, 0.6), False, False), ((0.95, 0.05), False, True), ((0.8, 1.0), True, True)])
+def test_masked_decay_matches_reference(decay, normalize, with_state):
+    q, k, v = make_inputs(1, 45, 2, 16, 32, torch.float32, seed=11)
+    state = random_state(1, 2, 16, 32, normalize) if with_state else None
+    check_against_reference(q, k, v, chunk_size=16, normalize=normalize, eps=1e-3,
+                            decay=torch.tensor(decay, device=DEVICE), initial_state=state)

@@ -24,18 +24,14 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay,
-                              step=False) -> str | None:
-    """None when the Triton kernels can run these inputs and options, else why not
-    (step=True asks about the decode step kernel)."""
+def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
+    """None when the Triton kernels can run these inputs and options, else why not."""
     if not masked:
         return "the Triton kernels implement masked hla2 only (masked=False)"
     if ridge != 0:
         return "the Triton kernels do not implement ridge != 0"
     if decay is not None and decay_form == "paper":
         return "the Triton kernels do not implement decay_form='paper'"
-    if decay is not None and not step:
-        return "the Triton chunk kernels do not implement decay yet"
     if q.device.type != "cuda" and not _interpreted():
         return f"the Triton kernels need a CUDA device (got {q.device}) or TRITON_INTERPRET=1"
     if q.dtype not in DTYPES:
@@ -62,42 +58,44 @@ def _chunk_buffers(B, H, NT, D, DV, device, n_dd, n_dv):
             + [torch.empty(B * H, NT, D, DV, **f32) for _ in range(n_dv)])
 
 
-def _forward(q, k, v, s0, a0, C, want_final):
+def _forward(q, k, v, log2g, s0, a0, C, want_final):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
     prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
+    shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
+    lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q.device, 1, 2)
     kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, q, ds, x, da, x, ds, T, NT, H=H, D=D, DV=DV, C=C,
-        WITH_GRAD=False, PREC=prec, num_warps=warps)
+        q, k, v, q, lg, ds, x, da, x, ds, T, NT, WITH_GRAD=False, num_warps=warps, **shape)
     s1 = a1 = None
     if want_final:
         s1 = q.new_empty(B, H, D, D, dtype=torch.float32)
         a1 = q.new_empty(B, H, D, DV, dtype=torch.float32)
     kern.state_scan_kernel[(D // BD, B * H)](
-        ds, x, da, ds if s0 is None else s0, da if a0 is None else a0,
-        ds if s1 is None else s1, da if a1 is None else a1, NT, D=D, DV=DV, BD=BD,
-        HAS_INIT=s0 is not None, STORE_FINAL=want_final, PREC=prec, num_warps=4)
+        ds, x, da, lg, ds if s0 is None else s0, da if a0 is None else a0,
+        ds if s1 is None else s1, da if a1 is None else a1, T, NT=NT, BD=BD,
+        HAS_INIT=s0 is not None, STORE_FINAL=want_final, num_warps=4, **shape)
     o = torch.empty_like(v, dtype=q.dtype)
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
-        q, k, v, ds, da, o, T, NT, H=H, D=D, DV=DV, C=C, BV=BV, PREC=prec, num_warps=warps)
+        q, k, v, lg, ds, da, o, T, NT, BV=BV, num_warps=warps, **shape)
     return o, s1, a1
 
 
-def _backward(q, k, v, s0, a0, do, gs1, ga1, C, want_init_grad):
+def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
     prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
+    shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
+    lg = q if log2g is None else log2g
     ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q.device, 2, 3)
     kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, do, ds, x, da, qdo, z, T, NT, H=H, D=D, DV=DV, C=C,
-        WITH_GRAD=True, PREC=prec, num_warps=warps)
+        q, k, v, do, lg, ds, x, da, qdo, z, T, NT, WITH_GRAD=True, num_warps=warps, **shape)
     kern.state_scan_kernel[(D // BD, B * H)](
-        ds, x, da, ds if s0 is None else s0, da if a0 is None else a0, ds, da, NT,
-        D=D, DV=DV, BD=BD, HAS_INIT=s0 is not None, STORE_FINAL=False, PREC=prec, num_warps=4)
+        ds, x, da, lg, ds if s0 is None else s0, da if a0 is None else a0, ds, da, T, NT=NT,
+        BD=BD, HAS_INIT=s0 is not None, STORE_FINAL=False, num_warps=4, **shape)
     gs0 = ga0 = None
     if want_init_grad:
         gs0 = q.new_empty(B, H, D, D, dtype=torch.float32)
@@ -109,33 +107,33 @@ def _backward(q, k, v, s0, a0, do, gs1, ga1, C, want_init_grad):
         ga1 = torch.zeros(B, H, D, DV, dtype=torch.float32, device=q.device) if ga1 is None \
             else ga1.float().contiguous()
     kern.grad_scan_kernel[(D // BD, B * H)](
-        qdo, z, x, z if gs1 is None else gs1, qdo if ga1 is None else ga1,
-        z if gs0 is None else gs0, qdo if ga0 is None else ga0, NT, D=D, DV=DV, BD=BD,
-        HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, PREC=prec, num_warps=4)
+        qdo, z, x, lg, z if gs1 is None else gs1, qdo if ga1 is None else ga1,
+        z if gs0 is None else gs0, qdo if ga0 is None else ga0, T, NT=NT, BD=BD,
+        HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, num_warps=4, **shape)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kern.chunk_grads_kernel[(NT, B * H)](
-        q, k, v, do, ds, da, z, qdo, dq, dk, dv, T, NT, H=H, D=D, DV=DV, C=C, PREC=prec,
-        num_warps=warps)
+        q, k, v, do, lg, ds, da, z, qdo, dq, dk, dv, T, NT, num_warps=warps, **shape)
     return dq, dk, dv, gs0, ga0
 
 
 class _HLA2Masked(torch.autograd.Function):
-    """(q, k, v, S0, A0) -> (o, S1, A1) for masked hla2 without decay."""
+    """(q, k, v, S0, A0) -> (o, S1, A1) for masked hla2 with optional per-head decay
+    (given as log2 g, not differentiated)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s0, a0, chunk_size, want_final):
-        o, s1, a1 = _forward(q, k, v, s0, a0, chunk_size, want_final)
-        ctx.save_for_backward(q, k, v, s0, a0)
+    def forward(ctx, q, k, v, s0, a0, log2g, chunk_size, want_final):
+        o, s1, a1 = _forward(q, k, v, log2g, s0, a0, chunk_size, want_final)
+        ctx.save_for_backward(q, k, v, s0, a0, log2g)
         ctx.chunk_size = chunk_size
         return o, s1, a1
 
     @staticmethod
     def backward(ctx, do, gs1, ga1):
-        q, k, v, s0, a0 = ctx.saved_tensors
+        q, k, v, s0, a0, log2g = ctx.saved_tensors
         want_init_grad = s0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
-        dq, dk, dv, gs0, ga0 = _backward(q, k, v, s0, a0, do.contiguous(), gs1, ga1,
+        dq, dk, dv, gs0, ga0 = _backward(q, k, v, log2g, s0, a0, do.contiguous(), gs1, ga1,
                                          ctx.chunk_size, want_init_grad)
-        return dq, dk, dv, gs0, ga0, None, None
+        return dq, dk, dv, gs0, ga0, None, None, None
 
 
 def _chunk(chunk_size: int) -> int:
@@ -144,8 +142,8 @@ def _chunk(chunk_size: int) -> int:
     return chunk_size if chunk_size in CHUNK_SIZES else 64
 
 
-def _masked_op(q, k, v, s0, a0, chunk_size, want_final):
-    return _HLA2Masked.apply(q, k, v, s0, a0, chunk_size, want_final)
+def _masked_op(q, k, v, s0, a0, log2g, chunk_size, want_final):
+    return _HLA2Masked.apply(q, k, v, s0, a0, log2g, chunk_size, want_final)
 
 
 def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="masked",
@@ -167,11 +165,13 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
         a0 = initial_state["A"].float().contiguous()
         if normalize:
             a_den0 = initial_state["a"].float().unsqueeze(-1).expand(B, H, D, 16).contiguous()
-    o, s1, a1 = _masked_op(q, k, v, s0, a0, C, output_final_state)
+    log2g = None if decay is None else torch.log2(decay.float()).contiguous()
+    o, s1, a1 = _masked_op(q, k, v, s0, a0, log2g, C, output_final_state)
     final = {"S": s1, "A": a1} if output_final_state else None
     if normalize:
         ones = q.new_ones(B, T, H, 16)
-        den, _, a_den1 = _masked_op(q, k, ones, s0, a_den0, C, output_final_state)
+        den, _, a_den1 = _masked_op(q, k, ones, s0, a_den0, log2g, C,
+                                     output_final_state)
         o = (o.float() / (den[..., :1].float() + eps)).to(q.dtype)
         if output_final_state:
             final["a"] = a_den1[..., 0]
@@ -193,7 +193,7 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
     are updated in place; state=None starts from zeros."""
     reason = triton_unsupported_reason(q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1),
                                        masked=True, ridge=0.0, decay_form=decay_form,
-                                       decay=decay, step=True)
+                                       decay=decay)
     if reason is not None:
         raise ValueError(reason)
     B, H, D = q_t.shape

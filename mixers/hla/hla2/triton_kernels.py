@@ -1,14 +1,19 @@
-"""Triton kernels for masked second-order HLA (spec §4), no decay.
+"""Triton kernels for masked second-order HLA (spec §4), with optional per-head decay g.
 
-Per chunk of C tokens with carried state (S0, A0), local Q, K, V and L = tril(ones):
-    W  = L * (Q K^T)
-    O  = Q A0 + (L * (Q S0 Q^T + W W^T)) V
-    S1 = S0 + K^T K
-    A1 = A0 + S0 (Q^T V) + K^T (W^T V)
-The per-chunk increments dS = K^T K, X = Q^T V, dA = K^T W^T V do not depend on the carried
-state, so they are computed for all chunks in parallel; a scan over chunks then turns them
-into the carried states (A needs one small matmul S0 X per chunk), and the output kernel is
-parallel again. The backward pass mirrors this with a reverse scan of the state gradients.
+Decay ("masked" form, spec §1.1 corrected): S_t = g S_{t-1} + k k^T,
+A_t = g^2 A_{t-1} + (S_t q_t) v_t^T, o_t = q_t^T A_t. Per chunk of n <= C real tokens with
+carried state (S0, A0), local Q, K, V, local position s = 0..C-1 and
+    b_s = g^(s+1),  e_s = g^(n-1-s) (0 past n),  Dm_ts = g^(t-s) (t >= s, else 0),
+    G = g^n,  W = L * (Q K^T),  Wd = Dm * (Q K^T):
+    O  = b^2 * (Q A0) + (Dm * (b * (Q S0 Q^T) + Wd W^T)) V            (row scalings)
+    S1 = G S0 + K^T E K
+    A1 = G^2 A0 + S0 X + K^T E W^T E V,  X = G Q^T E V                  (E = diag(e))
+Without decay every factor is 1 and this is the plain chunk form. The per-chunk increments
+dS = K^T E K, X, dA = K^T E W^T E V do not depend on the carried state, so they are
+computed for all chunks in parallel; a scan over chunks turns them into the carried states
+(A needs one small matmul S0 X per chunk), and the output kernel is parallel again. The
+backward pass mirrors this with a reverse scan of the state gradients. Padded positions of
+the last chunk have zero q, k, v and do not decay the state (n counts real tokens only).
 
 Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are fp32
 [B*H, NT, D, D] or [B*H, NT, D, DV]; the scans overwrite the increments with the states.
@@ -41,43 +46,78 @@ def _mat_offsets(rows, cols, NCOL: tl.constexpr):
 
 
 @triton.jit
-def chunk_increments_kernel(q, k, v, do, ds_buf, x_buf, da_buf, qdo_buf, z_buf, T, NT,
+def _log2_decay(log2g, i_h, HAS_DECAY: tl.constexpr):
+    """log2 of this head's decay (0 without decay)."""
+    if HAS_DECAY:
+        return tl.load(log2g + i_h)
+    return 0.0
+
+
+@triton.jit
+def _chunk_decay(i_c, T, lg, C: tl.constexpr):
+    """Decay factors of chunk i_c (see the module docstring): causal mask, b, e, Dm, G."""
+    s = tl.arange(0, C)
+    n = tl.minimum(T - i_c * C, C)
+    causal = s[:, None] >= s[None, :]
+    b = tl.exp2((s + 1).to(tl.float32) * lg)
+    e = tl.where(s < n, tl.exp2((n - 1 - s).to(tl.float32) * lg), 0.0)
+    dm = tl.where(causal, tl.exp2((s[:, None] - s[None, :]).to(tl.float32) * lg), 0.0)
+    return causal, b, e, dm, tl.exp2(n.to(tl.float32) * lg)
+
+
+@triton.jit
+def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
+    """G = g^n for chunk i_c with n real tokens."""
+    return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
+
+
+@triton.jit
+def chunk_increments_kernel(q, k, v, do, log2g, ds_buf, x_buf, da_buf, qdo_buf, z_buf, T, NT,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                            WITH_GRAD: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: dS = K^T K, X = Q^T V, dA = K^T (W^T V); with WITH_GRAD also
-    Q^T dO and Z = Q^T P Q, P = L * (dO V^T). Grid (NT, B*H)."""
+                            HAS_DECAY: tl.constexpr, WITH_GRAD: tl.constexpr,
+                            PREC: tl.constexpr):
+    """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V; with WITH_GRAD also
+    Q^T b^2 dO and Z = Q^T (b * P) Q, P = Dm * (dO V^T). Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
-    causal = tl.arange(0, C)[:, None] >= tl.arange(0, C)[None, :]
+    causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
     b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
     b_k = _load_tokens(k, i_b, i_h, t, T, H, D)
     b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
     dt = b_q.dtype
+    b_ke = (b_k * e[:, None]).to(dt)
+    b_ve = (b_v * e[:, None]).to(dt)
     base = (i_bh * NT + i_c).to(tl.int64)
     rd, rv = tl.arange(0, D), tl.arange(0, DV)
     dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
 
-    tl.store(ds_buf + base * D * D + dd, tl.dot(tl.trans(b_k), b_k, input_precision=PREC))
-    tl.store(x_buf + base * D * DV + dv, tl.dot(tl.trans(b_q), b_v, input_precision=PREC))
+    tl.store(ds_buf + base * D * D + dd, tl.dot(tl.trans(b_ke), b_k, input_precision=PREC))
+    tl.store(x_buf + base * D * DV + dv,
+             gamma * tl.dot(tl.trans(b_q), b_ve, input_precision=PREC))
     b_w = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0).to(dt)
-    b_wtv = tl.dot(tl.trans(b_w), b_v, input_precision=PREC).to(dt)
-    tl.store(da_buf + base * D * DV + dv, tl.dot(tl.trans(b_k), b_wtv, input_precision=PREC))
+    b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
+    tl.store(da_buf + base * D * DV + dv, tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC))
     if WITH_GRAD:
         b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
-        tl.store(qdo_buf + base * D * DV + dv, tl.dot(tl.trans(b_q), b_do, input_precision=PREC))
-        b_p = tl.where(causal, tl.dot(b_do, tl.trans(b_v), input_precision=PREC), 0.0).to(dt)
-        b_pq = tl.dot(b_p, b_q, input_precision=PREC).to(dt)
+        b_qb2 = (b_q * (b * b)[:, None]).to(dt)
+        tl.store(qdo_buf + base * D * DV + dv,
+                 tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC))
+        b_pb = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm * b[:, None]
+        b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
         tl.store(z_buf + base * D * D + dd, tl.dot(tl.trans(b_q), b_pq, input_precision=PREC))
 
 
 @triton.jit
-def state_scan_kernel(ds_buf, x_buf, da_buf, s_init, a_init, s_final, a_final, NT: tl.constexpr,
-                      D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_final, T,
+                      NT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                      C: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr):
-    """Exclusive scan over chunks: S_c = S_{c-1} + dS, A_c = A_{c-1} + S_{c-1} X + dA,
-    written over the increments in place. Grid (D // BD, B*H): a block of BD state rows."""
+    """Exclusive scan over chunks: S_{c+1} = G S_c + dS, A_{c+1} = G^2 A_c + S_c X + dA,
+    with (S_c, A_c) written over the increments in place. Grid (D // BD, B*H): a block of
+    BD state rows."""
     i_r, i_bh = tl.program_id(0), tl.program_id(1)
+    lg = _log2_decay(log2g, i_bh % H, HAS_DECAY)
     rr, rd, rv = i_r * BD + tl.arange(0, BD), tl.arange(0, D), tl.arange(0, DV)
     sd, sv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
     xv = _mat_offsets(rd, rv, DV)
@@ -94,22 +134,25 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, s_init, a_init, s_final, a_final, N
         b_x = tl.load(x_buf + base * D * DV + xv)
         tl.store(p_s, b_s)
         tl.store(p_a, b_a)
-        b_a += tl.dot(b_s, b_x, input_precision=PREC) + b_da
-        b_s += b_ds
+        gamma = _chunk_gamma(i_c, T, lg, C)
+        b_a = gamma * gamma * b_a + tl.dot(b_s, b_x, input_precision=PREC) + b_da
+        b_s = gamma * b_s + b_ds
     if STORE_FINAL:
         tl.store(s_final + i_bh.to(tl.int64) * D * D + sd, b_s)
         tl.store(a_final + i_bh.to(tl.int64) * D * DV + sv, b_a)
 
 
 @triton.jit
-def grad_scan_kernel(qdo_buf, z_buf, x_buf, gs_final, ga_final, gs_init, ga_init, NT: tl.constexpr,
-                     D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, ga_init, T,
+                     NT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     C: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
                      HAS_FINAL_GRAD: tl.constexpr, STORE_INIT_GRAD: tl.constexpr,
                      PREC: tl.constexpr):
     """Reverse scan of the state gradients. With gA, gS the gradients w.r.t. a chunk's
-    outgoing state: incoming gA = gA + Q^T dO, incoming gS = gS + Z + gA X^T. Each chunk's
-    outgoing (gS, gA) overwrite its (Z, Q^T dO) slots. Grid (D // BD, B*H)."""
+    outgoing state: incoming gA = G^2 gA + Q^T b^2 dO, incoming gS = G gS + Z + gA X^T.
+    Each chunk's outgoing (gS, gA) overwrite its (Z, Q^T b^2 dO) slots. Grid (D // BD, B*H)."""
     i_r, i_bh = tl.program_id(0), tl.program_id(1)
+    lg = _log2_decay(log2g, i_bh % H, HAS_DECAY)
     rr, rd, rv = i_r * BD + tl.arange(0, BD), tl.arange(0, D), tl.arange(0, DV)
     sd, sv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
     xv = _mat_offsets(rd, rv, DV)
@@ -120,29 +163,31 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, gs_final, ga_final, gs_init, ga_init
         b_gs = tl.zeros([BD, D], dtype=tl.float32)
         b_ga = tl.zeros([BD, DV], dtype=tl.float32)
     for i in range(NT):
-        base = (i_bh * NT + NT - 1 - i).to(tl.int64)
+        i_c = NT - 1 - i
+        base = (i_bh * NT + i_c).to(tl.int64)
         p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
         b_z, b_qdo = tl.load(p_z), tl.load(p_qdo)
         b_x = tl.load(x_buf + base * D * DV + xv)
         tl.store(p_z, b_gs)
         tl.store(p_qdo, b_ga)
-        b_gs += b_z + tl.dot(b_ga, tl.trans(b_x), input_precision=PREC)
-        b_ga += b_qdo
+        gamma = _chunk_gamma(i_c, T, lg, C)
+        b_gs = gamma * b_gs + b_z + tl.dot(b_ga, tl.trans(b_x), input_precision=PREC)
+        b_ga = gamma * gamma * b_ga + b_qdo
     if STORE_INIT_GRAD:
         tl.store(gs_init + i_bh.to(tl.int64) * D * D + sd, b_gs)
         tl.store(ga_init + i_bh.to(tl.int64) * D * DV + sv, b_ga)
 
 
 @triton.jit
-def chunk_output_kernel(q, k, v, s_buf, a_buf, o, T, NT,
+def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, o, T, NT,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                        BV: tl.constexpr, PREC: tl.constexpr):
-    """O = Q A0 + (L * (Q S0 Q^T + W W^T)) V for one chunk and a BV-wide slice of the
-    values. Grid (DV // BV, NT, B*H)."""
+                        BV: tl.constexpr, HAS_DECAY: tl.constexpr, PREC: tl.constexpr):
+    """O = b^2 (Q A0) + (Dm * (b (Q S0 Q^T) + Wd W^T)) V for one chunk and a BV-wide slice
+    of the values. Grid (DV // BV, NT, B*H)."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
-    causal = tl.arange(0, C)[:, None] >= tl.arange(0, C)[None, :]
+    causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
     rd, rv = tl.arange(0, D), i_v * BV + tl.arange(0, BV)
     base = (i_bh * NT + i_c).to(tl.int64)
     b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
@@ -153,31 +198,32 @@ def chunk_output_kernel(q, k, v, s_buf, a_buf, o, T, NT,
     b_s = tl.load(s_buf + base * D * D + _mat_offsets(rd, rd, D)).to(dt)
     b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
 
-    b_o = tl.dot(b_q, b_a, input_precision=PREC)
-    b_qs = tl.dot(b_q, b_s, input_precision=PREC).to(dt)
-    b_w = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0).to(dt)
+    b_o = tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
+    b_qs = tl.dot((b_q * b[:, None]).to(dt), b_s, input_precision=PREC).to(dt)
+    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    b_w = tl.where(causal, b_qk, 0.0).to(dt)
     b_m = tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
-    b_m += tl.dot(b_w, tl.trans(b_w), input_precision=PREC)
-    b_m = tl.where(causal, b_m, 0.0).to(dt)
-    b_o += tl.dot(b_m, b_v, input_precision=PREC)
+    b_m += tl.dot((b_qk * dm).to(dt), tl.trans(b_w), input_precision=PREC)
+    b_o += tl.dot((b_m * dm).to(dt), b_v, input_precision=PREC)
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
 
 
 @triton.jit
-def chunk_grads_kernel(q, k, v, do, s_buf, a_buf, gs_buf, ga_buf, dq, dk, dv, T, NT,
+def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk, dv, T, NT,
                        H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                       PREC: tl.constexpr):
+                       HAS_DECAY: tl.constexpr, PREC: tl.constexpr):
     """Local gradients of one chunk given its carried state (S0, A0) and the gradients
-    (gS, gA) w.r.t. its outgoing state. With P = L * (dO V^T), M = L * (Q S0 Q^T + W W^T):
-        dV = M^T dO + Q S0 gA + W K gA
-        dW = L * ((P + P^T) W + V gA^T K^T)
-        dQ = dO A0^T + ((P + P^T) Q + V gA^T) S0 + dW K
-        dK = dW^T Q + W^T V gA^T + K (gS + gS^T)
+    (gS, gA) w.r.t. its outgoing state. With P = Dm * (dO V^T), Pb = b * P,
+    M = Dm * (b Q S0 Q^T + Wd W^T), and Gr the gradient w.r.t. Q K^T:
+        Gr = Dm * (P W) + L * (P^T Wd + E V gA^T K^T E)
+        dV = M^T dO + G E Q S0 gA + E W E K gA
+        dQ = b^2 dO A0^T + ((Pb + Pb^T) Q + G E V gA^T) S0 + Gr K
+        dK = Gr^T Q + E W^T E V gA^T + E K (gS + gS^T)
     (S0 symmetric, as every state built from k k^T is). Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
-    causal = tl.arange(0, C)[:, None] >= tl.arange(0, C)[None, :]
+    causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
     rd, rv = tl.arange(0, D), tl.arange(0, DV)
     dd, dvo = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
     base = (i_bh * NT + i_c).to(tl.int64)
@@ -188,38 +234,43 @@ def chunk_grads_kernel(q, k, v, do, s_buf, a_buf, gs_buf, ga_buf, dq, dk, dv, T,
     dt = b_q.dtype
     b_s = tl.load(s_buf + base * D * D + dd).to(dt)
     b_ga = tl.load(ga_buf + base * D * DV + dvo).to(dt)
+    b_ve = (b_v * e[:, None]).to(dt)
 
-    b_w = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0).to(dt)
-    b_p = tl.where(causal, tl.dot(b_do, tl.trans(b_v), input_precision=PREC), 0.0)
-    b_pp = (b_p + tl.trans(b_p)).to(dt)
-    b_qs = tl.dot(b_q, b_s, input_precision=PREC).to(dt)
-    b_m = tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
-    b_m += tl.dot(b_w, tl.trans(b_w), input_precision=PREC)
-    b_m = tl.where(causal, b_m, 0.0).to(dt)
-    b_kga = tl.dot(b_k, b_ga, input_precision=PREC).to(dt)
+    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    b_w = tl.where(causal, b_qk, 0.0).to(dt)
+    b_wd = (b_qk * dm).to(dt)
+    b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm
+    b_pb = b_p * b[:, None]
+    b_qs = tl.dot(b_q, b_s, input_precision=PREC)
+    b_m = tl.dot((b_qs * b[:, None]).to(dt), tl.trans(b_q), input_precision=PREC)
+    b_m += tl.dot(b_wd, tl.trans(b_w), input_precision=PREC)
+    b_m = (b_m * dm).to(dt)
+    b_kga = tl.dot((b_k * e[:, None]).to(dt), b_ga, input_precision=PREC).to(dt)
 
     b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
-    b_dv += tl.dot(b_qs, b_ga, input_precision=PREC)
-    b_dv += tl.dot(b_w, b_kga, input_precision=PREC)
+    b_dv += tl.dot((b_qs * (gamma * e)[:, None]).to(dt), b_ga, input_precision=PREC)
+    b_dv += tl.dot(b_w, b_kga, input_precision=PREC) * e[:, None]
     _store_tokens(dv, b_dv, i_b, i_h, t, T, H, DV)
 
-    b_dw = tl.dot(b_pp, b_w, input_precision=PREC)
-    b_dw += tl.dot(b_v, tl.trans(b_kga), input_precision=PREC)
-    b_dw = tl.where(causal, b_dw, 0.0).to(dt)
-    b_r = tl.dot(b_pp, b_q, input_precision=PREC)
-    b_r += tl.dot(b_v, tl.trans(b_ga), input_precision=PREC)
+    b_p = b_p.to(dt)
+    b_gr = tl.dot(b_p, b_w, input_precision=PREC) * dm
+    b_gr += tl.where(causal, tl.dot(tl.trans(b_p), b_wd, input_precision=PREC)
+                     + tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC), 0.0)
+    b_gr = b_gr.to(dt)
+    b_r = tl.dot((b_pb + tl.trans(b_pb)).to(dt), b_q, input_precision=PREC)
+    b_r += gamma * tl.dot(b_ve, tl.trans(b_ga), input_precision=PREC)
     b_a = tl.load(a_buf + base * D * DV + dvo).to(dt)
-    b_dq = tl.dot(b_do, tl.trans(b_a), input_precision=PREC)
+    b_dq = tl.dot(b_do, tl.trans(b_a), input_precision=PREC) * (b * b)[:, None]
     b_dq += tl.dot(b_r.to(dt), b_s, input_precision=PREC)
-    b_dq += tl.dot(b_dw, b_k, input_precision=PREC)
+    b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
     _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
 
     b_gs = tl.load(gs_buf + base * D * D + dd)
     b_gs = (b_gs + tl.trans(b_gs)).to(dt)
-    b_wtv = tl.dot(tl.trans(b_w), b_v, input_precision=PREC).to(dt)
-    b_dk = tl.dot(tl.trans(b_dw), b_q, input_precision=PREC)
-    b_dk += tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
-    b_dk += tl.dot(b_k, b_gs, input_precision=PREC)
+    b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
+    b_dk = tl.dot(tl.trans(b_gr), b_q, input_precision=PREC)
+    b_dk += (tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
+             + tl.dot(b_k, b_gs, input_precision=PREC)) * e[:, None]
     _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
 
 
