@@ -97,7 +97,8 @@ def test_paper_and_masked_decay_differ_below_one_and_agree_at_one():
     assert rel_err(o_paper, o_masked) < 1e-12 and rel_err(o_plain, o_masked) < 1e-12
 
 
-@pytest.mark.parametrize("decay_form,masked", [("masked", True), ("paper", True), ("masked", False)])
+@pytest.mark.parametrize("decay_form,masked",
+                         [("masked", True), ("paper", True), ("masked", False)])
 def test_float32_forms_agree(decay_form, masked):
     q, k, v = make_inputs(33, dtype=torch.float32, d=8, dv=8)
     opts = dict(masked=masked, decay=0.9, decay_form=decay_form, ridge=0.2,
@@ -230,7 +231,7 @@ def _error_cases():
         (good, dict(eps=0.0), "eps"),
         (good, dict(ridge=-1.0), "ridge"),
         (good, dict(initial_state={"S": state["S"]}), r"initial_state must be a dict with keys"),
-        (good, dict(initial_state=state, normalize=True), r"initial_state must be a dict with keys"),
+        (good, dict(initial_state=state, normalize=True), "initial_state must be a dict with keys"),
         (good, dict(initial_state=dict(state, A=state["A"][..., :2])), r"initial_state\['A'\]"),
         (good, dict(impl="triton"), "impl='triton'"),
         (dict(good, k=k[:, :, :1], v=v[:, :, :1]), dict(decay=torch.tensor([0.9, 0.8])),

@@ -71,6 +71,38 @@ def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | N
                                              decay_form=decay_form, decay=decay)
 
 
+def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
+    """impl="triton" is checked (ValueError with the reason); "auto" takes Triton on CUDA when
+    the kernels support the inputs, else `fallback`."""
+    if impl == "triton":
+        reason = _triton_unsupported(q, k, v, **triton_args)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
+    elif impl == "auto":
+        use_triton = q.is_cuda and _triton_unsupported(q, k, v, **triton_args) is None
+        impl = "triton" if use_triton else fallback
+    return impl
+
+
+def _prepare(q, k, v, state, state_name, *, masked, normalize, eps, ridge, decay, decay_form):
+    """Validate the options; return (form, decay [H] | None, checked state | None, packed
+    start state, decay for the torch forms: [1] under multi-query)."""
+    B, _, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
+    check_choice("decay_form", decay_form, DECAY_FORMS)
+    _check_scalars(eps, ridge)
+    kv_heads, dtype = k.shape[2], compute_dtype(q.dtype)
+    g = _check_decay(decay, H, kv_heads, q.device)
+    form = operator_form(masked, g, decay_form)
+    shapes = state_shapes(form, normalize, ridge, B, H, kv_heads, D, Dv)
+    state = _check_state(state, shapes, dtype, q.device, state_name)
+    packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
+        if state is None else pack(state, form, normalize, ridge)
+    g = None if g is None else g.to(dtype)
+    # multi-query decay is uniform (checked), and one value keeps the shared S at one head
+    g_torch = g[:1] if g is not None and kv_heads == 1 else g
+    return form, g, state, packed, g_torch
+
+
 def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None,
          decay_form="masked", impl="auto", chunk_size=64, initial_state=None,
          output_final_state=False):
@@ -79,38 +111,20 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     k, v may have one head shared by all query heads (multi-query). See state.py for the state
     keys each option set carries, and naive.py for the exact sums every impl computes.
     """
-    B, T, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
     check_choice("impl", impl, IMPLS)
-    check_choice("decay_form", decay_form, DECAY_FORMS)
     check_chunk_size(chunk_size)
-    _check_scalars(eps, ridge)
-    kv_heads = k.shape[2]
-    dtype = compute_dtype(q.dtype)
-    g = _check_decay(decay, H, kv_heads, q.device)
-    form = operator_form(masked, g, decay_form)
-    shapes = state_shapes(form, normalize, ridge, B, H, kv_heads, D, Dv)
-    state = _check_state(initial_state, shapes, dtype, q.device, "initial_state")
-    g = None if g is None else g.to(dtype)
-
-    triton_args = dict(masked=masked, ridge=ridge, decay_form=decay_form, decay=g)
-    if impl == "triton":
-        reason = _triton_unsupported(q, k, v, **triton_args)
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
-    elif impl == "auto":
-        use_triton = q.is_cuda and _triton_unsupported(q, k, v, **triton_args) is None
-        impl = "triton" if use_triton else "chunk"
+    form, g, state, packed, g_torch = _prepare(
+        q, k, v, initial_state, "initial_state", masked=masked, normalize=normalize, eps=eps,
+        ridge=ridge, decay=decay, decay_form=decay_form)
+    impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
+                         decay_form=decay_form, decay=g)
     if impl == "triton":
         from mixers.hla.hla2.triton import hla2_triton
         return hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=g, decay_form=decay_form,
                            chunk_size=chunk_size, initial_state=state,
                            output_final_state=output_final_state)
 
-    packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
-        if state is None else pack(state, form, normalize, ridge)
-    if g is not None and kv_heads == 1:
-        g = g[:1]  # uniform (checked above); keeps the shared S at one head
-    kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g, packed=packed)
+    kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g_torch, packed=packed)
     if impl != "serial":
         kwargs.update(chunk_size=chunk_size, output_final_state=output_final_state)
     o, packed = _FORMS[impl](q, k, v, **kwargs)
@@ -126,39 +140,22 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must have shape [B, H, D], got {got}")
-    q, k, v = q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1)
-    B, _, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
     check_choice("impl", impl, STEP_IMPLS)
-    check_choice("decay_form", decay_form, DECAY_FORMS)
-    _check_scalars(eps, ridge)
-    kv_heads = k.shape[2]
-    dtype = compute_dtype(q.dtype)
-    g = _check_decay(decay, H, kv_heads, q.device)
-    form = operator_form(masked, g, decay_form)
-    shapes = state_shapes(form, normalize, ridge, B, H, kv_heads, D, Dv)
-    state = _check_state(state, shapes, dtype, q.device, "state")
-    g = None if g is None else g.to(dtype)
-    packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
-        if state is None else pack(state, form, normalize, ridge)
-
-    triton_args = dict(masked=masked, ridge=ridge, decay_form=decay_form, decay=g)
-    if impl == "triton":
-        reason = _triton_unsupported(q, k, v, **triton_args)
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
-    elif impl == "auto":
-        use_triton = q.is_cuda and _triton_unsupported(q, k, v, **triton_args) is None
-        impl = "triton" if use_triton else "torch"
+    q, k, v = q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1)
+    form, g, _, packed, g_torch = _prepare(
+        q, k, v, state, "state", masked=masked, normalize=normalize, eps=eps, ridge=ridge,
+        decay=decay, decay_form=decay_form)
+    impl = _resolve_impl(impl, "torch", q, k, v, masked=masked, ridge=ridge,
+                         decay_form=decay_form, decay=g)
     if impl == "triton":
         from mixers.hla.hla2.triton import hla2_step_triton
         return hla2_step_triton(q_t, k_t, v_t, unpack(packed, form, normalize, ridge),
                                 normalize=normalize, eps=eps, decay=g, decay_form=decay_form)
 
-    if g is not None and kv_heads == 1:
-        g = g[:1]
+    dtype = packed["S"].dtype
     v_in = with_ones(v_t.to(dtype)) if normalize else v_t.to(dtype)
     out, packed = step_packed(packed, q_t.to(dtype), k_t.to(dtype), v_in, form=form, ridge=ridge,
-                              g=g)
+                              g=g_torch)
     return finish(out, normalize, eps).to(q_t.dtype), unpack(packed, form, normalize, ridge)
 
 

@@ -112,7 +112,8 @@ def _exclusive_scan(increments, init, log_rho):
         return x.cumsum(2)
     step = 1
     while step < x.shape[2]:
-        x = torch.cat([x[:, :, :step], x[:, :, step:] + torch.exp(step * log_rho) * x[:, :, :-step]], 2)
+        shifted = torch.exp(step * log_rho) * x[:, :, :-step]
+        x = torch.cat([x[:, :, :step], x[:, :, step:] + shifted], 2)
         step *= 2
     return x
 

@@ -27,7 +27,8 @@ def hla2_naive(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, de
         torch.as_tensor(decay, dtype=torch.float64).expand(H)
     g = g.to(q.device).view(H, 1, 1, 1)
 
-    t, i, j = torch.arange(T).view(T, 1, 1), torch.arange(T).view(1, T, 1), torch.arange(T).view(1, 1, T)
+    idx = torch.arange(T)
+    t, i, j = idx.view(T, 1, 1), idx.view(1, T, 1), idx.view(1, 1, T)
     causal = (i <= t) & (j <= t)
     both = g ** ((2 * t - i - j).clamp(min=0)) * causal  # [H, t, i, j]
     if not masked:

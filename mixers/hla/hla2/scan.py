@@ -46,7 +46,8 @@ def _inclusive_scan(seg: dict, dim: int, combine) -> dict:
     length = seg["n"].shape[dim]
     step = 1
     while step < length:
-        merged = combine(_narrow(seg, dim, 0, length - step), _narrow(seg, dim, step, length - step))
+        earlier = _narrow(seg, dim, 0, length - step)
+        merged = combine(earlier, _narrow(seg, dim, step, length - step))
         seg = _cat(_narrow(seg, dim, 0, step), merged, dim)
         step *= 2
     return seg
@@ -111,7 +112,8 @@ def hla2_scan(q, k, v, *, form, normalize, eps, ridge, g, packed, chunk_size,
 
     final = None
     if output_final_state:
-        end = combine(_narrow(carries, 2, num_chunks - 1, 1), _narrow(summaries, 2, num_chunks - 1, 1))
+        last = num_chunks - 1
+        end = combine(_narrow(carries, 2, last, 1), _narrow(summaries, 2, last, 1))
         end = {key: x.flatten(2, 3).squeeze(2) for key, x in end.items()}
         final = {"S": end["S"]}
         if form == "masked":
