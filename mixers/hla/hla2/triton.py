@@ -52,10 +52,13 @@ def _warps(d: int, dv: int) -> int:
     return 8 if max(d, dv) >= 128 else 4
 
 
-def _chunk_buffers(B, H, NT, D, DV, device, n_dd, n_dv):
-    f32 = dict(dtype=torch.float32, device=device)
-    return ([torch.empty(B * H, NT, D, D, **f32) for _ in range(n_dd)]
-            + [torch.empty(B * H, NT, D, DV, **f32) for _ in range(n_dv)])
+def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
+    """Per-chunk [D, D] and [D, DV] buffers: bf16 for bf16 inputs (memory), else fp32
+    (fp16 would overflow: S grows with the sequence length)."""
+    kw = dict(dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32,
+              device=q.device)
+    return ([torch.empty(B * H, NT, D, D, **kw) for _ in range(n_dd)]
+            + [torch.empty(B * H, NT, D, DV, **kw) for _ in range(n_dv)])
 
 
 def _forward(q, k, v, log2g, s0, a0, C, want_final):
@@ -65,7 +68,7 @@ def _forward(q, k, v, log2g, s0, a0, C, want_final):
     prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
     lg = q if log2g is None else log2g
-    ds, x, da = _chunk_buffers(B, H, NT, D, DV, q.device, 1, 2)
+    ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     kern.chunk_increments_kernel[(NT, B * H)](
         q, k, v, q, lg, ds, x, da, x, ds, T, NT, WITH_GRAD=False, num_warps=warps, **shape)
     s1 = a1 = None
@@ -90,7 +93,7 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
     prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
     lg = q if log2g is None else log2g
-    ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q.device, 2, 3)
+    ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q, 2, 3)
     kern.chunk_increments_kernel[(NT, B * H)](
         q, k, v, do, lg, ds, x, da, qdo, z, T, NT, WITH_GRAD=True, num_warps=warps, **shape)
     kern.state_scan_kernel[(D // BD, B * H)](

@@ -15,8 +15,10 @@ computed for all chunks in parallel; a scan over chunks turns them into the carr
 backward pass mirrors this with a reverse scan of the state gradients. Padded positions of
 the last chunk have zero q, k, v and do not decay the state (n counts real tokens only).
 
-Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are fp32
-[B*H, NT, D, D] or [B*H, NT, D, DV]; the scans overwrite the increments with the states.
+Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
+[B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
+anyway; the scans accumulate in fp32) and fp32 otherwise; the scans overwrite the increments
+with the states.
 The scans take the chunk count NT as a compile-time constant (one compile per chunk count):
 the Triton interpreter cannot loop over a runtime bound with numpy 2.
 """
@@ -92,20 +94,23 @@ def chunk_increments_kernel(q, k, v, do, log2g, ds_buf, x_buf, da_buf, qdo_buf, 
     rd, rv = tl.arange(0, D), tl.arange(0, DV)
     dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
 
-    tl.store(ds_buf + base * D * D + dd, tl.dot(tl.trans(b_ke), b_k, input_precision=PREC))
-    tl.store(x_buf + base * D * DV + dv,
-             gamma * tl.dot(tl.trans(b_q), b_ve, input_precision=PREC))
+    b_ds = tl.dot(tl.trans(b_ke), b_k, input_precision=PREC)
+    tl.store(ds_buf + base * D * D + dd, b_ds.to(ds_buf.dtype.element_ty))
+    b_x = gamma * tl.dot(tl.trans(b_q), b_ve, input_precision=PREC)
+    tl.store(x_buf + base * D * DV + dv, b_x.to(x_buf.dtype.element_ty))
     b_w = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0).to(dt)
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
-    tl.store(da_buf + base * D * DV + dv, tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC))
+    b_da = tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC)
+    tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
     if WITH_GRAD:
         b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
         b_qb2 = (b_q * (b * b)[:, None]).to(dt)
-        tl.store(qdo_buf + base * D * DV + dv,
-                 tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC))
+        b_qdo = tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC)
+        tl.store(qdo_buf + base * D * DV + dv, b_qdo.to(qdo_buf.dtype.element_ty))
         b_pb = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm * b[:, None]
         b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
-        tl.store(z_buf + base * D * D + dd, tl.dot(tl.trans(b_q), b_pq, input_precision=PREC))
+        b_z = tl.dot(tl.trans(b_q), b_pq, input_precision=PREC)
+        tl.store(z_buf + base * D * D + dd, b_z.to(z_buf.dtype.element_ty))
 
 
 @triton.jit
@@ -130,10 +135,10 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
     for i_c in range(NT):
         base = (i_bh * NT + i_c).to(tl.int64)
         p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
-        b_ds, b_da = tl.load(p_s), tl.load(p_a)
-        b_x = tl.load(x_buf + base * D * DV + xv)
-        tl.store(p_s, b_s)
-        tl.store(p_a, b_a)
+        b_ds, b_da = tl.load(p_s).to(tl.float32), tl.load(p_a).to(tl.float32)
+        b_x = tl.load(x_buf + base * D * DV + xv).to(tl.float32)
+        tl.store(p_s, b_s.to(ds_buf.dtype.element_ty))
+        tl.store(p_a, b_a.to(da_buf.dtype.element_ty))
         gamma = _chunk_gamma(i_c, T, lg, C)
         b_a = gamma * gamma * b_a + tl.dot(b_s, b_x, input_precision=PREC) + b_da
         b_s = gamma * b_s + b_ds
@@ -166,10 +171,10 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, 
         i_c = NT - 1 - i
         base = (i_bh * NT + i_c).to(tl.int64)
         p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
-        b_z, b_qdo = tl.load(p_z), tl.load(p_qdo)
-        b_x = tl.load(x_buf + base * D * DV + xv)
-        tl.store(p_z, b_gs)
-        tl.store(p_qdo, b_ga)
+        b_z, b_qdo = tl.load(p_z).to(tl.float32), tl.load(p_qdo).to(tl.float32)
+        b_x = tl.load(x_buf + base * D * DV + xv).to(tl.float32)
+        tl.store(p_z, b_gs.to(z_buf.dtype.element_ty))
+        tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty))
         gamma = _chunk_gamma(i_c, T, lg, C)
         b_gs = gamma * b_gs + b_z + tl.dot(b_ga, tl.trans(b_x), input_precision=PREC)
         b_ga = gamma * gamma * b_ga + b_qdo
@@ -265,7 +270,7 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
     b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
     _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
 
-    b_gs = tl.load(gs_buf + base * D * D + dd)
+    b_gs = tl.load(gs_buf + base * D * D + dd).to(tl.float32)
     b_gs = (b_gs + tl.trans(b_gs)).to(dt)
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
     b_dk = tl.dot(tl.trans(b_gr), b_q, input_precision=PREC)
