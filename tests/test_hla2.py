@@ -279,3 +279,15 @@ def test_triton_impl_is_routed_with_validated_state():
                  initial_state=state, output_final_state=True) for impl in ("triton", "chunk")]
     (o_triton, s_triton), (o_chunk, s_chunk) = outs
     assert rel_err(o_triton, o_chunk) < 1e-4 and state_err(s_triton, s_chunk) < 1e-4
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_step_is_routed():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (x[:, 0].to(device) for x in make_inputs(1, dtype=torch.float32, d=16, dv=16))
+    _, state = hla2_step(q, k, v, impl="torch", normalize=True, decay=0.9)
+    o_torch, s_torch = hla2_step(q, k, v, {key: x.clone() for key, x in state.items()},
+                                 impl="torch", normalize=True, decay=0.9)
+    o_triton, s_triton = hla2_step(q, k, v, state, impl="triton", normalize=True, decay=0.9)
+    assert rel_err(o_triton, o_torch) < 1e-4 and state_err(s_triton, s_torch) < 1e-4

@@ -142,15 +142,15 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
             raise ValueError(f"{name} must have shape [B, H, D], got {got}")
     check_choice("impl", impl, STEP_IMPLS)
     q, k, v = q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1)
-    form, g, _, packed, g_torch = _prepare(
+    form, g, state, packed, g_torch = _prepare(
         q, k, v, state, "state", masked=masked, normalize=normalize, eps=eps, ridge=ridge,
         decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "torch", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
     if impl == "triton":
         from mixers.hla.hla2.triton import hla2_step_triton
-        return hla2_step_triton(q_t, k_t, v_t, unpack(packed, form, normalize, ridge),
-                                normalize=normalize, eps=eps, decay=g, decay_form=decay_form)
+        return hla2_step_triton(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,
+                                decay_form=decay_form)
 
     dtype = packed["S"].dtype
     v_in = with_ones(v_t.to(dtype)) if normalize else v_t.to(dtype)

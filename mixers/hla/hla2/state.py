@@ -61,7 +61,7 @@ def unpack(packed: dict, form: str, normalize: bool, ridge: float) -> dict:
     for key in value_keys(form, ridge):
         x = packed[key]
         if normalize:
-            state[key], state[_TWIN[key]] = x[..., :-1], x[..., -1]
+            state[key], state[_TWIN[key]] = x[..., :-1].contiguous(), x[..., -1].contiguous()
         else:
             state[key] = x
     return state
