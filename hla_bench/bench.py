@@ -55,10 +55,11 @@ def list_(as_json: bool) -> None:
 
 
 def _check(sweeps: list[SweepConfig]) -> None:
-    """Usage errors for unknown mixers or options, before anything runs."""
+    """Usage errors for unknown mixers or options or an absent device, before anything runs."""
     for sweep in sweeps:
         try:
             sweep.check_mixers()
+            sweep.check_device()
         except ValueError as error:
             raise click.UsageError(str(error)) from None
 

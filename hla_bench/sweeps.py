@@ -248,6 +248,16 @@ class SweepConfig:
         for spec in self.mixers:
             registry.get(spec.name).resolve_options(spec.options)
 
+    def check_device(self) -> None:
+        """A malformed device, or CUDA asked for where there is none, raises ValueError."""
+        try:
+            device = torch.device(self.resolved_device())
+        except RuntimeError as error:
+            raise ValueError(f"sweep {self.name!r}: bad device {self.device!r} ({error})") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"sweep {self.name!r}: device {self.device!r} asked for, "
+                             "but CUDA is not available here")
+
 
 def parse_config(data: Mapping[str, Any]) -> list[SweepConfig]:
     """A config file's contents: one sweep, or `sweeps:` whose entries override top-level keys.
@@ -442,9 +452,9 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
             cotangent = _random((batch, point.seq_len, heads, value_dim), device, dtype, generator)
 
             def call() -> Any:
-                q.grad = k.grad = v.grad = None
                 out, _ = op(q, k, v)
                 out.backward(cotangent)
+                q.grad = k.grad = v.grad = None  # so the memory before each call is the inputs
         else:
             def call() -> Any:
                 with torch.no_grad():

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -68,6 +69,7 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
     (["--mixers", "fake-fast", "--baseline", "sdpa"], "baseline 'sdpa'"),
     (["--mixers", "fake-fast", "--batch", "2", "--tokens-per-batch", "8"], "not both"),
     (["--mixers", "fake-fast", "--json", "--yaml"], "not both"),
+    (["--mixers", "fake-fast", "--device", "gpu7"], "bad device 'gpu7'"),
 ])
 def test_bench_usage_errors_exit_2_without_traceback(runner, fake_mixers, tmp_path, args, message):
     result = runner.invoke(main, ["bench", *args, "--out", str(tmp_path / "r.yaml")])
@@ -107,6 +109,12 @@ def test_run_bad_config_exit_2(runner, fake_mixers, tmp_path):
     config.write_text("mixers: [fake-fast]\nseq_lens: [64]\nrepeat: 3\n")
     result = runner.invoke(main, ["run", str(config)])
     assert result.exit_code == 2 and "unknown sweep key 'repeat'" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is absent")
+def test_cuda_config_without_cuda_exit_2(runner):
+    result = runner.invoke(main, ["run", str(bench.CONFIG_DIR / "h200.yaml")])
+    assert result.exit_code == 2 and "CUDA is not available" in result.output
 
 
 def test_shipped_configs_parse_and_name_registered_mixers():
