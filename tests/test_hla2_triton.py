@@ -95,7 +95,7 @@ def check_against_reference(q, k, v, *, chunk_size, initial_state=None, normaliz
         assert rel(a, b) < grad_tol, name
 
 
-@pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (130, 32, 32, 16)])
+@pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (100, 32, 32, 16)])
 def test_matches_reference_fp32(T, chunk_size, D, Dv):
     q, k, v = make_inputs(2, T, 2, D, Dv, torch.float32)
     check_against_reference(q, k, v, chunk_size=chunk_size)
@@ -166,10 +166,15 @@ def test_unsupported_reasons():
     q24 = torch.zeros(1, 8, 2, 24, device=DEVICE)
     assert "head dims" in triton_unsupported_reason(q24, q24, v, **kw)
     assert "float" in triton_unsupported_reason(q.double(), k.double(), v.double(), **kw)
-    with pytest.raises(ValueError, match="multi-query"):
-        hla2_triton(q, k[:, :, :1], v[:, :, :1], normalize=False, eps=1e-6, decay=None,
-                    decay_form="masked", chunk_size=16, initial_state=None,
-                    output_final_state=False)
+    g = torch.tensor([0.9, 0.9], device=DEVICE)
+    assert triton_unsupported_reason(q, k, v, **{**kw, "decay": g}) is None
+    assert "paper" in triton_unsupported_reason(q, k, v, **{**kw, "decay": g,
+                                                           "decay_form": "paper"})
+    k3 = torch.zeros(1, 8, 3, 16, device=DEVICE)
+    assert "heads" in triton_unsupported_reason(q, k3, k3, **kw)
+    with pytest.raises(ValueError, match="paper"):
+        hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=g, decay_form="paper",
+                    chunk_size=16, initial_state=None, output_final_state=False)
 
 
 @pytest.mark.parametrize("normalize, decay", [(False, None), (True, None),
@@ -210,3 +215,45 @@ def test_masked_decay_matches_reference(decay, normalize, with_state):
     state = random_state(1, 2, 16, 32, normalize) if with_state else None
     check_against_reference(q, k, v, chunk_size=16, normalize=normalize, eps=1e-3,
                             decay=torch.tensor(decay, device=DEVICE), initial_state=state)
+
+
+def test_multi_query_shares_k_v_and_S():
+    B, T, H, D, Dv = 1, 40, 3, 16, 16
+    q, _, _ = make_inputs(B, T, H, D, Dv, torch.float32, seed=12)
+    _, k, v = make_inputs(B, T, 1, D, Dv, torch.float32, seed=13)
+    s0 = random_state(B, 1, D, Dv, seed=14)["S"]
+    a0 = random_state(B, H, D, Dv, seed=15)["A"]
+    o, final = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None, decay_form="masked",
+                           chunk_size=16, initial_state={"S": s0, "A": a0},
+                           output_final_state=True)
+    kh, vh = k.expand(B, T, H, D), v.expand(B, T, H, Dv)
+    ref_o, ref_final = reference(q, kh, vh, {"S": s0.expand(B, H, D, D), "A": a0})
+    ref_final["S"] = ref_final["S"][:, :1]
+    assert final["S"].shape == (B, 1, D, D)
+    assert rel(o, ref_o) < 1e-4
+    for key in ref_final:
+        assert rel(final[key], ref_final[key]) < 1e-4, key
+    leaves = (q, k, v, s0, a0)
+    got = grads(weighted_loss(o, final), leaves)
+    want = grads(weighted_loss(ref_o, ref_final), leaves)
+    for name, a, b in zip(["q", "k", "v", "S", "A"], got, want):
+        assert rel(a, b) < 1e-4, name
+
+
+def test_multi_query_decode_step():
+    B, T, H, D, Dv = 2, 5, 3, 16, 32
+    q, _, _ = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=16))
+    _, k, v = (x.detach() for x in make_inputs(B, T, 1, D, Dv, torch.float32, seed=17))
+    g = torch.full((H,), 0.8, device=DEVICE)
+    state = {"S": random_state(B, 1, D, Dv)["S"].detach(),
+             "A": random_state(B, H, D, Dv)["A"].detach()}
+    ref_o, ref_final = reference(q, k.expand(B, T, H, D), v.expand(B, T, H, Dv),
+                                 {"S": state["S"].expand(B, H, D, D), "A": state["A"]}, decay=g)
+    outs = []
+    for t in range(T):
+        o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, normalize=False,
+                                      eps=1e-6, decay=g, decay_form="masked")
+        outs.append(o_t)
+    assert rel(torch.stack(outs, 1), ref_o) < 1e-4
+    assert rel(state["S"], ref_final["S"][:, :1]) < 1e-4
+    assert rel(state["A"], ref_final["A"]) < 1e-4

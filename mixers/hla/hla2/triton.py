@@ -36,8 +36,8 @@ def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> s
         return f"the Triton kernels need a CUDA device (got {q.device}) or TRITON_INTERPRET=1"
     if q.dtype not in DTYPES:
         return f"the Triton kernels support float16, bfloat16 and float32, got {q.dtype}"
-    if k.shape[2] != q.shape[2]:
-        return "the Triton kernels do not implement multi-query (k, v with one shared head)"
+    if k.shape[2] not in (1, q.shape[2]):
+        return f"k and v must have {q.shape[2]} heads or one shared head, got {k.shape[2]}"
     if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
         return (f"the Triton kernels need head dims in {HEAD_DIMS}, got D={q.shape[-1]}, "
                 f"Dv={v.shape[-1]}")
@@ -161,16 +161,19 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
         raise ValueError(reason)
     B, T, H, D = q.shape
     C = _chunk(chunk_size)
+    shared_kv = k.shape[2] == 1 and H > 1
+    if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
+        k, v = k.expand(B, T, H, D), v.expand(B, T, H, v.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     s0 = a0 = a_den0 = None
     if initial_state is not None:
-        s0 = initial_state["S"].float().contiguous()
+        s0 = initial_state["S"].float().expand(B, H, D, D).contiguous()
         a0 = initial_state["A"].float().contiguous()
         if normalize:
             a_den0 = initial_state["a"].float().unsqueeze(-1).expand(B, H, D, 16).contiguous()
     log2g = None if decay is None else torch.log2(decay.float()).contiguous()
     o, s1, a1 = _masked_op(q, k, v, s0, a0, log2g, C, output_final_state)
-    final = {"S": s1, "A": a1} if output_final_state else None
+    final = {"S": s1[:, :1].contiguous() if shared_kv else s1, "A": a1} if output_final_state else None
     if normalize:
         ones = q.new_ones(B, T, H, 16)
         den, _, a_den1 = _masked_op(q, k, ones, s0, a_den0, log2g, C,
@@ -202,16 +205,21 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
     B, H, D = q_t.shape
     DV = v_t.shape[-1]
     if state is None:
-        state = {"S": q_t.new_zeros(B, H, D, D, dtype=torch.float32),
+        state = {"S": q_t.new_zeros(B, k_t.shape[1], D, D, dtype=torch.float32),
                  "A": q_t.new_zeros(B, H, D, DV, dtype=torch.float32)}
         if normalize:
             state["a"] = q_t.new_zeros(B, H, D, dtype=torch.float32)
     s, a = _state_tensor(state, "S"), _state_tensor(state, "A")
     a_den = _state_tensor(state, "a") if normalize else a
     g = a if decay is None else decay.float().contiguous()
+    shared_kv = k_t.shape[1] == 1 and H > 1
+    if shared_kv:  # one S for all heads: update it once here (decay is equal across heads)
+        if decay is not None:
+            s.mul_(decay[0])
+        s.add_(k_t.float().unsqueeze(-1) * k_t.float().unsqueeze(-2))
     o = q_t.new_empty(B, H, DV)
     kern.decode_step_kernel[(B * H,)](
         q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), s, a, a_den, g, o, eps, H=H,
         D=D, DV=DV, BV=min(DV, 32), HAS_DECAY=decay is not None, NORMALIZE=normalize,
-        num_warps=4)
+        SHARED_KV=shared_kv, num_warps=4)
     return o, state
