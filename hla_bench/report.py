@@ -30,7 +30,7 @@ def _format_value(metric: str, value: float) -> str:
     if metric == "memory":
         return format_bytes(value)
     if metric == "tflops":
-        return f"{value:.2f}"
+        return f"{value:.3g}"
     return f"{value:.3f}" if value < 10 else f"{value:,.1f}"
 
 
@@ -169,9 +169,11 @@ def comparison_table(rows: list[dict[str, Any]], old_name: str, new_name: str,
 def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """One PNG per (sweep, mode): time vs T and peak memory vs T, log-log, a line per mixer.
 
-    Points that did not run are drawn as an `x` on the bottom edge at their T.
+    Points that did not run are drawn as an `x` near the bottom edge at their T (staggered
+    by mixer so they do not hide each other).
     """
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -197,12 +199,17 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 failed = [p["seq_len"] for p in mine if p["status"] != "ok"]
                 if failed:
                     any_failed = True
-                    ax.plot(failed, [0.03] * len(failed), "x", color=color, markersize=9,
+                    ax.plot(failed, [0.03 + 0.03 * index] * len(failed), "x", color=color, markersize=9,
                             transform=ax.get_xaxis_transform(), clip_on=False,
                             label=None if ran else f"{label} (did not run)")
             ax.set_xscale("log", base=2)
+            seq_lens = sorted({p["seq_len"] for p in points})
+            ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
             if plotted:
                 ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("sequence length T")
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
