@@ -136,7 +136,7 @@ def with_output_options(command):
 @click.option("--head-dim", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--value-dim", type=click.IntRange(min=1), help="Default: head dim.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
-@click.option("--modes", default="fwd,fwdbwd", show_default=True, help=f"Some of {','.join(MODES)}.")
+@click.option("--modes", default="fwd,fwdbwd,decode", show_default=True, help=f"Some of {','.join(MODES)}.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
