@@ -58,7 +58,8 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
     assert result.exit_code == 0, result.output
     stdout = result.stdout
     data = json.loads(stdout)
-    assert data["kind"] == "bench" and [p["status"] for p in data["points"]] == ["ok", "ok"]
+    assert data["kind"] == "bench"
+    assert [(p["mode"], p["status"]) for p in data["points"]] == [("fwd", "ok"), ("fwdbwd", "ok"), ("decode", "ok")]
 
 
 @pytest.mark.parametrize("args, message", [
