@@ -235,7 +235,8 @@ def _render_recall(data: dict[str, Any], console: Console, plots: Path | None) -
     accepted = inspect.signature(render_recall).parameters
     extra = {name: value for name, value in (("console", console), ("plots_dir", plots))
              if name in accepted}
-    render_recall(data, **extra)
+    for written in render_recall(data, **extra) or []:
+        console.print(f"wrote {written}")
 
 
 @click.command()
