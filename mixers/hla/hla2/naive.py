@@ -27,7 +27,7 @@ def hla2_naive(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, de
         torch.as_tensor(decay, dtype=torch.float64).expand(H)
     g = g.to(q.device).view(H, 1, 1, 1)
 
-    idx = torch.arange(T)
+    idx = torch.arange(T, device=q.device)
     t, i, j = idx.view(T, 1, 1), idx.view(1, T, 1), idx.view(1, 1, T)
     causal = (i <= t) & (j <= t)
     both = g ** ((2 * t - i - j).clamp(min=0)) * causal  # [H, t, i, j]
@@ -41,7 +41,7 @@ def hla2_naive(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, de
     qk = q @ k.transpose(-1, -2)  # [B, H, x, i] = q_x . k_i
     out = torch.einsum("bhti,bhji,htij,bhjv->bhtv", qk, qk, weight, v)
     if ridge:
-        tt, jj = torch.arange(T).view(T, 1), torch.arange(T).view(1, T)
+        tt, jj = idx.view(T, 1), idx.view(1, T)
         lin = g.view(H, 1, 1) ** (tt - jj).clamp(min=0) * (jj <= tt)
         out = out + ridge * torch.einsum("bhtj,htj,bhjv->bhtv", q @ q.transpose(-1, -2), lin, v)
     if normalize:
