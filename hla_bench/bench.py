@@ -70,6 +70,31 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
     _check(sweeps)
     errors = Console(stderr=True)
     started = time.perf_counter()
+    devices = sorted({s.resolved_device() for s in sweeps})
+    environment = results_io.capture_environment(",".join(devices))
+    path = Path(out) if out else results_io.default_path()
+
+    def save(points: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+        data = results_io.make_results(config, [s.to_dict() for s in sweeps], points,
+                                       {**environment, "complete": complete})
+        data["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
+        try:
+            results_io.save(data, path)
+        except OSError as error:
+            raise click.ClickException(f"cannot write {path}: {error}")
+        return data
+
+    def on_record(records: list[dict[str, Any]]) -> None:
+        """Keep the file current (a killed sweep leaves its finished points); without a
+        terminal the progress bar is silent, so log one line per point instead."""
+        save(records, complete=False)
+        if not errors.is_terminal:
+            r = records[-1]
+            time_ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") is not None else ""
+            errors.print(f"[{len(records)}] {r['sweep']} {r['mixer']} {r['mode']} "
+                         f"T={r['seq_len']} {r['status']} {time_ms} {r.get('reason') or ''}",
+                         highlight=False, soft_wrap=True)
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=errors, transient=True) as progress:
         task = progress.add_task("sweep", total=None)
@@ -77,17 +102,9 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
         def on_point(index: int, total: int, point) -> None:
             progress.update(task, completed=index, total=total, description=point.describe())
 
-        points = run_sweeps(sweeps, on_point)
+        points = run_sweeps(sweeps, on_point, on_record)
         progress.update(task, completed=len(points))
-    devices = sorted({s.resolved_device() for s in sweeps})
-    data = results_io.make_results(config, [s.to_dict() for s in sweeps], points,
-                                   results_io.capture_environment(",".join(devices)))
-    data["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
-    path = Path(out) if out else results_io.default_path()
-    try:
-        results_io.save(data, path)
-    except OSError as error:
-        raise click.ClickException(f"cannot write {path}: {error}")
+    data = save(points, complete=True)
     if output_format == "json":
         click.echo(json.dumps(data, indent=2, default=str))
     elif output_format == "yaml":

@@ -529,8 +529,11 @@ def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = Non
 
 
 def run_sweeps(sweeps: list[SweepConfig],
-               on_point: Callable[[int, int, Point], None] | None = None) -> list[dict[str, Any]]:
-    """Run every planned point; `on_point(index, total, point)` is called before each."""
+               on_point: Callable[[int, int, Point], None] | None = None,
+               on_record: Callable[[list[dict[str, Any]]], None] | None = None,
+               ) -> list[dict[str, Any]]:
+    """Run every planned point; `on_point(index, total, point)` is called before each and
+    `on_record(records_so_far)` after each (to save partial results of a long sweep)."""
     points = plan(sweeps)
     oom_at: dict[tuple[str, str, str], int] = {}
     records = []
@@ -538,6 +541,8 @@ def run_sweeps(sweeps: list[SweepConfig],
         if on_point is not None:
             on_point(index, len(points), point)
         records.append(run_point(point, oom_at))
+        if on_record is not None:
+            on_record(records)
     return records
 
 
