@@ -1,0 +1,111 @@
+"""Render recall results (`kind: recall` YAML): a table per task setting and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tasks.train import summarize
+
+
+def accuracy_style(score: float | None) -> str:
+    if score is None:
+        return "red"
+    return "bold green" if score > 0.99 else "green" if score > 0.9 else "yellow" if score > 0.5 else "red"
+
+
+def format_bytes(size: int | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+
+
+def setting_table(setting: str, by_mixer: dict) -> Table:
+    """Rows: mixers; columns: d_model, each cell the best accuracy over lrs and its lr."""
+    widths = sorted({int(d) for cells in by_mixer.values() for d in cells})
+    table = Table(title=setting)
+    table.add_column("mixer")
+    for width in widths:
+        table.add_column(f"d={width}\nacc (lr)", justify="right")
+        table.add_column(f"d={width}\nstate", justify="right")
+    for mixer, cells in by_mixer.items():
+        row = [mixer]
+        for width in widths:
+            cell = cells.get(width) or cells.get(str(width))
+            if cell is None:
+                row += ["", ""]
+            elif cell["score"] is None:
+                row += [f"[red]{cell['status']}", "-"]
+            else:
+                style = accuracy_style(cell["score"])
+                row += [f"[{style}]{cell['score']:.3f}[/] ({cell['lr']:g})",
+                        format_bytes(cell.get("state_bytes"))]
+        table.add_row(*row)
+    return table
+
+
+def plot_recall(summary: dict, plots_dir: str | Path) -> list[Path]:
+    """accuracy vs d_model (one panel per setting) and accuracy vs state size (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    settings = list(summary)
+    paths = []
+    for name, x_key, x_label in (("recall_accuracy_vs_d_model.png", "d_model", "d_model"),
+                                 ("recall_accuracy_vs_state.png", "state_bytes",
+                                  "recurrent state per sequence (bytes, log scale)")):
+        figure, axes = plt.subplots(1, len(settings), figsize=(4.5 * len(settings), 3.8),
+                                    squeeze=False, sharey=True)
+        for axis, setting in zip(axes[0], settings):
+            for mixer, cells in summary[setting].items():
+                points = sorted(
+                    (int(d) if x_key == "d_model" else cell.get("state_bytes"), cell["score"])
+                    for d, cell in cells.items()
+                    if cell["score"] is not None and (x_key == "d_model" or cell.get("state_bytes")))
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=mixer)
+            axis.set_title(setting, fontsize=8)
+            axis.set_xlabel(x_label)
+            axis.set_xscale("log", base=2)
+            axis.set_ylim(-0.02, 1.02)
+            axis.grid(alpha=0.3)
+        axes[0][0].set_ylabel("test accuracy (best lr)")
+        axes[0][-1].legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(plots_dir / name, dpi=120)
+        plt.close(figure)
+        paths.append(plots_dir / name)
+    return paths
+
+
+def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None) -> list[Path]:
+    """Print one table per task setting; with `plots_dir`, write the PNG plots there and
+    return their paths."""
+    runs = data.get("runs") or []
+    summary = summarize(runs)
+    env = data.get("environment") or {}
+    config = data.get("config") or {}
+    console.print(f"[bold]recall[/] (schema {data.get('schema_version')}): {len(runs)} runs, "
+                  f"device {config.get('device', '?')}, {data.get('seconds', '?')} s; "
+                  f"torch {env.get('torch', '?')}")
+    for setting, by_mixer in summary.items():
+        console.print(setting_table(setting, by_mixer))
+    failed = [run for run in runs if run.get("status") != "ok"]
+    for run in failed:
+        console.print(f"[red]{run['status']}[/]: {run['mixer']} d={run['d_model']} lr={run['lr']:g} "
+                      f"[{run['setting']}]: {run.get('error', '')}")
+    if plots_dir is None or not summary:
+        return []
+    paths = plot_recall(summary, plots_dir)
+    for path in paths:
+        console.print(f"plot written to {path}")
+    return paths
