@@ -48,8 +48,9 @@ def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _warps(d: int, dv: int) -> int:
-    return 8 if max(d, dv) >= 128 else 4
+# Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
+# increments, output and scan kernels free of spills at D = Dv = 64 (little at 128).
+WARPS, SCAN_ROWS = 8, 16
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -65,7 +66,7 @@ def _forward(q, k, v, log2g, s0, a0, C, want_final):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
-    prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
+    prec, warps, BD = _precision(q.dtype), WARPS, SCAN_ROWS
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
@@ -78,7 +79,7 @@ def _forward(q, k, v, log2g, s0, a0, C, want_final):
     kern.state_scan_kernel[(D // BD, B * H)](
         ds, x, da, lg, ds if s0 is None else s0, da if a0 is None else a0,
         ds if s1 is None else s1, da if a1 is None else a1, T, NT=NT, BD=BD,
-        HAS_INIT=s0 is not None, STORE_FINAL=want_final, num_warps=4, **shape)
+        HAS_INIT=s0 is not None, STORE_FINAL=want_final, num_warps=warps, **shape)
     o = torch.empty_like(v, dtype=q.dtype)
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
@@ -90,7 +91,7 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
-    prec, warps, BD = _precision(q.dtype), _warps(D, DV), min(D, 32)
+    prec, warps, BD = _precision(q.dtype), WARPS, SCAN_ROWS
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
     lg = q if log2g is None else log2g
     ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q, 2, 3)
@@ -98,7 +99,7 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
         q, k, v, do, lg, ds, x, da, qdo, z, T, NT, WITH_GRAD=True, num_warps=warps, **shape)
     kern.state_scan_kernel[(D // BD, B * H)](
         ds, x, da, lg, ds if s0 is None else s0, da if a0 is None else a0, ds, da, T, NT=NT,
-        BD=BD, HAS_INIT=s0 is not None, STORE_FINAL=False, num_warps=4, **shape)
+        BD=BD, HAS_INIT=s0 is not None, STORE_FINAL=False, num_warps=warps, **shape)
     gs0 = ga0 = None
     if want_init_grad:
         gs0 = q.new_empty(B, H, D, D, dtype=torch.float32)
@@ -112,7 +113,7 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
     kern.grad_scan_kernel[(D // BD, B * H)](
         qdo, z, x, lg, z if gs1 is None else gs1, qdo if ga1 is None else ga1,
         z if gs0 is None else gs0, qdo if ga0 is None else ga0, T, NT=NT, BD=BD,
-        HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, num_warps=4, **shape)
+        HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, num_warps=warps, **shape)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kern.chunk_grads_kernel[(NT, B * H)](
         q, k, v, do, lg, ds, da, z, qdo, dq, dk, dv, T, NT, num_warps=warps, **shape)
@@ -139,10 +140,12 @@ class _HLA2Masked(torch.autograd.Function):
         return dq, dk, dv, gs0, ga0, None, None, None
 
 
-def _chunk(chunk_size: int) -> int:
+def _chunk(chunk_size: int, dtype) -> int:
     """The kernels need a power-of-two chunk in [16, 128]; other sizes run with 64 (the
-    result does not depend on the chunk size)."""
-    return chunk_size if chunk_size in CHUNK_SIZES else 64
+    result does not depend on the chunk size). fp32 inputs (exact, non-tensor-core dots)
+    use at most 32, which keeps the D = 128 backward within the shared memory of an H100/H200."""
+    chunk = chunk_size if chunk_size in CHUNK_SIZES else 64
+    return min(chunk, 32) if dtype == torch.float32 else chunk
 
 
 def _masked_op(q, k, v, s0, a0, log2g, chunk_size, want_final):
@@ -160,7 +163,7 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
     if reason is not None:
         raise ValueError(reason)
     B, T, H, D = q.shape
-    C = _chunk(chunk_size)
+    C = _chunk(chunk_size, q.dtype)
     shared_kv = k.shape[2] == 1 and H > 1
     if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
         k, v = k.expand(B, T, H, D), v.expand(B, T, H, v.shape[-1])

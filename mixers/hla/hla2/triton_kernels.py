@@ -136,11 +136,11 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
         base = (i_bh * NT + i_c).to(tl.int64)
         p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
         b_ds, b_da = tl.load(p_s).to(tl.float32), tl.load(p_a).to(tl.float32)
-        b_x = tl.load(x_buf + base * D * DV + xv).to(tl.float32)
+        b_x = tl.load(x_buf + base * D * DV + xv)
         tl.store(p_s, b_s.to(ds_buf.dtype.element_ty))
         tl.store(p_a, b_a.to(da_buf.dtype.element_ty))
         gamma = _chunk_gamma(i_c, T, lg, C)
-        b_a = gamma * gamma * b_a + tl.dot(b_s, b_x, input_precision=PREC) + b_da
+        b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC) + b_da
         b_s = gamma * b_s + b_ds
     if STORE_FINAL:
         tl.store(s_final + i_bh.to(tl.int64) * D * D + sd, b_s)
@@ -172,11 +172,12 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, 
         base = (i_bh * NT + i_c).to(tl.int64)
         p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
         b_z, b_qdo = tl.load(p_z).to(tl.float32), tl.load(p_qdo).to(tl.float32)
-        b_x = tl.load(x_buf + base * D * DV + xv).to(tl.float32)
+        b_x = tl.load(x_buf + base * D * DV + xv)
         tl.store(p_z, b_gs.to(z_buf.dtype.element_ty))
         tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty))
         gamma = _chunk_gamma(i_c, T, lg, C)
-        b_gs = gamma * b_gs + b_z + tl.dot(b_ga, tl.trans(b_x), input_precision=PREC)
+        b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
+                                           input_precision=PREC)
         b_ga = gamma * gamma * b_ga + b_qdo
     if STORE_INIT_GRAD:
         tl.store(gs_init + i_bh.to(tl.int64) * D * D + sd, b_gs)
