@@ -10,6 +10,7 @@ import click
 import torch
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -139,7 +140,7 @@ def run_with_progress(specs: list[dict], workers: int, console: Console) -> list
 
         def on_event(run_id: int, event: dict) -> None:
             spec = by_id[run_id]
-            name = f"{spec['mixer']} d={spec['d_model']} lr={spec['lr']:g} [{spec['setting']}]"
+            name = escape(f"{spec['mixer']} d={spec['d_model']} lr={spec['lr']:g} [{spec['setting']}]")
             if event["event"] == "start":
                 bars[run_id] = progress.add_task(name, total=event["total"], info="")
             elif event["event"] == "eval" and run_id in bars:
@@ -150,7 +151,7 @@ def run_with_progress(specs: list[dict], workers: int, console: Console) -> list
                     progress.remove_task(bars.pop(run_id))
                 result = event["result"]
                 outcome = (f"acc {result['score']:.3f} in {result['steps']} steps, {result['seconds']:.0f}s"
-                           if result["status"] == "ok" else f"[red]{result['status']}: {result.get('error', '')}")
+                           if result["status"] == "ok" else f"[red]{result['status']}: {escape(result.get('error', ''))}")
                 progress.console.print(f"  {name}: {outcome}")
                 progress.advance(overall)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tasks.train import summarize
@@ -101,8 +102,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         console.print(setting_table(setting, by_mixer))
     failed = [run for run in runs if run.get("status") != "ok"]
     for run in failed:
-        console.print(f"[red]{run['status']}[/]: {run['mixer']} d={run['d_model']} lr={run['lr']:g} "
-                      f"[{run['setting']}]: {run.get('error', '')}")
+        where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} [{run['setting']}]"
+        console.print(f"[red]{run['status']}[/]: " + escape(f"{where}: {run.get('error', '')}"))
     if plots_dir is None or not summary:
         return []
     paths = plot_recall(summary, plots_dir)

@@ -50,6 +50,10 @@ registry.register(registry.Mixer(
     "test-broken", "linear", "fails in forward (test)", build_op=broken_op,
     build_layer=lambda d, h, **o: MixerLayer(d, h, broken_op())), replace=True)
 
+registry.register(registry.Mixer(
+    "test-needs-cuda", "linear", "needs CUDA (test)", build_op=broken_op,
+    build_layer=lambda d, h, **o: MixerLayer(d, h, broken_op()), requires=("cuda",)), replace=True)
+
 TINY = dict(task="mqar", params=dict(vocab_size=16, seq_len=8, num_kv_pairs=2))
 
 
@@ -153,6 +157,7 @@ def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
     result = CliRunner().invoke(main, recall_args(tmp_path, "--plots-dir", str(tmp_path / "plots")))
     assert result.exit_code == 0, result.output
     assert "recall sweep: 2 runs on cpu, 1 worker(s)" in result.output
+    assert "test-softmax d=32 lr=0.003 [mqar" in result.output
     data = yaml.safe_load((tmp_path / "recall.yaml").read_text())
     assert data["kind"] == "recall" and data["schema_version"] == 1
     assert data["config"]["lrs"] == [3e-3, 1e-2] and len(data["runs"]) == 2
@@ -198,3 +203,12 @@ def test_tasks_show_and_list():
     assert listed.exit_code == 0 and "mqar" in listed.output and "memorization" in listed.output
     bad = runner.invoke(main, ["tasks", "show", "mqar", "--seq-len", "63"])
     assert bad.exit_code == 2 and "seq_len must be an even" in bad.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the test mixer is available with CUDA")
+def test_unavailable_mixer_is_recorded_not_run(tmp_path):
+    result = CliRunner().invoke(main, recall_args(tmp_path, "--mixers", "test-needs-cuda", "--lrs", "1e-3"))
+    assert result.exit_code == 0, result.output
+    run = yaml.safe_load((tmp_path / "recall.yaml").read_text())["runs"][0]
+    assert run["status"] == "unavailable" and "CUDA" in run["error"] and run["curve"] == []
+    assert "unavailable" in result.output
