@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from mixers.hla.hla2 import triton as hla2_triton_module
 from mixers.hla.hla2.triton import hla2_step_triton, hla2_triton, triton_unsupported_reason
 
 RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -109,6 +110,13 @@ def random_state(B, H, D, Dv, normalize=False, seed=3):
     if normalize:
         state["a"] = torch.rand(B, H, D, generator=gen) + 1.0
     return {key: x.to(DEVICE).requires_grad_() for key, x in state.items()}
+
+
+def test_split_gradient_launches(monkeypatch):
+    """Large head dims compute dq, dk and dv in two launches; force that path here."""
+    monkeypatch.setattr(hla2_triton_module, "SPLIT_GRADS_FROM", 16)
+    q, k, v = make_inputs(1, 40, 2, 16, 32, torch.float32, seed=18)
+    check_against_reference(q, k, v, chunk_size=16, decay=torch.tensor([0.9, 0.8]).to(DEVICE))
 
 
 def test_initial_state_values_and_grads():

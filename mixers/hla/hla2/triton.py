@@ -51,6 +51,8 @@ def _precision(dtype) -> str:
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
 # increments, output and scan kernels free of spills at D = Dv = 64 (little at 128).
 WARPS, SCAN_ROWS = 8, 16
+# From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
+SPLIT_GRADS_FROM = 128
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -115,8 +117,11 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
         z if gs0 is None else gs0, qdo if ga0 is None else ga0, T, NT=NT, BD=BD,
         HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, num_warps=warps, **shape)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kern.chunk_grads_kernel[(NT, B * H)](
-        q, k, v, do, lg, ds, da, z, qdo, dq, dk, dv, T, NT, num_warps=warps, **shape)
+    parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]
+    for want_qk, want_v in parts:
+        kern.chunk_grads_kernel[(NT, B * H)](
+            q, k, v, do, lg, ds, da, z, qdo, dq, dk, dv, T, NT, WANT_QK=want_qk, WANT_V=want_v,
+            num_warps=warps, **shape)
     return dq, dk, dv, gs0, ga0
 
 

@@ -217,7 +217,8 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, o, T, NT,
 @triton.jit
 def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk, dv, T, NT,
                        H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                       HAS_DECAY: tl.constexpr, PREC: tl.constexpr):
+                       HAS_DECAY: tl.constexpr, PREC: tl.constexpr, WANT_QK: tl.constexpr,
+                       WANT_V: tl.constexpr):
     """Local gradients of one chunk given its carried state (S0, A0) and the gradients
     (gS, gA) w.r.t. its outgoing state. With P = Dm * (dO V^T), Pb = b * P,
     M = Dm * (b Q S0 Q^T + Wd W^T), and Gr the gradient w.r.t. Q K^T:
@@ -225,7 +226,9 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
         dV = M^T dO + G E Q S0 gA + E W E K gA
         dQ = b^2 dO A0^T + ((Pb + Pb^T) Q + G E V gA^T) S0 + Gr K
         dK = Gr^T Q + E W^T E V gA^T + E K (gS + gS^T)
-    (S0 symmetric, as every state built from k k^T is). Grid (NT, B*H)."""
+    (S0 symmetric, as every state built from k k^T is). WANT_QK / WANT_V select dq, dk and
+    dv, so large head dims can split the work over two launches (register pressure).
+    Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
@@ -238,46 +241,46 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
     b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
     b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
     dt = b_q.dtype
-    b_s = tl.load(s_buf + base * D * D + dd).to(dt)
-    b_ga = tl.load(ga_buf + base * D * DV + dvo).to(dt)
     b_ve = (b_v * e[:, None]).to(dt)
-
     b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     b_w = tl.where(causal, b_qk, 0.0).to(dt)
     b_wd = (b_qk * dm).to(dt)
-    b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm
-    b_pb = b_p * b[:, None]
-    b_qs = tl.dot(b_q, b_s, input_precision=PREC)
-    b_m = tl.dot((b_qs * b[:, None]).to(dt), tl.trans(b_q), input_precision=PREC)
-    b_m += tl.dot(b_wd, tl.trans(b_w), input_precision=PREC)
-    b_m = (b_m * dm).to(dt)
+    b_ga = tl.load(ga_buf + base * D * DV + dvo).to(dt)
     b_kga = tl.dot((b_k * e[:, None]).to(dt), b_ga, input_precision=PREC).to(dt)
+    if WANT_QK:
+        b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm
+        b_gr = tl.dot(b_p.to(dt), b_w, input_precision=PREC) * dm
+        b_gr += tl.where(causal, tl.dot(tl.trans(b_p.to(dt)), b_wd, input_precision=PREC)
+                         + tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC), 0.0)
+        b_gr = b_gr.to(dt)
 
-    b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
-    b_dv += tl.dot((b_qs * (gamma * e)[:, None]).to(dt), b_ga, input_precision=PREC)
-    b_dv += tl.dot(b_w, b_kga, input_precision=PREC) * e[:, None]
-    _store_tokens(dv, b_dv, i_b, i_h, t, T, H, DV)
+        b_gs = tl.load(gs_buf + base * D * D + dd).to(tl.float32)
+        b_gs = (b_gs + tl.trans(b_gs)).to(dt)
+        b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
+        b_dk = tl.dot(tl.trans(b_gr), b_q, input_precision=PREC)
+        b_dk += (tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
+                 + tl.dot(b_k, b_gs, input_precision=PREC)) * e[:, None]
+        _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
 
-    b_p = b_p.to(dt)
-    b_gr = tl.dot(b_p, b_w, input_precision=PREC) * dm
-    b_gr += tl.where(causal, tl.dot(tl.trans(b_p), b_wd, input_precision=PREC)
-                     + tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC), 0.0)
-    b_gr = b_gr.to(dt)
-    b_r = tl.dot((b_pb + tl.trans(b_pb)).to(dt), b_q, input_precision=PREC)
-    b_r += gamma * tl.dot(b_ve, tl.trans(b_ga), input_precision=PREC)
-    b_a = tl.load(a_buf + base * D * DV + dvo).to(dt)
-    b_dq = tl.dot(b_do, tl.trans(b_a), input_precision=PREC) * (b * b)[:, None]
-    b_dq += tl.dot(b_r.to(dt), b_s, input_precision=PREC)
-    b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
-    _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
-
-    b_gs = tl.load(gs_buf + base * D * D + dd).to(tl.float32)
-    b_gs = (b_gs + tl.trans(b_gs)).to(dt)
-    b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
-    b_dk = tl.dot(tl.trans(b_gr), b_q, input_precision=PREC)
-    b_dk += (tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
-             + tl.dot(b_k, b_gs, input_precision=PREC)) * e[:, None]
-    _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
+        b_pb = b_p * b[:, None]
+        b_r = tl.dot((b_pb + tl.trans(b_pb)).to(dt), b_q, input_precision=PREC)
+        b_r += gamma * tl.dot(b_ve, tl.trans(b_ga), input_precision=PREC)
+        b_s = tl.load(s_buf + base * D * D + dd).to(dt)
+        b_a = tl.load(a_buf + base * D * DV + dvo).to(dt)
+        b_dq = tl.dot(b_do, tl.trans(b_a), input_precision=PREC) * (b * b)[:, None]
+        b_dq += tl.dot(b_r.to(dt), b_s, input_precision=PREC)
+        b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
+        _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
+    if WANT_V:
+        b_s = tl.load(s_buf + base * D * D + dd).to(dt)
+        b_qs = tl.dot(b_q, b_s, input_precision=PREC)
+        b_m = tl.dot((b_qs * b[:, None]).to(dt), tl.trans(b_q), input_precision=PREC)
+        b_m += tl.dot(b_wd, tl.trans(b_w), input_precision=PREC)
+        b_m = (b_m * dm).to(dt)
+        b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
+        b_dv += tl.dot((b_qs * (gamma * e)[:, None]).to(dt), b_ga, input_precision=PREC)
+        b_dv += tl.dot(b_w, b_kga, input_precision=PREC) * e[:, None]
+        _store_tokens(dv, b_dv, i_b, i_h, t, T, H, DV)
 
 
 @triton.jit
