@@ -1,9 +1,18 @@
 """Fused Triton forms of masked hla2 (spec §4): a differentiable chunked op and a decode step.
 
-Forward launches: chunk increments (parallel over chunks), state scan (sequential over
-chunks, parallel over heads and state row blocks), output (parallel over chunks). Backward
-recomputes the carried states instead of saving them (memory), then runs a reverse scan of
-the state gradients and one parallel kernel for dq, dk, dv. See triton_kernels.py.
+Forward, 3 launches: chunk increments (grid NT x B*H), state scan (grid D/16 x B*H, a loop
+over the NT chunks), output (grid Dv/64 x NT x B*H). Backward, 4-5 launches: increments plus
+the gradient terms Q^T dO and Q^T P Q, the state scan again (the carried states are
+recomputed, not saved: only q, k, v and the initial state are kept for backward), a reverse
+scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). Per-chunk
+buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only inside one
+pass: 3 in forward, 5 in backward. See triton_kernels.py for the math.
+
+Supported: masked hla2, no decay or decay_form="masked" (per-head decay), normalize (the
+denominator runs as a second op on a ones value block), initial_state with gradients,
+output_final_state, any T, Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs,
+multi-query (k, v with one head: broadcast to the query heads, S returned once).
+Not supported (the dispatcher falls back): masked=False, ridge != 0, decay_form="paper".
 """
 
 from __future__ import annotations
@@ -181,7 +190,9 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
             a_den0 = initial_state["a"].float().unsqueeze(-1).expand(B, H, D, 16).contiguous()
     log2g = None if decay is None else torch.log2(decay.float()).contiguous()
     o, s1, a1 = _masked_op(q, k, v, s0, a0, log2g, C, output_final_state)
-    final = {"S": s1[:, :1].contiguous() if shared_kv else s1, "A": a1} if output_final_state else None
+    final = None
+    if output_final_state:
+        final = {"S": s1[:, :1].contiguous() if shared_kv else s1, "A": a1}
     if normalize:
         ones = q.new_ones(B, T, H, 16)
         den, _, a_den1 = _masked_op(q, k, ones, s0, a_den0, log2g, C,
