@@ -96,7 +96,7 @@ def check_against_reference(q, k, v, *, chunk_size, initial_state=None, normaliz
         assert rel(a, b) < grad_tol, name
 
 
-@pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (100, 32, 32, 16)])
+@pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (100, 32, 32, 16), (32, 16, 16, 16), (1, 16, 16, 16)])
 def test_matches_reference_fp32(T, chunk_size, D, Dv):
     q, k, v = make_inputs(2, T, 2, D, Dv, torch.float32)
     check_against_reference(q, k, v, chunk_size=chunk_size)
@@ -136,6 +136,15 @@ def test_initial_state_continues_the_sequence():
     assert rel(torch.cat([first, second], 1), full) < 1e-4
     for key in full_state:
         assert rel(last[key], full_state[key]) < 1e-4
+
+
+def test_empty_sequence_returns_the_initial_state():
+    q, k, v = make_inputs(1, 0, 2, 16, 32, torch.float32)
+    state = {key: x.detach() for key, x in random_state(1, 2, 16, 32).items()}
+    o, final = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None, decay_form="masked",
+                           chunk_size=16, initial_state=state, output_final_state=True)
+    assert o.shape == (1, 0, 2, 32)
+    assert all(torch.equal(final[key], state[key]) for key in state)
 
 
 def test_no_final_state_unless_asked():

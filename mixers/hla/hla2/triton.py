@@ -166,6 +166,21 @@ def _masked_op(q, k, v, s0, a0, log2g, chunk_size, want_final):
     return _HLA2Masked.apply(q, k, v, s0, a0, log2g, chunk_size, want_final)
 
 
+def _empty_sequence(q, k, v, normalize, initial_state, output_final_state):
+    """T = 0: no output rows; the final state is the initial one (or zeros)."""
+    B, _, H, D = q.shape
+    o = q.new_empty(B, 0, H, v.shape[-1])
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        return o, {key: x.float().clone() for key, x in initial_state.items()}
+    final = {"S": q.new_zeros(B, k.shape[2], D, D, dtype=torch.float32),
+             "A": q.new_zeros(B, H, D, v.shape[-1], dtype=torch.float32)}
+    if normalize:
+        final["a"] = q.new_zeros(B, H, D, dtype=torch.float32)
+    return o, final
+
+
 def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="masked",
                 chunk_size=64, initial_state=None, output_final_state=False):
     """Masked hla2 with the Triton kernels: (o [B, T, H, Dv], final state dict or None).
@@ -177,6 +192,8 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
     if reason is not None:
         raise ValueError(reason)
     B, T, H, D = q.shape
+    if T == 0:
+        return _empty_sequence(q, k, v, normalize, initial_state, output_final_state)
     C = _chunk(chunk_size, q.dtype)
     shared_kv = k.shape[2] == 1 and H > 1
     if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
