@@ -256,6 +256,6 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
     o = q_t.new_empty(B, H, DV)
     kern.decode_step_kernel[(B * H,)](
         q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), s, a, a_den, g, o, eps, H=H,
-        D=D, DV=DV, BV=min(DV, 32), HAS_DECAY=decay is not None, NORMALIZE=normalize,
+        D=D, DV=DV, BR=16, HAS_DECAY=decay is not None, NORMALIZE=normalize,
         SHARED_KV=shared_kv, num_warps=4)
     return o, state

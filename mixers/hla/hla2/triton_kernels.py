@@ -285,39 +285,47 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
 
 @triton.jit
 def decode_step_kernel(q, k, v, s, a, a_den, g, o, eps, H: tl.constexpr, D: tl.constexpr,
-                       DV: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr,
+                       DV: tl.constexpr, BR: tl.constexpr, HAS_DECAY: tl.constexpr,
                        NORMALIZE: tl.constexpr, SHARED_KV: tl.constexpr):
     """One token for one (batch, head), state updated in place:
     S = g S + k k^T, A = g^2 A + (S q) v^T, o = q^T A (normalize: a = g^2 a + S q,
-    o = q^T A / (q^T a + eps)). With SHARED_KV (multi-query) k, v and S have one head per
-    batch and S arrives already updated (one writer). Grid (B*H,); the value dim is walked
-    in BV slices."""
+    o = q^T A / (q^T a + eps)). Row r of A only needs row r of S, so the state is walked
+    in blocks of BR rows (few registers, many resident programs: the step is memory bound).
+    With SHARED_KV (multi-query) k, v and S have one head per batch and S arrives already
+    updated (one writer). Grid (B*H,)."""
     i_bh = tl.program_id(0)
-    i_kv = i_bh // H if SHARED_KV else i_bh
-    rd = tl.arange(0, D)
+    i_kv = i_bh
+    if SHARED_KV:
+        i_kv = i_bh // H
+    rd, rv = tl.arange(0, D), tl.arange(0, DV)
     b_q = tl.load(q + i_bh * D + rd).to(tl.float32)
+    b_k = tl.load(k + i_kv * D + rd).to(tl.float32)
+    b_v = tl.load(v + i_kv * DV + rv).to(tl.float32)
     gamma = 1.0
     if HAS_DECAY:
         gamma = tl.load(g + i_bh % H).to(tl.float32)
-    p_s = s + i_kv.to(tl.int64) * D * D + _mat_offsets(rd, rd, D)
-    if SHARED_KV:
-        b_s = tl.load(p_s)
-    else:
-        b_k = tl.load(k + i_bh * D + rd).to(tl.float32)
-        b_s = gamma * tl.load(p_s) + b_k[:, None] * b_k[None, :]
-        tl.store(p_s, b_s)
-    b_sq = tl.sum(b_s * b_q[None, :], axis=1)
-    den = 1.0
-    if NORMALIZE:
-        p_den = a_den + i_bh.to(tl.int64) * D + rd
-        b_den = gamma * gamma * tl.load(p_den) + b_sq
-        tl.store(p_den, b_den)
-        den = tl.sum(b_den * b_q, axis=0) + eps
-    for i_v in tl.static_range(DV // BV):
-        rv = i_v * BV + tl.arange(0, BV)
-        p_a = a + i_bh.to(tl.int64) * D * DV + _mat_offsets(rd, rv, DV)
-        b_v = tl.load(v + i_kv * DV + rv).to(tl.float32)
+    b_num = tl.zeros([DV], dtype=tl.float32)
+    den = eps
+    for i_r in tl.static_range(D // BR):
+        rr = i_r * BR + tl.arange(0, BR)
+        b_qr = tl.load(q + i_bh * D + rr).to(tl.float32)
+        p_s = s + i_kv.to(tl.int64) * D * D + _mat_offsets(rr, rd, D)
+        if SHARED_KV:
+            b_s = tl.load(p_s)
+        else:
+            b_kr = tl.load(k + i_kv * D + rr).to(tl.float32)
+            b_s = gamma * tl.load(p_s) + b_kr[:, None] * b_k[None, :]
+            tl.store(p_s, b_s)
+        b_sq = tl.sum(b_s * b_q[None, :], axis=1)
+        if NORMALIZE:
+            p_den = a_den + i_bh.to(tl.int64) * D + rr
+            b_den = gamma * gamma * tl.load(p_den) + b_sq
+            tl.store(p_den, b_den)
+            den += tl.sum(b_den * b_qr, axis=0)
+        p_a = a + i_bh.to(tl.int64) * D * DV + _mat_offsets(rr, rv, DV)
         b_a = gamma * gamma * tl.load(p_a) + b_sq[:, None] * b_v[None, :]
         tl.store(p_a, b_a)
-        b_o = tl.sum(b_a * b_q[:, None], axis=0) / den
-        tl.store(o + i_bh * DV + rv, b_o.to(o.dtype.element_ty))
+        b_num += tl.sum(b_a * b_qr[:, None], axis=0)
+    if NORMALIZE:
+        b_num = b_num / den
+    tl.store(o + i_bh * DV + rv, b_num.to(o.dtype.element_ty))
