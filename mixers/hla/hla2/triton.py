@@ -125,6 +125,7 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
         qdo, z, x, lg, z if gs1 is None else gs1, qdo if ga1 is None else ga1,
         z if gs0 is None else gs0, qdo if ga0 is None else ga0, T, NT=NT, BD=BD,
         HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, num_warps=warps, **shape)
+    del x  # only the scans read X; freeing it lowers the peak of the last launches
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]
     for want_qk, want_v in parts:
