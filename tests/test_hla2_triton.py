@@ -1,6 +1,7 @@
 """Triton hla2 kernels vs a float64 token-by-token reference (spec §1).
 
-On CPU the kernels run in the Triton interpreter (tests/conftest.py); on CUDA natively,
+On CPU the kernels run in the Triton interpreter (tests/conftest.py) and the half-precision
+test uses fp16 (the interpreter mishandles bf16 memory); on CUDA they run natively, in bf16,
 plus bf16 shapes with D = 64 and 128.
 
 Tolerances (relative Frobenius error against the float64 reference):

@@ -6,13 +6,16 @@ the gradient terms Q^T dO and Q^T P Q, the state scan again (the carried states 
 recomputed, not saved: only q, k, v and the initial state are kept for backward), a reverse
 scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). Per-chunk
 buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only inside one
-pass: 3 in forward, 5 in backward. See triton_kernels.py for the math.
+pass: 3 in forward, 5 in backward. The scans are compiled per chunk count NT (a constexpr
+loop bound; see triton_kernels.py, which also holds the math).
 
 Supported: masked hla2, no decay or decay_form="masked" (per-head decay), normalize (the
 denominator runs as a second op on a ones value block), initial_state with gradients,
 output_final_state, any T, Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs,
 multi-query (k, v with one head: broadcast to the query heads, S returned once).
 Not supported (the dispatcher falls back): masked=False, ridge != 0, decay_form="paper".
+fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exceeds 65504
+(long sequences of large keys); prefer bf16.
 """
 
 from __future__ import annotations
