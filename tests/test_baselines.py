@@ -16,11 +16,6 @@ def qkv(B=2, T=19, H=3, D=8, Dv=6, seed=0, dtype=torch.float64):
     return [torch.randn(B, T, H, d, generator=generator, dtype=dtype) for d in (D, D, Dv)]
 
 
-def not_landed(error: Exception) -> bool:
-    """HLA operators are placeholders until their authors land them."""
-    return isinstance(error, (NotImplementedError, ImportError))
-
-
 # --- softmax -----------------------------------------------------------------------------
 
 def explicit_causal_softmax(q, k, v, scale):
@@ -121,13 +116,8 @@ def test_hla_entries_bind_their_options(name, operator, bound):
 
     q, k, v = qkv(T=12)
     options = {key: value for key, value in bound.items() if key != "masked"}
-    try:
-        o, _ = get(name).op(**options)(q, k, v)
-        expected, _ = getattr(mixers.hla, operator)(q, k, v, **bound)
-    except Exception as error:
-        if not_landed(error):
-            pytest.skip(f"{name}: operator not landed yet")
-        raise
+    o, _ = get(name).op(**options)(q, k, v)
+    expected, _ = getattr(mixers.hla, operator)(q, k, v, **bound)
     torch.testing.assert_close(o, expected)
 
 
@@ -139,14 +129,9 @@ AVAILABLE = [m.name for m in all_mixers() if m.available]
 @pytest.mark.parametrize("name", AVAILABLE)
 def test_layer_maps_shape_and_backprops(name):
     torch.manual_seed(0)
-    try:
-        layer = get(name).layer(32, 4)
-        x = torch.randn(2, 20, 32, requires_grad=True)
-        y = layer(x)
-    except Exception as error:
-        if not_landed(error):
-            pytest.skip(f"{name}: operator not landed yet")
-        raise
+    layer = get(name).layer(32, 4)
+    x = torch.randn(2, 20, 32, requires_grad=True)
+    y = layer(x)
     assert y.shape == x.shape and torch.isfinite(y).all()
     y.square().mean().backward()
     assert x.grad.abs().sum() > 0
@@ -160,7 +145,9 @@ OPTION_CASES = [("linear-attn", {"feature_map": "elu1", "normalize": True}),
                 ("hla2-unmasked", {"normalize": True}),
                 ("ahla2", {"normalize": True, "decay": 0.95}),
                 ("hla3", {"variant": "paper"}),
-                ("mamba2-ssd", {"d_skip": True, "chunk_size": 8})]
+                ("mamba2-ssd", {"d_skip": True, "chunk_size": 8}),
+                ("hla2", {"impl": "chunk"}), ("ahla2", {"impl": "serial"}),
+                ("hla3", {"impl": "scan"})]
 
 
 @pytest.mark.parametrize("name,mixer_options",
@@ -168,30 +155,20 @@ OPTION_CASES = [("linear-attn", {"feature_map": "elu1", "normalize": True}),
 def test_decoder_step_continues_the_op_after_a_prefill(name, mixer_options):
     mixer = get(name)
     q, k, v = qkv(T=21, dtype=torch.float64)
-    try:
-        op = mixer.op(**mixer_options)
-        full, _ = op(q, k, v)
-        _, state = op(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
-        o_t, _ = mixer.decoder(**mixer_options).step(q[:, -1], k[:, -1], v[:, -1], state)
-    except Exception as error:
-        if not_landed(error):
-            pytest.skip(f"{name}: operator not landed yet")
-        raise
+    op = mixer.op(**mixer_options)
+    full, _ = op(q, k, v)
+    _, state = op(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
+    o_t, _ = mixer.decoder(**mixer_options).step(q[:, -1], k[:, -1], v[:, -1], state)
     torch.testing.assert_close(o_t, full[:, -1], rtol=1e-8, atol=1e-8)
 
 
 @pytest.mark.parametrize("name", STREAMING)
 def test_decoder_state_size_is_independent_of_context(name):
     decoder = get(name).decoder()
-    try:
-        sizes = [decoder.state_bytes(decoder.init_state(2, 3, 8, 6, n, "cpu", torch.float32))
-                 for n in (16, 4096)]
-        state = decoder.init_state(2, 3, 8, 6, 16, "cpu", torch.float32)
-        o, _ = decoder.step(*(torch.randn(2, 3, d) for d in (8, 8, 6)), state)
-    except Exception as error:
-        if not_landed(error):
-            pytest.skip(f"{name}: operator not landed yet")
-        raise
+    sizes = [decoder.state_bytes(decoder.init_state(2, 3, 8, 6, n, "cpu", torch.float32))
+             for n in (16, 4096)]
+    state = decoder.init_state(2, 3, 8, 6, 16, "cpu", torch.float32)
+    o, _ = decoder.step(*(torch.randn(2, 3, d) for d in (8, 8, 6)), state)
     assert sizes[0] == sizes[1] > 0
     assert o.shape == (2, 3, 6)
 

@@ -42,10 +42,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def check_decay(decay, heads: int, device: torch.device) -> torch.Tensor | None:
-    """None, or the decay as a float64-safe `[H]` tensor on `device`; each value in (0, 1]."""
+    """None, or the decay as an `[H]` tensor on `device`; each value in (0, 1]. A Python
+    number becomes float64 (torch.as_tensor would round it to float32)."""
     if decay is None:
         return None
-    g = torch.as_tensor(decay, device=device)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float, torch.Tensor)):
+        raise ValueError(f"decay must be a float or a per-head tensor, got {decay!r}")
+    g = torch.as_tensor(decay, dtype=None if isinstance(decay, torch.Tensor) else torch.float64,
+                        device=device)
     if g.dim() == 0:
         g = g.expand(heads)
     if g.shape != (heads,):

@@ -38,6 +38,15 @@ def _op_options(options: dict) -> dict:
     return {name: value for name, value in options.items() if name not in LAYER_OPTIONS}
 
 
+def _step_options(options: dict) -> dict:
+    """Op options for a `*_step`: a step has no serial/scan/chunk forms, so those run its
+    PyTorch step ("torch"); "auto" and "triton" keep their meaning."""
+    options = _op_options(options)
+    if options.get("impl") in ("serial", "scan", "chunk"):
+        options["impl"] = "torch"
+    return options
+
+
 class HLADecoder:
     """Streaming decode through an HLA `*_step`; the state has a fixed size for any context."""
 
@@ -94,7 +103,7 @@ def hla_entry(name: str, module: str, op_name: str, description: str, options: d
     def build_decoder(**opts):
         step = _operator(module, op_name + "_step")
         state_bytes = getattr(importlib.import_module(module), op_name + "_state_bytes", None)
-        return HLADecoder(step, {**bound, **_op_options(opts)}, state_bytes)
+        return HLADecoder(step, {**bound, **_step_options(opts)}, state_bytes)
 
     return Mixer(name=name, family="hla", description=description, build_op=build_op,
                  build_layer=build_layer, build_decoder=build_decoder,

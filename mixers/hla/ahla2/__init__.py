@@ -20,7 +20,7 @@ from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
 from mixers.hla.ahla2.scan import ahla2_scan
 from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
-from mixers.hla.ahla2.state import (as_float64_decay, check_eps, check_state, check_token, compute_dtype, pack,
+from mixers.hla.ahla2.state import (check_eps, check_state, check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import check_choice, check_chunk_size, check_decay, check_qkv
 
@@ -62,7 +62,7 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     check_choice("impl", impl, AHLA2_IMPLS)
     check_chunk_size(chunk_size)
     check_eps(eps)
-    decay = check_decay(as_float64_decay(decay), H, q.device)
+    decay = check_decay(decay, H, q.device)
     dtype = compute_dtype(q.dtype)
     P0, E0 = _carries(initial_state, B, H, D, Dv, normalize, dtype, q.device)
     qh, kh = to_heads_first(q, dtype), to_heads_first(k, dtype)
@@ -79,7 +79,7 @@ def ahla2_step(q_t, k_t, v_t, state=None, *, normalize=False, eps=1e-6, decay=No
     """One decode step (Alg. 2) on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state)."""
     B, H, D, Dv = check_token(q_t, k_t, v_t)
     check_eps(eps)
-    decay = check_decay(as_float64_decay(decay), H, q_t.device)
+    decay = check_decay(decay, H, q_t.device)
     dtype = compute_dtype(q_t.dtype)
     P, E = _carries(state, B, H, D, Dv, normalize, dtype, q_t.device)
     v = v_t.to(dtype)

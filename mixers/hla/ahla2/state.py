@@ -66,14 +66,6 @@ def read_out(o: torch.Tensor, normalize: bool, eps: float, dtype: torch.dtype) -
     return o.to(dtype)
 
 
-def as_float64_decay(decay):
-    """A Python-number decay as a float64 tensor, so `check_decay` keeps its full precision
-    (torch.as_tensor would round a Python float to float32)."""
-    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
-        return torch.tensor(float(decay), dtype=torch.float64)
-    return decay
-
-
 def check_eps(eps) -> None:
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")

@@ -33,9 +33,7 @@ def _check_scalars(eps, ridge) -> None:
 
 
 def _check_decay(decay, heads: int, kv_heads: int, device) -> torch.Tensor | None:
-    """Validated [H] decay; python floats keep float64 precision."""
-    if decay is not None and not isinstance(decay, torch.Tensor):
-        decay = torch.as_tensor(decay, dtype=torch.float64)
+    """Validated [H] decay; shared k and v (multi-query) need one decay for all heads."""
     g = check_decay(decay, heads, device)
     if g is not None and kv_heads == 1 and heads > 1 and not bool((g == g[0]).all()):
         raise ValueError("decay must be the same for every head when k and v are shared "
