@@ -128,9 +128,10 @@ def unavailable_result(spec: dict, reason: str) -> dict:
     return {**spec, "status": "unavailable", "error": reason, "score": None, "curve": []}
 
 
-def run_with_progress(specs: list[dict], workers: int, console: Console) -> list[dict]:
+def run_with_progress(specs: list[dict], workers: int, console: Console,
+                      on_result=lambda result: None) -> list[dict]:
     """The sweep under a rich display: an overall bar, one bar per running run, and a line
-    per finished run."""
+    per finished run; `on_result(result)` sees each finished run."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
@@ -154,6 +155,7 @@ def run_with_progress(specs: list[dict], workers: int, console: Console) -> list
                            if result["status"] == "ok" else f"[red]{result['status']}: {escape(result.get('error', ''))}")
                 progress.console.print(f"  {name}: {outcome}")
                 progress.advance(overall)
+                on_result(result)
 
         return run_sweep(specs, workers, on_event)
 
@@ -211,18 +213,30 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         else:
             runnable.append(spec)
     started = time.perf_counter()
-    for result in run_with_progress(runnable, min(workers, max(1, len(runnable))), console):
-        results[result["run_id"]] = result
-    runs = [results[spec["run_id"]] for spec in specs]
+    env = environment(device)
 
-    data = {"kind": "recall", "schema_version": SCHEMA_VERSION,
-            "config": {**config, "device": device, "workers": workers},
-            "environment": environment(device), "seconds": round(time.perf_counter() - started, 1),
-            "summary": summarize(runs), "runs": runs}
+    def results_data(complete: bool) -> dict:
+        """The results so far; written after every finished run, so a killed sweep keeps
+        what it finished."""
+        runs = [results[spec["run_id"]] for spec in specs if spec["run_id"] in results]
+        data = {"kind": "recall", "schema_version": SCHEMA_VERSION,
+                "config": {**config, "device": device, "workers": workers},
+                "environment": {**env, "complete": complete},
+                "seconds": round(time.perf_counter() - started, 1),
+                "summary": summarize(runs), "runs": runs}
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
+        return data
+
+    def on_result(result: dict) -> None:
+        results[result["run_id"]] = result
+        results_data(complete=False)
+
+    run_with_progress(runnable, min(workers, max(1, len(runnable))), console, on_result)
+    data = results_data(complete=True)
     render_recall(data, console, plots_dir=plots_dir)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
         console.print(f"results written to {out}")
 
 
