@@ -120,6 +120,17 @@ def test_split_gradient_launches(monkeypatch):
     check_against_reference(q, k, v, chunk_size=16, decay=torch.tensor([0.9, 0.8]).to(DEVICE))
 
 
+@pytest.mark.parametrize("T, normalize, decay", [(45, False, None), (77, True, (0.9, 0.7))])
+def test_two_level_scans(monkeypatch, T, normalize, decay):
+    """Long sequences scan in segments of chunks; force 2-chunk segments here (the last
+    segment and chunk partial) with initial and final states and their gradients."""
+    monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT: (2, -(-NT // 2)))
+    q, k, v = make_inputs(1, T, 2, 16, 32, torch.float32, seed=19)
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    check_against_reference(q, k, v, chunk_size=16, normalize=normalize, eps=1e-3, decay=g,
+                            initial_state=random_state(1, 2, 16, 32, normalize))
+
+
 def test_initial_state_values_and_grads():
     q, k, v = make_inputs(1, 50, 2, 16, 16, torch.float32, seed=4)
     check_against_reference(q, k, v, chunk_size=16, initial_state=random_state(1, 2, 16, 16))

@@ -4,10 +4,13 @@ Forward, 3 launches: chunk increments (grid NT x B*H), state scan (grid D/16 x B
 over the NT chunks), output (grid Dv/64 x NT x B*H). Backward, 4-5 launches: increments plus
 the gradient terms Q^T dO and Q^T P Q, the state scan again (the carried states are
 recomputed, not saved: only q, k, v and the initial state are kept for backward), a reverse
-scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). Per-chunk
-buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only inside one
-pass: 3 in forward, 5 in backward. The scans are compiled per chunk count NT (a constexpr
-loop bound; see triton_kernels.py, which also holds the math).
+scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). Beyond 32
+chunks each scan runs in two levels (3 launches): segments of ~sqrt(NT) chunks summarise
+themselves in parallel (grid D/16 x NSEG x B*H), a short scan chains the summaries, and the
+segments rescan from their start states, so that B = 1 at 64k tokens keeps the GPU busy.
+Per-chunk buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only
+inside one pass: 3 in forward, 5 in backward; segment summaries are fp32 and small. Scan
+loop bounds are constexprs (see triton_kernels.py, which also holds the math).
 
 Supported: masked hla2, no decay or decay_form="masked" (per-head decay), normalize (the
 denominator runs as a second op on a ones value block), initial_state with gradients,
@@ -76,11 +79,81 @@ def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
             + [torch.empty(B * H, NT, D, DV, **kw) for _ in range(n_dv)])
 
 
+def _segments(NT):
+    """Chunks per segment of the two-level scans (about sqrt(NT), a power of two, so few
+    compiles) and the segment count; one segment for short sequences."""
+    if NT <= 32:
+        return NT, 1
+    seg = triton.next_power_of_2(int(NT ** 0.5))
+    return seg, triton.cdiv(NT, seg)
+
+
+def _summaries(buf, NSEG, *cols):
+    """[B*H, NSEG, D, cols] fp32 segment summaries, one per entry of cols."""
+    BH, _, D, _ = buf.shape
+    return [buf.new_empty(BH, NSEG, D, c, dtype=torch.float32) for c in cols]
+
+
+def _scan_launch(shape):
+    """Launch options of the scans (which take the step length CL instead of C)."""
+    return dict(num_warps=WARPS, BD=SCAN_ROWS, **{k: v for k, v in shape.items() if k != "C"})
+
+
+def _scan_states(ds, x, da, lg, s0, a0, s1, a1, T, C, shape):
+    """Carried states written over the increments (ds, da); final state into s1, a1 (when
+    given). Long sequences: segment summaries, a scan over them, a rescan per segment."""
+    BH, NT, D, DV = da.shape
+    SEG, NSEG = _segments(NT)
+    launch = _scan_launch(shape)
+
+    def scan(n_seg, bufs, init, final, n, seg, cl, summary):
+        kern.state_scan_kernel[(D // SCAN_ROWS, n_seg, BH)](
+            *bufs[:3], lg, *(init or bufs[3:]), *(final or bufs[3:]), bufs[1], T, n, SEG=seg,
+            CL=cl, HAS_INIT=init is not None, STORE_FINAL=final is not None, SUMMARY=summary,
+            **launch)
+
+    init = None if s0 is None else (s0, a0)
+    final = None if s1 is None else (s1, a1)
+    if NSEG == 1:
+        return scan(1, (ds, x, da, ds, da), init, final, NT, NT, C, False)
+    s_seg, x_seg, a_seg = _summaries(da, NSEG, D, DV, DV)
+    kern.state_scan_kernel[(D // SCAN_ROWS, NSEG, BH)](
+        ds, x, da, lg, ds, da, s_seg, a_seg, x_seg, T, NT, SEG=SEG, CL=C, HAS_INIT=False,
+        STORE_FINAL=True, SUMMARY=True, **launch)
+    scan(1, (s_seg, x_seg, a_seg, s_seg, a_seg), init, final, NSEG, NSEG, SEG * C, False)
+    scan(NSEG, (ds, x, da, ds, da), (s_seg, a_seg), None, NT, SEG, C, False)
+
+
+def _scan_grads(qdo, z, x, lg, gs1, ga1, gs0, ga0, T, C, shape):
+    """Outgoing-state gradients written over (z, qdo), starting from the final-state
+    gradients gs1, ga1 (when given); initial-state gradients into gs0, ga0 (when given)."""
+    BH, NT, D, DV = qdo.shape
+    SEG, NSEG = _segments(NT)
+    launch = _scan_launch(shape)
+
+    def scan(n_seg, bufs, final, init, n, seg, cl):
+        kern.grad_scan_kernel[(D // SCAN_ROWS, n_seg, BH)](
+            *bufs, lg, *(final or bufs[1::-1]), *(init or bufs[1::-1]), bufs[2], T, n,
+            SEG=seg, CL=cl, HAS_FINAL_GRAD=final is not None,
+            STORE_INIT_GRAD=init is not None, SUMMARY=False, **launch)
+
+    final = None if gs1 is None else (gs1, ga1)
+    init = None if gs0 is None else (gs0, ga0)
+    if NSEG == 1:
+        return scan(1, (qdo, z, x), final, init, NT, NT, C)
+    gs_seg, xq_seg, ga_seg = _summaries(qdo, NSEG, D, DV, DV)
+    kern.grad_scan_kernel[(D // SCAN_ROWS, NSEG, BH)](
+        qdo, z, x, lg, z, qdo, gs_seg, ga_seg, xq_seg, T, NT, SEG=SEG, CL=C,
+        HAS_FINAL_GRAD=False, STORE_INIT_GRAD=True, SUMMARY=True, **launch)
+    scan(1, (ga_seg, gs_seg, xq_seg), final, init, NSEG, NSEG, SEG * C)
+    scan(NSEG, (qdo, z, x), (gs_seg, ga_seg), None, NT, SEG, C)
+
+
 def _forward(q, k, v, log2g, s0, a0, C, want_final):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
-    prec, warps, BD = _precision(q.dtype), WARPS, SCAN_ROWS
+    prec, warps = _precision(q.dtype), WARPS
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
@@ -90,10 +163,7 @@ def _forward(q, k, v, log2g, s0, a0, C, want_final):
     if want_final:
         s1 = q.new_empty(B, H, D, D, dtype=torch.float32)
         a1 = q.new_empty(B, H, D, DV, dtype=torch.float32)
-    kern.state_scan_kernel[(D // BD, B * H)](
-        ds, x, da, lg, ds if s0 is None else s0, da if a0 is None else a0,
-        ds if s1 is None else s1, da if a1 is None else a1, T, NT=NT, BD=BD,
-        HAS_INIT=s0 is not None, STORE_FINAL=want_final, num_warps=warps, **shape)
+    _scan_states(ds, x, da, lg, s0, a0, s1, a1, T, C, shape)
     o = torch.empty_like(v, dtype=q.dtype)
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
@@ -105,15 +175,13 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
-    prec, warps, BD = _precision(q.dtype), WARPS, SCAN_ROWS
+    prec, warps = _precision(q.dtype), WARPS
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
     lg = q if log2g is None else log2g
     ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q, 2, 3)
     kern.chunk_increments_kernel[(NT, B * H)](
         q, k, v, do, lg, ds, x, da, qdo, z, T, NT, WITH_GRAD=True, num_warps=warps, **shape)
-    kern.state_scan_kernel[(D // BD, B * H)](
-        ds, x, da, lg, ds if s0 is None else s0, da if a0 is None else a0, ds, da, T, NT=NT,
-        BD=BD, HAS_INIT=s0 is not None, STORE_FINAL=False, num_warps=warps, **shape)
+    _scan_states(ds, x, da, lg, s0, a0, None, None, T, C, shape)
     gs0 = ga0 = None
     if want_init_grad:
         gs0 = q.new_empty(B, H, D, D, dtype=torch.float32)
@@ -124,10 +192,7 @@ def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
             else gs1.float().contiguous()
         ga1 = torch.zeros(B, H, D, DV, dtype=torch.float32, device=q.device) if ga1 is None \
             else ga1.float().contiguous()
-    kern.grad_scan_kernel[(D // BD, B * H)](
-        qdo, z, x, lg, z if gs1 is None else gs1, qdo if ga1 is None else ga1,
-        z if gs0 is None else gs0, qdo if ga0 is None else ga0, T, NT=NT, BD=BD,
-        HAS_FINAL_GRAD=has_final_grad, STORE_INIT_GRAD=want_init_grad, num_warps=warps, **shape)
+    _scan_grads(qdo, z, x, lg, gs1, ga1, gs0, ga0, T, C, shape)
     del x  # only the scans read X; freeing it lowers the peak of the last launches
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]

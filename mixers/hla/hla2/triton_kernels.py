@@ -19,8 +19,12 @@ Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
 anyway; the scans accumulate in fp32) and fp32 otherwise; the scans overwrite the increments
 with the states.
-The scans take the chunk count NT as a compile-time constant (one compile per chunk count):
-the Triton interpreter cannot loop over a runtime bound with numpy 2.
+Long sequences scan in two levels (few programs looping over many chunks would be latency
+bound): segments of SEG chunks summarise themselves in parallel, a short scan over the
+segment summaries gives each segment's start state, and the segments then rescan in
+parallel from their start states. Loop bounds are compile-time constants (SEG, or the
+segment count for the middle scan): the Triton interpreter cannot loop over a runtime
+bound with numpy 2.
 """
 
 import triton
@@ -114,74 +118,109 @@ def chunk_increments_kernel(q, k, v, do, log2g, ds_buf, x_buf, da_buf, qdo_buf, 
 
 
 @triton.jit
-def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_final, T,
-                      NT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      C: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
-                      HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr):
-    """Exclusive scan over chunks: S_{c+1} = G S_c + dS, A_{c+1} = G^2 A_c + S_c X + dA,
-    with (S_c, A_c) written over the increments in place. Grid (D // BD, B*H): a block of
-    BD state rows."""
-    i_r, i_bh = tl.program_id(0), tl.program_id(1)
+def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_final, xp_final,
+                      T, NT, SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                      DV: tl.constexpr, CL: tl.constexpr, BD: tl.constexpr,
+                      HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr,
+                      STORE_FINAL: tl.constexpr, SUMMARY: tl.constexpr, PREC: tl.constexpr):
+    """Exclusive scan over steps of CL tokens (chunks, or segments of chunks):
+    S_{c+1} = G S_c + dS, A_{c+1} = G^2 A_c + S_c X + dA. Grid (D // BD, NSEG, B*H): a block
+    of BD state rows and segment i_s, steps [i_s SEG, i_s SEG + SEG) of NT. Start and end
+    states live at [B*H, NSEG] in s_init/a_init and s_final/a_final.
+    SUMMARY=False: (S_c, A_c) are written over the increments in place.
+    SUMMARY=True: nothing is written in place; the segment runs from zero and stores its
+    local end state and Xp = sum_c Gamma_c (G^2 of the later steps) X_c, Gamma_c = G of
+    the earlier steps, so that a start state (S', A') adds Gamma S' and
+    Gamma^2 A' + S' Xp: segments then chain by this same scan with (S, Xp, A) as increments."""
+    i_r, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lg = _log2_decay(log2g, i_bh % H, HAS_DECAY)
     rr, rd, rv = i_r * BD + tl.arange(0, BD), tl.arange(0, D), tl.arange(0, DV)
     sd, sv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
     xv = _mat_offsets(rd, rv, DV)
+    state = (i_bh * tl.num_programs(1) + i_s).to(tl.int64)
     if HAS_INIT:
-        b_s = tl.load(s_init + i_bh.to(tl.int64) * D * D + sd)
-        b_a = tl.load(a_init + i_bh.to(tl.int64) * D * DV + sv)
+        b_s = tl.load(s_init + state * D * D + sd)
+        b_a = tl.load(a_init + state * D * DV + sv)
     else:
         b_s = tl.zeros([BD, D], dtype=tl.float32)
         b_a = tl.zeros([BD, DV], dtype=tl.float32)
-    for i_c in range(NT):
-        base = (i_bh * NT + i_c).to(tl.int64)
-        p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
-        b_ds, b_da = tl.load(p_s).to(tl.float32), tl.load(p_a).to(tl.float32)
-        b_x = tl.load(x_buf + base * D * DV + xv)
-        tl.store(p_s, b_s.to(ds_buf.dtype.element_ty))
-        tl.store(p_a, b_a.to(da_buf.dtype.element_ty))
-        gamma = _chunk_gamma(i_c, T, lg, C)
-        b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC) + b_da
-        b_s = gamma * b_s + b_ds
+    b_xp = tl.zeros([D, DV], dtype=tl.float32)
+    b_gamma = 1.0
+    for j in range(SEG):
+        i_c = i_s * SEG + j
+        if i_c < NT:
+            base = (i_bh * NT + i_c).to(tl.int64)
+            p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
+            b_ds, b_da = tl.load(p_s).to(tl.float32), tl.load(p_a).to(tl.float32)
+            b_x = tl.load(x_buf + base * D * DV + xv)
+            if not SUMMARY:
+                tl.store(p_s, b_s.to(ds_buf.dtype.element_ty))
+                tl.store(p_a, b_a.to(da_buf.dtype.element_ty))
+            gamma = _chunk_gamma(i_c, T, lg, CL)
+            if SUMMARY:
+                b_xp = gamma * gamma * b_xp + b_gamma * b_x.to(tl.float32)
+                b_gamma = b_gamma * gamma
+            b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC) + b_da
+            b_s = gamma * b_s + b_ds
     if STORE_FINAL:
-        tl.store(s_final + i_bh.to(tl.int64) * D * D + sd, b_s)
-        tl.store(a_final + i_bh.to(tl.int64) * D * DV + sv, b_a)
+        tl.store(s_final + state * D * D + sd, b_s)
+        tl.store(a_final + state * D * DV + sv, b_a)
+        if SUMMARY:
+            if i_r == 0:
+                tl.store(xp_final + state * D * DV + xv, b_xp)
 
 
 @triton.jit
-def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, ga_init, T,
-                     NT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                     C: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
-                     HAS_FINAL_GRAD: tl.constexpr, STORE_INIT_GRAD: tl.constexpr,
-                     PREC: tl.constexpr):
-    """Reverse scan of the state gradients. With gA, gS the gradients w.r.t. a chunk's
+def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, ga_init,
+                     xq_init, T, NT, SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                     DV: tl.constexpr, CL: tl.constexpr, BD: tl.constexpr,
+                     HAS_DECAY: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
+                     STORE_INIT_GRAD: tl.constexpr, SUMMARY: tl.constexpr, PREC: tl.constexpr):
+    """Reverse scan of the state gradients. With gA, gS the gradients w.r.t. a step's
     outgoing state: incoming gA = G^2 gA + Q^T b^2 dO, incoming gS = G gS + Z + gA X^T.
-    Each chunk's outgoing (gS, gA) overwrite its (Z, Q^T b^2 dO) slots. Grid (D // BD, B*H)."""
-    i_r, i_bh = tl.program_id(0), tl.program_id(1)
+    Grid (D // BD, NSEG, B*H), segments as in state_scan_kernel; end-of-segment gradients
+    at [B*H, NSEG] in gs_final/ga_final, start-of-segment ones in gs_init/ga_init.
+    SUMMARY=False: each step's outgoing (gS, gA) overwrite its (Z, Q^T b^2 dO) slots.
+    SUMMARY=True: from zero, nothing in place; stores the local incoming gradients and
+    Xq = sum_c (G^2 of the later steps)_c (G of the earlier steps) X_c, so an end
+    gradient (gS', gA') adds Gamma gS' + gA' Xq^T and Gamma^2 gA'."""
+    i_r, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lg = _log2_decay(log2g, i_bh % H, HAS_DECAY)
     rr, rd, rv = i_r * BD + tl.arange(0, BD), tl.arange(0, D), tl.arange(0, DV)
     sd, sv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
     xv = _mat_offsets(rd, rv, DV)
+    state = (i_bh * tl.num_programs(1) + i_s).to(tl.int64)
     if HAS_FINAL_GRAD:
-        b_gs = tl.load(gs_final + i_bh.to(tl.int64) * D * D + sd)
-        b_ga = tl.load(ga_final + i_bh.to(tl.int64) * D * DV + sv)
+        b_gs = tl.load(gs_final + state * D * D + sd)
+        b_ga = tl.load(ga_final + state * D * DV + sv)
     else:
         b_gs = tl.zeros([BD, D], dtype=tl.float32)
         b_ga = tl.zeros([BD, DV], dtype=tl.float32)
-    for i in range(NT):
-        i_c = NT - 1 - i
-        base = (i_bh * NT + i_c).to(tl.int64)
-        p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
-        b_z, b_qdo = tl.load(p_z).to(tl.float32), tl.load(p_qdo).to(tl.float32)
-        b_x = tl.load(x_buf + base * D * DV + xv)
-        tl.store(p_z, b_gs.to(z_buf.dtype.element_ty))
-        tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty))
-        gamma = _chunk_gamma(i_c, T, lg, C)
-        b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
-                                           input_precision=PREC)
-        b_ga = gamma * gamma * b_ga + b_qdo
+    b_xq = tl.zeros([D, DV], dtype=tl.float32)
+    b_gamma2 = 1.0
+    for j in range(SEG):
+        i_c = i_s * SEG + SEG - 1 - j
+        if i_c < NT:
+            base = (i_bh * NT + i_c).to(tl.int64)
+            p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
+            b_z, b_qdo = tl.load(p_z).to(tl.float32), tl.load(p_qdo).to(tl.float32)
+            b_x = tl.load(x_buf + base * D * DV + xv)
+            if not SUMMARY:
+                tl.store(p_z, b_gs.to(z_buf.dtype.element_ty))
+                tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty))
+            gamma = _chunk_gamma(i_c, T, lg, CL)
+            if SUMMARY:
+                b_xq = gamma * b_xq + b_gamma2 * b_x.to(tl.float32)
+                b_gamma2 = b_gamma2 * gamma * gamma
+            b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
+                                               input_precision=PREC)
+            b_ga = gamma * gamma * b_ga + b_qdo
     if STORE_INIT_GRAD:
-        tl.store(gs_init + i_bh.to(tl.int64) * D * D + sd, b_gs)
-        tl.store(ga_init + i_bh.to(tl.int64) * D * DV + sv, b_ga)
+        tl.store(gs_init + state * D * D + sd, b_gs)
+        tl.store(ga_init + state * D * DV + sv, b_ga)
+        if SUMMARY:
+            if i_r == 0:
+                tl.store(xq_init + state * D * DV + xv, b_xq)
 
 
 @triton.jit
