@@ -10,7 +10,8 @@ themselves in parallel (grid D/16 x NSEG x B*H), a short scan chains the summari
 segments rescan from their start states, so that B = 1 at 64k tokens keeps the GPU busy.
 Per-chunk buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only
 inside one pass: 3 in forward, 5 in backward; segment summaries are fp32 and small. Scan
-loop bounds are constexprs (see triton_kernels.py, which also holds the math).
+loop bounds are powers of two (masked past the chunk count), so a sweep over T compiles
+them once per power-of-two bucket (see triton_kernels.py, which also holds the math).
 
 Supported: masked hla2, no decay or decay_form="masked" (per-head decay), normalize (the
 denominator runs as a second op on a ones value block), initial_state with gradients,
@@ -80,12 +81,17 @@ def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
 
 
 def _segments(NT):
-    """Chunks per segment of the two-level scans (about sqrt(NT), a power of two, so few
-    compiles) and the segment count; one segment for short sequences."""
+    """Chunks per segment of the two-level scans (about sqrt(NT), a power of two) and the
+    segment count; one segment for short sequences."""
     if NT <= 32:
         return NT, 1
     seg = triton.next_power_of_2(int(NT ** 0.5))
     return seg, triton.cdiv(NT, seg)
+
+
+def _loop_bound(n):
+    """The scans loop to a power of two (masked past n): one compile per bucket, not per T."""
+    return triton.next_power_of_2(n)
 
 
 def _summaries(buf, NSEG, *cols):
@@ -115,12 +121,13 @@ def _scan_states(ds, x, da, lg, s0, a0, s1, a1, T, C, shape):
     init = None if s0 is None else (s0, a0)
     final = None if s1 is None else (s1, a1)
     if NSEG == 1:
-        return scan(1, (ds, x, da, ds, da), init, final, NT, NT, C, False)
+        return scan(1, (ds, x, da, ds, da), init, final, NT, _loop_bound(NT), C, False)
     s_seg, x_seg, a_seg = _summaries(da, NSEG, D, DV, DV)
     kern.state_scan_kernel[(D // SCAN_ROWS, NSEG, BH)](
         ds, x, da, lg, ds, da, s_seg, a_seg, x_seg, T, NT, SEG=SEG, CL=C, HAS_INIT=False,
         STORE_FINAL=True, SUMMARY=True, **launch)
-    scan(1, (s_seg, x_seg, a_seg, s_seg, a_seg), init, final, NSEG, NSEG, SEG * C, False)
+    scan(1, (s_seg, x_seg, a_seg, s_seg, a_seg), init, final, NSEG, _loop_bound(NSEG), SEG * C,
+         False)
     scan(NSEG, (ds, x, da, ds, da), (s_seg, a_seg), None, NT, SEG, C, False)
 
 
@@ -140,12 +147,12 @@ def _scan_grads(qdo, z, x, lg, gs1, ga1, gs0, ga0, T, C, shape):
     final = None if gs1 is None else (gs1, ga1)
     init = None if gs0 is None else (gs0, ga0)
     if NSEG == 1:
-        return scan(1, (qdo, z, x), final, init, NT, NT, C)
+        return scan(1, (qdo, z, x), final, init, NT, _loop_bound(NT), C)
     gs_seg, xq_seg, ga_seg = _summaries(qdo, NSEG, D, DV, DV)
     kern.grad_scan_kernel[(D // SCAN_ROWS, NSEG, BH)](
         qdo, z, x, lg, z, qdo, gs_seg, ga_seg, xq_seg, T, NT, SEG=SEG, CL=C,
         HAS_FINAL_GRAD=False, STORE_INIT_GRAD=True, SUMMARY=True, **launch)
-    scan(1, (ga_seg, gs_seg, xq_seg), final, init, NSEG, NSEG, SEG * C)
+    scan(1, (ga_seg, gs_seg, xq_seg), final, init, NSEG, _loop_bound(NSEG), SEG * C)
     scan(NSEG, (qdo, z, x), (gs_seg, ga_seg), None, NT, SEG, C)
 
 

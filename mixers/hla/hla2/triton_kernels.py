@@ -22,9 +22,9 @@ with the states.
 Long sequences scan in two levels (few programs looping over many chunks would be latency
 bound): segments of SEG chunks summarise themselves in parallel, a short scan over the
 segment summaries gives each segment's start state, and the segments then rescan in
-parallel from their start states. Loop bounds are compile-time constants (SEG, or the
-segment count for the middle scan): the Triton interpreter cannot loop over a runtime
-bound with numpy 2.
+parallel from their start states. Loop bounds are compile-time powers of two (the Triton
+interpreter cannot loop over a runtime bound with numpy 2); steps past the runtime count NT
+are masked, so one compile serves every T of the same power-of-two bucket.
 """
 
 import triton
@@ -148,20 +148,21 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
     b_gamma = 1.0
     for j in range(SEG):
         i_c = i_s * SEG + j
-        if i_c < NT:
-            base = (i_bh * NT + i_c).to(tl.int64)
-            p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
-            b_ds, b_da = tl.load(p_s).to(tl.float32), tl.load(p_a).to(tl.float32)
-            b_x = tl.load(x_buf + base * D * DV + xv)
-            if not SUMMARY:
-                tl.store(p_s, b_s.to(ds_buf.dtype.element_ty))
-                tl.store(p_a, b_a.to(da_buf.dtype.element_ty))
-            gamma = _chunk_gamma(i_c, T, lg, CL)
-            if SUMMARY:
-                b_xp = gamma * gamma * b_xp + b_gamma * b_x.to(tl.float32)
-                b_gamma = b_gamma * gamma
-            b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC) + b_da
-            b_s = gamma * b_s + b_ds
+        real = i_c < NT  # steps past NT load zeros and leave the state as it is
+        base = (i_bh * NT + i_c).to(tl.int64)
+        p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
+        b_ds = tl.load(p_s, mask=real, other=0.0).to(tl.float32)
+        b_da = tl.load(p_a, mask=real, other=0.0).to(tl.float32)
+        b_x = tl.load(x_buf + base * D * DV + xv, mask=real, other=0.0)
+        if not SUMMARY:
+            tl.store(p_s, b_s.to(ds_buf.dtype.element_ty), mask=real)
+            tl.store(p_a, b_a.to(da_buf.dtype.element_ty), mask=real)
+        gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
+        if SUMMARY:
+            b_xp = gamma * gamma * b_xp + b_gamma * b_x.to(tl.float32)
+            b_gamma = b_gamma * gamma
+        b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC) + b_da
+        b_s = gamma * b_s + b_ds
     if STORE_FINAL:
         tl.store(s_final + state * D * D + sd, b_s)
         tl.store(a_final + state * D * DV + sv, b_a)
@@ -200,21 +201,22 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, 
     b_gamma2 = 1.0
     for j in range(SEG):
         i_c = i_s * SEG + SEG - 1 - j
-        if i_c < NT:
-            base = (i_bh * NT + i_c).to(tl.int64)
-            p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
-            b_z, b_qdo = tl.load(p_z).to(tl.float32), tl.load(p_qdo).to(tl.float32)
-            b_x = tl.load(x_buf + base * D * DV + xv)
-            if not SUMMARY:
-                tl.store(p_z, b_gs.to(z_buf.dtype.element_ty))
-                tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty))
-            gamma = _chunk_gamma(i_c, T, lg, CL)
-            if SUMMARY:
-                b_xq = gamma * b_xq + b_gamma2 * b_x.to(tl.float32)
-                b_gamma2 = b_gamma2 * gamma * gamma
-            b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
-                                               input_precision=PREC)
-            b_ga = gamma * gamma * b_ga + b_qdo
+        real = i_c < NT  # steps past NT load zeros and leave the gradients as they are
+        base = (i_bh * NT + i_c).to(tl.int64)
+        p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
+        b_z = tl.load(p_z, mask=real, other=0.0).to(tl.float32)
+        b_qdo = tl.load(p_qdo, mask=real, other=0.0).to(tl.float32)
+        b_x = tl.load(x_buf + base * D * DV + xv, mask=real, other=0.0)
+        if not SUMMARY:
+            tl.store(p_z, b_gs.to(z_buf.dtype.element_ty), mask=real)
+            tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty), mask=real)
+        gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
+        if SUMMARY:
+            b_xq = gamma * b_xq + b_gamma2 * b_x.to(tl.float32)
+            b_gamma2 = b_gamma2 * gamma * gamma
+        b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
+                                           input_precision=PREC)
+        b_ga = gamma * gamma * b_ga + b_qdo
     if STORE_INIT_GRAD:
         tl.store(gs_init + state * D * D + sd, b_gs)
         tl.store(ga_init + state * D * DV + sv, b_ga)
