@@ -124,11 +124,23 @@ def test_split_gradient_launches(monkeypatch):
 def test_two_level_scans(monkeypatch, T, normalize, decay):
     """Long sequences scan in segments of chunks; force 2-chunk segments here (the last
     segment and chunk partial) with initial and final states and their gradients."""
-    monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT: (2, -(-NT // 2)))
+    monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT, *_: (2, -(-NT // 2)))
     q, k, v = make_inputs(1, T, 2, 16, 32, torch.float32, seed=19)
     g = None if decay is None else torch.tensor(decay, device=DEVICE)
     check_against_reference(q, k, v, chunk_size=16, normalize=normalize, eps=1e-3, decay=g,
                             initial_state=random_state(1, 2, 16, 32, normalize))
+
+
+def test_segment_choice():
+    """One level when the row-block programs already fill the device (B = 8 at 8k tokens),
+    segments when they do not (B = 1 at 64k); segments always cover every chunk."""
+    segments = hla2_triton_module._segments
+    assert segments(128, 4 * 128, 264) == (128, 1)
+    seg, n_seg = segments(1024, 4 * 16, 264)
+    assert n_seg > 1 and seg * n_seg >= 1024
+    for NT in (33, 100, 1000):
+        seg, n_seg = segments(NT, 4, 264)
+        assert seg * (n_seg - 1) < NT <= seg * n_seg
 
 
 def test_initial_state_values_and_grads():

@@ -4,10 +4,10 @@ Forward, 3 launches: chunk increments (grid NT x B*H), state scan (grid D/16 x B
 over the NT chunks), output (grid Dv/64 x NT x B*H). Backward, 4-5 launches: increments plus
 the gradient terms Q^T dO and Q^T P Q, the state scan again (the carried states are
 recomputed, not saved: only q, k, v and the initial state are kept for backward), a reverse
-scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). Beyond 32
-chunks each scan runs in two levels (3 launches): segments of ~sqrt(NT) chunks summarise
-themselves in parallel (grid D/16 x NSEG x B*H), a short scan chains the summaries, and the
-segments rescan from their start states, so that B = 1 at 64k tokens keeps the GPU busy.
+scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). When its
+D/16 x B*H programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels:
+segments of chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan
+chains the summaries, and the segments rescan from their start states (see _segments).
 Per-chunk buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only
 inside one pass: 3 in forward, 5 in backward; segment summaries are fp32 and small. Scan
 loop bounds are powers of two (masked past the chunk count), so a sweep over T compiles
@@ -24,6 +24,7 @@ fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exce
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -80,13 +81,35 @@ def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
             + [torch.empty(B * H, NT, D, DV, **kw) for _ in range(n_dv)])
 
 
-def _segments(NT):
-    """Chunks per segment of the two-level scans (about sqrt(NT), a power of two) and the
-    segment count; one segment for short sequences."""
-    if NT <= 32:
-        return NT, 1
-    seg = triton.next_power_of_2(int(NT ** 0.5))
-    return seg, triton.cdiv(NT, seg)
+@functools.lru_cache
+def _resident_programs(device: torch.device, D: int) -> int:
+    """About how many scan programs the device runs at once (8 warps each: 2 per SM fit the
+    registers ptxas reports at D <= 64, 1 at D = 128). The interpreter assumes an H200."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 132
+    return sms * (2 if D <= 64 else 1)
+
+
+def _segments(NT, row_programs, resident):
+    """(chunks per segment, segment count) for a scan over NT chunks whose single level
+    would run row_programs programs. Each scan step is a dependent load + matmul, so the
+    time goes as waves x steps: one level costs ceil(P / R) NT, two levels (twice the
+    memory passes) 2 ceil(P NSEG / R) SEG + NSEG. Picks the cheapest power-of-two SEG, so
+    that B = 1 at 64k tokens fills the GPU while batches that already fill it keep one
+    level."""
+    def waves(programs):
+        return -(-programs // resident)
+
+    best, best_cost = (NT, 1), waves(row_programs) * NT
+    n_seg = 2
+    while n_seg <= NT // 2:
+        seg = triton.next_power_of_2(triton.cdiv(NT, n_seg))  # few compiles over T
+        used = triton.cdiv(NT, seg)
+        cost = 2 * waves(row_programs * used) * seg + used
+        if cost < best_cost:
+            best, best_cost = (seg, used), cost
+        n_seg *= 2
+    return best
 
 
 def _loop_bound(n):
@@ -109,7 +132,7 @@ def _scan_states(ds, x, da, lg, s0, a0, s1, a1, T, C, shape):
     """Carried states written over the increments (ds, da); final state into s1, a1 (when
     given). Long sequences: segment summaries, a scan over them, a rescan per segment."""
     BH, NT, D, DV = da.shape
-    SEG, NSEG = _segments(NT)
+    SEG, NSEG = _segments(NT, D // SCAN_ROWS * BH, _resident_programs(da.device, D))
     launch = _scan_launch(shape)
 
     def scan(n_seg, bufs, init, final, n, seg, cl, summary):
@@ -135,7 +158,7 @@ def _scan_grads(qdo, z, x, lg, gs1, ga1, gs0, ga0, T, C, shape):
     """Outgoing-state gradients written over (z, qdo), starting from the final-state
     gradients gs1, ga1 (when given); initial-state gradients into gs0, ga0 (when given)."""
     BH, NT, D, DV = qdo.shape
-    SEG, NSEG = _segments(NT)
+    SEG, NSEG = _segments(NT, D // SCAN_ROWS * BH, _resident_programs(qdo.device, D))
     launch = _scan_launch(shape)
 
     def scan(n_seg, bufs, final, init, n, seg, cl):
