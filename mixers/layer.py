@@ -58,8 +58,8 @@ class MixerLayer(nn.Module):
         if self.conv is not None:
             qkv = self.conv(qkv)
         q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        if self.qk_norm == "l2":
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        if self.qk_norm == "l2":  # CUDA autocast runs the norm in fp32: back to v's dtype
+            q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
         elif self.qk_norm == "scale":
             q = q * self.head_dim ** -0.5
         o, _ = self.op(q, k, v)

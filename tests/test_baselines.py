@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hla_bench.registry import all_mixers, get
 from mixers.attention import KVCache, sdpa_attention
@@ -136,6 +137,18 @@ def test_layer_maps_shape_and_backprops(name):
     y.square().mean().backward()
     assert x.grad.abs().sum() > 0
     assert all(p.grad is not None for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name", AVAILABLE)
+def test_layer_runs_under_bf16_autocast(name, monkeypatch):
+    """Training uses bf16 autocast, which on CUDA runs F.normalize in fp32: the layer must
+    still hand its op inputs of one dtype (emulated here, since CPU autocast keeps bf16)."""
+    normalize = F.normalize
+    monkeypatch.setattr(F, "normalize", lambda x, **kw: normalize(x.float(), **kw))
+    layer = get(name).layer(32, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.randn(2, 16, 32))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
 
 
 STREAMING = [name for name in AVAILABLE if get(name).family != "softmax"]
