@@ -175,11 +175,15 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def save(data: Mapping[str, Any], path: str | Path) -> Path:
-    """Validate, then write YAML (parent folders created)."""
+    """Validate, then write YAML (parent folders created) through a temporary file, so an
+    interrupted sweep never leaves a half-written file."""
     validate(dict(data))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=None, width=100))
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=None,
+                                      width=100))
+    partial.replace(path)
     return path
 
 
