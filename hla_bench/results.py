@@ -65,8 +65,11 @@ def _package_version(name: str) -> str | None:
 
 
 def git_commit() -> str:
-    """The checkout's commit (with `+dirty` when it has changes), or `unknown`."""
+    """The checkout's commit (with `+dirty` when it has changes); without a git checkout (a
+    copied tree on a benchmark machine) the HLA_BENCH_GIT_COMMIT variable, else `unknown`."""
     root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return os.environ.get("HLA_BENCH_GIT_COMMIT", "unknown")
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()

@@ -20,6 +20,7 @@ Peak memory above the inputs:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import math
@@ -440,8 +441,11 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
         q, k, v = _qkv((batch, heads), head_dim, value_dim, device, dtype, generator)
 
         def call() -> Any:
+            """Every timed step starts at context T: a shallow copy keeps the state's tensors
+            but not its bookkeeping (a KV cache's length would otherwise grow by one per
+            repeat, and cuDNN plans anew for every new length)."""
             with torch.no_grad():
-                return decoder.step(q, k, v, state)
+                return decoder.step(q, k, v, copy.copy(state))
         tokens = batch
     else:
         op = mixer.op(**options)

@@ -210,6 +210,23 @@ def test_fwdbwd_runs_backward(fake_mixers, monkeypatch):
     assert grads and set(grads) == {torch.Size([2, 16, 2, 8])}
 
 
+def test_decode_steps_all_start_at_context_t(monkeypatch):
+    """A KV cache grows by one token per step: every timed step must still see context T."""
+    from mixers.attention import KVCacheDecoder
+
+    lengths = []
+    step = KVCacheDecoder.step
+
+    def spy(self, q, k, v, state):
+        lengths.append(state.length)
+        return step(self, q, k, v, state)
+
+    monkeypatch.setattr(KVCacheDecoder, "step", spy)
+    records = run_sweeps([tiny_sweep(["sdpa:backend=math"], modes=["decode"], seq_lens=[16])])
+    assert records[0]["status"] == "ok"
+    assert len(lengths) >= 4 and set(lengths) == {16}
+
+
 def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):
     from hla_bench.sweeps import peak_memory_bytes
 
