@@ -6,7 +6,6 @@ Files are dispatched on their top-level `kind`: `bench` is rendered here, `recal
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -15,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hla_bench import results as results_io
+from hla_bench.recall_report import render_recall
 from hla_bench.sweeps import format_seq_len, iter_groups
 
 METRICS = {
@@ -226,19 +226,6 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return written
 
 
-def _render_recall(data: dict[str, Any], console: Console, plots: Path | None) -> None:
-    try:
-        from hla_bench.recall_report import render_recall
-    except ImportError:
-        raise click.ClickException("this is a recall results file, but the recall report "
-                                   "(hla_bench.recall_report.render_recall) is not installed")
-    accepted = inspect.signature(render_recall).parameters
-    extra = {name: value for name, value in (("console", console), ("plots_dir", plots))
-             if name in accepted}
-    for written in render_recall(data, **extra) or []:
-        console.print(f"wrote {written}")
-
-
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--compare", "compare_files", is_flag=True,
@@ -283,7 +270,7 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
                 for written in write_plots(data, plot_dir):
                     console.print(f"wrote {written}")
         elif kind == "recall":
-            _render_recall(data, console, plot_dir)
+            render_recall(data, console, plots_dir=plot_dir)
         else:
             raise click.ClickException(f"{path}: unknown results kind {kind!r} "
                                        "(expected bench or recall)")

@@ -1,6 +1,5 @@
 """Tiny LM, training loop, sweeps, result YAML and the `recall` / `tasks` commands."""
 
-import math
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from hla_bench.recall_report import render_recall
 from mixers.layer import MixerLayer
 from tasks import IGNORE
 from tasks.model import TinyLM
-from tasks.train import (RunSpec, default_workers, run_sweep, safe_run, state_bytes, summarize,
+from tasks.train import (RunSpec, default_workers, run_sweep, state_bytes, summarize,
                          train_run, warmup_cosine)
 
 

@@ -1,6 +1,5 @@
 """Generator properties of every synthetic task: label placement, token ranges, seeds, errors."""
 
-import numpy as np
 import pytest
 import torch
 

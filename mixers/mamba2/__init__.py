@@ -14,7 +14,6 @@ import importlib.util
 import math
 
 import torch
-import torch.nn.functional as F
 
 from mixers.hla.common import check_choice, check_chunk_size, check_qkv
 from mixers.mamba2.chunk import ssd_chunk

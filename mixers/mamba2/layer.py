@@ -7,7 +7,6 @@ B and C are shared by all heads (one group), as in Mamba-2.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
