@@ -64,10 +64,25 @@ def _check(sweeps: list[SweepConfig]) -> None:
             raise click.UsageError(str(error)) from None
 
 
+def _previous_points(path: Path | None, resume: bool) -> list[dict[str, Any]]:
+    """The points of the results file a resumed sweep continues (none without --resume)."""
+    if not resume:
+        return []
+    if path is None:
+        raise click.UsageError("--resume needs --out: the results file to continue")
+    if not path.exists():
+        return []
+    try:
+        return results_io.load(path)["points"]
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise click.UsageError(f"cannot resume from {path}: {error}") from None
+
+
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
-            baseline: str | None) -> dict[str, Any]:
+            baseline: str | None, resume: bool = False) -> dict[str, Any]:
     """Run the sweeps with a progress bar, save the results file, print tables or data."""
     _check(sweeps)
+    previous = _previous_points(Path(out) if out else None, resume)
     errors = Console(stderr=True)
     started = time.perf_counter()
     devices = sorted({s.resolved_device() for s in sweeps})
@@ -102,7 +117,7 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
         def on_point(index: int, total: int, point) -> None:
             progress.update(task, completed=index, total=total, description=point.describe())
 
-        points = run_sweeps(sweeps, on_point, on_record)
+        points = run_sweeps(sweeps, on_point, on_record, previous)
         progress.update(task, completed=len(points))
     data = save(points, complete=True)
     if output_format == "json":
@@ -131,6 +146,8 @@ output_options = [
     click.option("--json", "as_json", is_flag=True, help="Print the results as JSON, not tables."),
     click.option("--yaml", "as_yaml", is_flag=True, help="Print the results as YAML, not tables."),
     click.option("--baseline", help="Mixer label whose ratios the tables show."),
+    click.option("--resume", is_flag=True,
+                 help="Keep the points already measured in the --out file; run the rest."),
 ]
 
 
@@ -161,7 +178,7 @@ def with_output_options(command):
 def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int | None,
           decode_batch: int | None, heads: int, head_dim: int, value_dim: int | None, dtype: str,
           modes: str, device: str, repeats: int, warmup: int, out: str | None, as_json: bool,
-          as_yaml: bool, baseline: str | None) -> None:
+          as_yaml: bool, baseline: str | None, resume: bool) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
@@ -176,7 +193,7 @@ def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int |
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    execute(config, [sweep], out, output_format, baseline)
+    execute(config, [sweep], out, output_format, baseline, resume)
 
 
 def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
@@ -188,7 +205,7 @@ def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
                 type=click.Path(exists=True, dir_okay=False))
 @with_output_options
 def run(config_path: str | None, out: str | None, as_json: bool, as_yaml: bool,
-        baseline: str | None) -> None:
+        baseline: str | None, resume: bool) -> None:
     """Run the sweeps of a config file (default: configs/cpu-smoke.yaml)."""
     output_format = _output_format(as_json, as_yaml)
     path = Path(config_path) if config_path else DEFAULT_CONFIG
@@ -204,7 +221,7 @@ def run(config_path: str | None, out: str | None, as_json: bool, as_yaml: bool,
                                f"({', '.join(sorted(labels))})")
     total = sum(len(s.mixers) * len(s.modes) * len(s.seq_lens) for s in sweeps)
     Console(stderr=True).print(f"{path.name}: {len(sweeps)} sweep(s), {total} points")
-    execute(config, sweeps, out, output_format, baseline)
+    execute(config, sweeps, out, output_format, baseline, resume)
 
 
 commands = [list_, bench, run]

@@ -124,6 +124,27 @@ def plan_runs(config: dict, device: str) -> list[dict]:
     return specs
 
 
+def run_key(run: dict) -> str:
+    """What identifies a run across sweeps: its spec without the run id and device."""
+    spec = {key: run[key] for key in RunSpec.__dataclass_fields__ if key not in ("run_id", "device")}
+    return yaml.safe_dump(spec, sort_keys=True)
+
+
+def finished_runs(out: str | None, resume: bool) -> dict[str, dict]:
+    """The successful runs of the results file a resumed sweep continues, by run key."""
+    if not resume:
+        return {}
+    if not out:
+        raise click.UsageError("--resume needs --out: the results file to continue")
+    if not Path(out).exists():
+        return {}
+    try:
+        runs = yaml.safe_load(Path(out).read_text())["runs"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError) as error:
+        raise click.UsageError(f"cannot resume from {out}: {error}") from None
+    return {run_key(run): run for run in runs if run.get("status") == "ok"}
+
+
 def unavailable_result(spec: dict, reason: str) -> dict:
     return {**spec, "status": "unavailable", "error": reason, "score": None, "curve": []}
 
@@ -187,8 +208,10 @@ def run_with_progress(specs: list[dict], workers: int, console: Console,
 @click.option("--seed", type=int)
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results YAML here.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write PNG plots here.")
+@click.option("--resume", is_flag=True,
+              help="Keep the finished runs of the --out file (a sweep cut short); run the rest.")
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, plots_dir,
-           **options):
+           resume, **options):
     """Train a tiny LM per mixer on synthetic recall tasks; report the best test accuracy over
     learning rates per (task setting, mixer, d_model), as Zoology does."""
     console = Console()
@@ -205,13 +228,18 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
     workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
     console.print(f"[bold]recall sweep[/]: {len(specs)} runs on {device}, {workers} worker(s)")
 
+    finished = finished_runs(out, resume)
     runnable, results = [], {}
     for spec in specs:
         reason = registry.get(spec["mixer"]).unavailable_reason()
         if reason:
             results[spec["run_id"]] = unavailable_result(spec, reason)
+        elif run_key(spec) in finished:
+            results[spec["run_id"]] = {**finished[run_key(spec)], "run_id": spec["run_id"]}
         else:
             runnable.append(spec)
+    if finished:
+        console.print(f"resuming: {len(finished)} finished run(s) kept from {out}")
     started = time.perf_counter()
     env = environment(device)
 

@@ -532,19 +532,35 @@ def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = Non
     return record
 
 
+# What identifies a point across runs: a resumed sweep keeps a record with the same key.
+POINT_KEY = ("sweep", "mixer", "name", "options", "mode", "seq_len", "batch", "heads",
+             "head_dim", "value_dim", "dtype", "device")
+# Statuses a resumed sweep keeps; an error is measured again.
+KEPT_STATUSES = ("ok", "oom", "unavailable", "unsupported")
+
+
+def point_key(record: Mapping[str, Any]) -> str:
+    return yaml.safe_dump({key: record[key] for key in POINT_KEY}, sort_keys=True)
+
+
 def run_sweeps(sweeps: list[SweepConfig],
                on_point: Callable[[int, int, Point], None] | None = None,
                on_record: Callable[[list[dict[str, Any]]], None] | None = None,
+               previous: list[dict[str, Any]] = (),
                ) -> list[dict[str, Any]]:
     """Run every planned point; `on_point(index, total, point)` is called before each and
-    `on_record(records_so_far)` after each (to save partial results of a long sweep)."""
+    `on_record(records_so_far)` after each (to save partial results of a long sweep).
+    A point with a record in `previous` (same key, a kept status) is not measured again:
+    a sweep cut short can be resumed from its results file."""
+    kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     points = plan(sweeps)
     oom_at: dict[tuple[str, str, str], int] = {}
     records = []
     for index, point in enumerate(points):
         if on_point is not None:
             on_point(index, len(points), point)
-        records.append(run_point(point, oom_at))
+        record = kept.get(point_key(empty_record(point)))
+        records.append(record if record is not None else run_point(point, oom_at))
         if on_record is not None:
             on_record(records)
     return records

@@ -162,7 +162,8 @@ def train_run(spec: dict, progress: Callable[[dict], None] | None = None) -> dic
 
     seq_len = train_x.shape[1]
     return {
-        **spec.as_dict(), "params": params, "num_train": num_train, "num_test": num_test,
+        **spec.as_dict(),  # the spec as planned, so a resumed sweep recognises the run
+        "resolved": {"params": params, "num_train": num_train, "num_test": num_test},
         "status": "ok", "score": round(best, 5), "final_accuracy": curve[-1]["accuracy"],
         "steps": step, "early_stopped": best > spec.stop_accuracy,
         "seconds": round(time.perf_counter() - started, 2), "seq_len": seq_len,

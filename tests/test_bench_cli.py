@@ -7,7 +7,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, results
+from hla_bench import bench, results, sweeps
 from hla_bench.cli import main
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
 
@@ -100,6 +100,38 @@ def test_run_config_with_two_sweeps(runner, fake_mixers, tmp_path):
     assert {p["sweep"] for p in data["points"]} == {"d8", "d16"}
     assert {p["status"] for p in data["points"] if p["mixer"] == "fake-broken"} == {"error"}
     assert all(p["status"] == "ok" for p in data["points"] if p["mixer"] == "fast")
+
+
+def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp_path,
+                                                        monkeypatch):
+    """A sweep cut short is continued from its results file: kept points are not measured
+    again, errors and missing points are."""
+    out = tmp_path / "out.yaml"
+    args = ["bench", "--mixers", "fake-fast:label=fast,fake-broken", "--seq-lens", "16,32",
+            "--modes", "fwd", "--batch", "1", "--heads", "2", "--head-dim", "8",
+            "--device", "cpu", "--warmup", "0", "--repeats", "2", "--out", str(out)]
+    assert runner.invoke(main, args).exit_code == 0
+    first = results.load(out)["points"]
+    data = results.load(out)
+    data["points"] = [p for p in data["points"] if p["seq_len"] == 16]  # as if killed
+    results.save(data, out)
+    measured = []
+    original = sweeps.run_point
+    monkeypatch.setattr(sweeps, "run_point",
+                        lambda point, oom_at=None: measured.append(point.describe())
+                        or original(point, oom_at))
+    result = runner.invoke(main, args + ["--resume"])
+    assert result.exit_code == 0, result.output
+    assert sorted(measured) == ["bench fake-broken fwd T=16", "bench fake-broken fwd T=32",
+                                "bench fast fwd T=32"]
+    resumed = results.load(out)["points"]
+    assert resumed[0] == first[0]  # fast T=16 kept as it was
+    assert [(p["mixer"], p["seq_len"]) for p in resumed] == [(p["mixer"], p["seq_len"]) for p in first]
+
+
+def test_resume_needs_out(runner, fake_mixers):
+    result = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--device", "cpu", "--resume"])
+    assert result.exit_code == 2 and "--resume needs --out" in result.output
 
 
 def test_run_bad_config_exit_2(runner, fake_mixers, tmp_path):

@@ -174,6 +174,25 @@ def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
     assert "test-softmax" in report.output
 
 
+def test_resume_keeps_finished_runs(tmp_path):
+    """A recall sweep cut short continues from its results file: finished runs are kept."""
+    assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
+    path = tmp_path / "recall.yaml"
+    data = yaml.safe_load(path.read_text())
+    kept = data["runs"][0]
+    data["runs"] = [kept]  # as if killed after the first run
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert "resuming: 1 finished run(s) kept" in result.output
+    runs = yaml.safe_load(path.read_text())["runs"]
+    assert len(runs) == 2 and runs[0]["curve"] == kept["curve"] and runs[1]["status"] == "ok"
+    assert runs[0]["seconds"] == kept["seconds"]  # not trained again
+    no_out = [arg for arg in recall_args(tmp_path) if arg not in ("--out", str(path))]
+    bad = CliRunner().invoke(main, no_out + ["--resume"])
+    assert bad.exit_code == 2 and "--resume needs --out" in bad.output
+
+
 def test_recall_cli_from_config_and_bad_input(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
