@@ -6,6 +6,7 @@ import importlib
 import pytest
 import torch
 
+from hla_inputs import random_qkv, rel_err
 from mixers.hla.ahla2 import ahla2, ahla2_flops, ahla2_naive, ahla2_state_bytes, ahla2_step
 
 B, T, H, D, DV = 2, 13, 3, 4, 5
@@ -14,16 +15,7 @@ FORMS = ("serial", "scan", "chunk")
 
 
 def inputs(dtype=torch.float64, positive=False, seed=0, T=T, B=B):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) / D ** 0.5 for _ in "qk")
-    v = torch.randn(B, T, H, DV, generator=gen, dtype=torch.float64)
-    if positive:
-        q, k = q.abs(), k.abs()
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+    return random_qkv(B, T, H, D, DV, dtype=dtype, seed=seed, positive=positive, scale_qk=True)
 
 
 @pytest.mark.parametrize("normalize", [False, True])

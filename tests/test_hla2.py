@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from hla_inputs import random_qkv, rel_err
 from mixers.hla import hla2, hla2_step
 from mixers.hla.hla2 import hla2_flops, hla2_naive, hla2_state_bytes
 
@@ -17,13 +18,7 @@ PER_HEAD = "per-head"
 
 
 def make_inputs(T, *, kv_heads=H, dtype=torch.float64, seed=0, d=D, dv=DV, positive=False):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(B, T, kv_heads, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(B, T, kv_heads, dv, generator=gen, dtype=torch.float64)
-    if positive:
-        q, k = q.abs(), k.abs()
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    return random_qkv(B, T, H, d, dv, kv_heads=kv_heads, dtype=dtype, seed=seed, positive=positive)
 
 
 def decay_value(kind, kv_heads):
@@ -38,10 +33,6 @@ def one_decay_if_shared(opts, kv_heads):
     if kv_heads == 1 and isinstance(opts.get("decay"), torch.Tensor):
         return dict(opts, decay=opts["decay"][:1].expand(H))
     return opts
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def state_err(a, b):

@@ -4,6 +4,7 @@ low precision, state continuation, gradients and input errors."""
 import pytest
 import torch
 
+from hla_inputs import random_qkv, rel_err
 from mixers.hla.hla3 import hla3, hla3_flops, hla3_naive, hla3_state_bytes, hla3_step
 
 B, T, H, D, DV = 2, 11, 2, 3, 4
@@ -11,16 +12,7 @@ FORMS = {"causal": ("serial", "scan", "chunk"), "paper": ("serial", "scan")}
 
 
 def inputs(dtype=torch.float64, positive=False, seed=0, T=T):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) / D ** 0.5 for _ in "qk")
-    v = torch.randn(B, T, H, DV, generator=gen, dtype=torch.float64)
-    if positive:
-        q, k = q.abs(), k.abs()
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+    return random_qkv(B, T, H, D, DV, dtype=dtype, seed=seed, positive=positive, scale_qk=True)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
