@@ -186,6 +186,36 @@ def test_normalize_matches_reference():
                             initial_state=random_state(1, 2, 16, 16, normalize=True))
 
 
+def test_normalize_half_precision_without_state():
+    q, k, v = make_inputs(1, 40, 2, 16, 32, HALF, seed=20)
+    with torch.no_grad():  # nonnegative features keep the denominator away from zero
+        q.abs_(), k.abs_()
+    check_against_reference(q, k, v, chunk_size=16, normalize=True, eps=1e-3)
+
+
+def test_normalize_runs_in_the_same_launches(monkeypatch):
+    """The denominator rides along in the numerator's kernels: one launch of each kernel
+    per forward pass, not a second op on a block of ones."""
+    launches = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("chunk_increments_kernel", "state_scan_kernel", "chunk_output_kernel"):
+        monkeypatch.setattr(hla2_triton_module.kern, name,
+                            Counting(name, getattr(hla2_triton_module.kern, name)))
+    q, k, v = (x.detach() for x in make_inputs(1, 20, 2, 16, 16, torch.float32))
+    hla2_triton(q, k, v, normalize=True, eps=1e-3, decay=None, decay_form="masked",
+                chunk_size=16, initial_state=None, output_final_state=True)
+    assert sorted(launches) == ["chunk_increments_kernel", "chunk_output_kernel",
+                                "state_scan_kernel"]
+
+
 def test_half_precision_matches_reference():
     q, k, v = make_inputs(1, 40, 2, 16, 16, HALF, seed=6)
     check_against_reference(q, k, v, chunk_size=16)

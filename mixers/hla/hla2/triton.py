@@ -14,7 +14,8 @@ loop bounds are powers of two (masked past the chunk count), so a sweep over T c
 them once per power-of-two bucket (see triton_kernels.py, which also holds the math).
 
 Supported: masked hla2, no decay or decay_form="masked" (per-head decay), normalize (the
-denominator runs as a second op on a ones value block), initial_state with gradients,
+denominator is a ones value column carried as [D] vectors next to A in the same launches),
+initial_state with gradients,
 output_final_state, any T, Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs,
 multi-query (k, v with one head: broadcast to the query heads, S returned once).
 Not supported (the dispatcher falls back): masked=False, ridge != 0, decay_form="paper".
@@ -118,9 +119,10 @@ def _loop_bound(n):
 
 
 def _summaries(buf, NSEG, *cols):
-    """[B*H, NSEG, D, cols] fp32 segment summaries, one per entry of cols."""
+    """[B*H, NSEG, D, cols] fp32 segment summaries, one per entry of cols (None: [.., D])."""
     BH, _, D, _ = buf.shape
-    return [buf.new_empty(BH, NSEG, D, c, dtype=torch.float32) for c in cols]
+    return [buf.new_empty(BH, NSEG, D, *(() if c is None else (c,)), dtype=torch.float32)
+            for c in cols]
 
 
 def _scan_launch(shape):
@@ -128,129 +130,176 @@ def _scan_launch(shape):
     return dict(num_warps=WARPS, BD=SCAN_ROWS, **{k: v for k, v in shape.items() if k != "C"})
 
 
-def _scan_states(ds, x, da, lg, s0, a0, s1, a1, T, C, shape):
-    """Carried states written over the increments (ds, da); final state into s1, a1 (when
-    given). Long sequences: segment summaries, a scan over them, a rescan per segment."""
+def _scan_states(inc, lg, init, final, T, C, shape):
+    """Carried states written over the increments inc = (dS, X, dA, Xn, An) (Xn, An: the
+    denominator column vectors with normalize, else stand-ins); final state into final =
+    (S1, A1, a1) when given, starting from init = (S0, A0, a0) when given. Long sequences:
+    segment summaries, a scan over them, a rescan per segment."""
+    ds, x, da, xn, an = inc
     BH, NT, D, DV = da.shape
     SEG, NSEG = _segments(NT, D // SCAN_ROWS * BH, _resident_programs(da.device, D))
     launch = _scan_launch(shape)
 
-    def scan(n_seg, bufs, init, final, n, seg, cl, summary):
+    def scan(n_seg, bufs, init, final, xp, n, seg, cl, summary):
+        in_place = (bufs[0], bufs[2], bufs[4])
         kern.state_scan_kernel[(D // SCAN_ROWS, n_seg, BH)](
-            *bufs[:3], lg, *(init or bufs[3:]), *(final or bufs[3:]), bufs[1], T, n, SEG=seg,
-            CL=cl, HAS_INIT=init is not None, STORE_FINAL=final is not None, SUMMARY=summary,
-            **launch)
+            *bufs, lg, *(init or in_place), *(final or in_place), *(xp or bufs[1:4:2]), T, n,
+            SEG=seg, CL=cl, HAS_INIT=init is not None, STORE_FINAL=final is not None,
+            SUMMARY=summary, **launch)
 
-    init = None if s0 is None else (s0, a0)
-    final = None if s1 is None else (s1, a1)
     if NSEG == 1:
-        return scan(1, (ds, x, da, ds, da), init, final, NT, _loop_bound(NT), C, False)
+        return scan(1, inc, init, final, None, NT, _loop_bound(NT), C, False)
     s_seg, x_seg, a_seg = _summaries(da, NSEG, D, DV, DV)
-    kern.state_scan_kernel[(D // SCAN_ROWS, NSEG, BH)](
-        ds, x, da, lg, ds, da, s_seg, a_seg, x_seg, T, NT, SEG=SEG, CL=C, HAS_INIT=False,
-        STORE_FINAL=True, SUMMARY=True, **launch)
-    scan(1, (s_seg, x_seg, a_seg, s_seg, a_seg), init, final, NSEG, _loop_bound(NSEG), SEG * C,
-         False)
-    scan(NSEG, (ds, x, da, ds, da), (s_seg, a_seg), None, NT, SEG, C, False)
+    xn_seg, an_seg = _summaries(da, NSEG, None, None) if shape["NORMALIZE"] else (xn, an)
+    scan(NSEG, inc, None, (s_seg, a_seg, an_seg), (x_seg, xn_seg), NT, SEG, C, True)
+    scan(1, (s_seg, x_seg, a_seg, xn_seg, an_seg), init, final, None, NSEG, _loop_bound(NSEG),
+         SEG * C, False)
+    scan(NSEG, inc, (s_seg, a_seg, an_seg), None, None, NT, SEG, C, False)
 
 
-def _scan_grads(qdo, z, x, lg, gs1, ga1, gs0, ga0, T, C, shape):
-    """Outgoing-state gradients written over (z, qdo), starting from the final-state
-    gradients gs1, ga1 (when given); initial-state gradients into gs0, ga0 (when given)."""
+def _scan_grads(inc, lg, final, init, T, C, shape):
+    """Outgoing-state gradients written over inc = (Q^T b^2 dO, Z, X, Qn, Xn) (Qn, Xn: the
+    denominator column vectors with normalize, else stand-ins), starting from the final-state
+    gradients final = (gS1, gA1, ga1) when given; initial-state gradients into init when
+    given."""
+    qdo, z, x, qn, xn = inc
     BH, NT, D, DV = qdo.shape
     SEG, NSEG = _segments(NT, D // SCAN_ROWS * BH, _resident_programs(qdo.device, D))
     launch = _scan_launch(shape)
 
-    def scan(n_seg, bufs, final, init, n, seg, cl):
+    def scan(n_seg, bufs, final, init, xq, n, seg, cl, summary):
+        in_place = (bufs[1], bufs[0], bufs[3])
         kern.grad_scan_kernel[(D // SCAN_ROWS, n_seg, BH)](
-            *bufs, lg, *(final or bufs[1::-1]), *(init or bufs[1::-1]), bufs[2], T, n,
+            *bufs, lg, *(final or in_place), *(init or in_place), *(xq or bufs[2::2]), T, n,
             SEG=seg, CL=cl, HAS_FINAL_GRAD=final is not None,
-            STORE_INIT_GRAD=init is not None, SUMMARY=False, **launch)
+            STORE_INIT_GRAD=init is not None, SUMMARY=summary, **launch)
 
-    final = None if gs1 is None else (gs1, ga1)
-    init = None if gs0 is None else (gs0, ga0)
     if NSEG == 1:
-        return scan(1, (qdo, z, x), final, init, NT, _loop_bound(NT), C)
+        return scan(1, inc, final, init, None, NT, _loop_bound(NT), C, False)
     gs_seg, xq_seg, ga_seg = _summaries(qdo, NSEG, D, DV, DV)
-    kern.grad_scan_kernel[(D // SCAN_ROWS, NSEG, BH)](
-        qdo, z, x, lg, z, qdo, gs_seg, ga_seg, xq_seg, T, NT, SEG=SEG, CL=C,
-        HAS_FINAL_GRAD=False, STORE_INIT_GRAD=True, SUMMARY=True, **launch)
-    scan(1, (ga_seg, gs_seg, xq_seg), final, init, NSEG, _loop_bound(NSEG), SEG * C)
-    scan(NSEG, (qdo, z, x), (gs_seg, ga_seg), None, NT, SEG, C)
+    xqn_seg, gan_seg = _summaries(qdo, NSEG, None, None) if shape["NORMALIZE"] else (xn, qn)
+    scan(NSEG, inc, None, (gs_seg, ga_seg, gan_seg), (xq_seg, xqn_seg), NT, SEG, C, True)
+    scan(1, (ga_seg, gs_seg, xq_seg, gan_seg, xqn_seg), final, init, None, NSEG,
+         _loop_bound(NSEG), SEG * C, False)
+    scan(NSEG, inc, (gs_seg, ga_seg, gan_seg), None, None, NT, SEG, C, False)
 
 
-def _forward(q, k, v, log2g, s0, a0, C, want_final):
+def _den_vectors(q, NT, n, normalize):
+    """n [B*H, NT, D] fp32 buffers for the denominator column (normalize), else stand-ins."""
+    B, _, H, D = q.shape
+    if not normalize:
+        return [q] * n
+    return [q.new_empty(B * H, NT, D, dtype=torch.float32) for _ in range(n)]
+
+
+def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
     prec, warps = _precision(q.dtype), WARPS
-    shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
+    shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
+                 PREC=prec)
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
+    xn, an = _den_vectors(q, NT, 2, normalize)
     kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, q, lg, ds, x, da, x, ds, T, NT, WITH_GRAD=False, num_warps=warps, **shape)
-    s1 = a1 = None
+        q, k, v, q, q, lg, ds, x, da, x, ds, xn, an, xn, T, NT, WITH_GRAD=False,
+        num_warps=warps, **shape)
+    final = None
     if want_final:
-        s1 = q.new_empty(B, H, D, D, dtype=torch.float32)
-        a1 = q.new_empty(B, H, D, DV, dtype=torch.float32)
-    _scan_states(ds, x, da, lg, s0, a0, s1, a1, T, C, shape)
+        final = (q.new_empty(B, H, D, D, dtype=torch.float32),
+                 q.new_empty(B, H, D, DV, dtype=torch.float32),
+                 q.new_empty(B, H, D, dtype=torch.float32) if normalize else q)
+    _scan_states((ds, x, da, xn, an), lg, init, final, T, C, shape)
     o = torch.empty_like(v, dtype=q.dtype)
+    den = q.new_empty(B, T, H, dtype=torch.float32) if normalize else q
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
-        q, k, v, lg, ds, da, o, T, NT, BV=BV, num_warps=warps, **shape)
-    return o, s1, a1
+        q, k, v, lg, ds, da, an, o, den, eps, T, NT, BV=BV, num_warps=warps, **shape)
+    return o, den, final
 
 
-def _backward(q, k, v, log2g, s0, a0, do, gs1, ga1, C, want_init_grad):
+def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
+    normalize = dden is not None
     prec, warps = _precision(q.dtype), WARPS
-    shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, PREC=prec)
+    shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
+                 PREC=prec)
     lg = q if log2g is None else log2g
+    dden = q if dden is None else dden
     ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q, 2, 3)
+    xn, an, qn = _den_vectors(q, NT, 3, normalize)
     kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, do, lg, ds, x, da, qdo, z, T, NT, WITH_GRAD=True, num_warps=warps, **shape)
-    _scan_states(ds, x, da, lg, s0, a0, None, None, T, C, shape)
-    gs0 = ga0 = None
+        q, k, v, do, dden, lg, ds, x, da, qdo, z, xn, an, qn, T, NT, WITH_GRAD=True,
+        num_warps=warps, **shape)
+    _scan_states((ds, x, da, xn, an), lg, init, None, T, C, shape)
+    init_grads = None
     if want_init_grad:
-        gs0 = q.new_empty(B, H, D, D, dtype=torch.float32)
-        ga0 = q.new_empty(B, H, D, DV, dtype=torch.float32)
-    has_final_grad = gs1 is not None or ga1 is not None
-    if has_final_grad:
-        gs1 = torch.zeros(B, H, D, D, dtype=torch.float32, device=q.device) if gs1 is None \
-            else gs1.float().contiguous()
-        ga1 = torch.zeros(B, H, D, DV, dtype=torch.float32, device=q.device) if ga1 is None \
-            else ga1.float().contiguous()
-    _scan_grads(qdo, z, x, lg, gs1, ga1, gs0, ga0, T, C, shape)
-    del x  # only the scans read X; freeing it lowers the peak of the last launches
+        init_grads = (q.new_empty(B, H, D, D, dtype=torch.float32),
+                      q.new_empty(B, H, D, DV, dtype=torch.float32),
+                      q.new_empty(B, H, D, dtype=torch.float32) if normalize else q)
+    _scan_grads((qdo, z, x, qn, xn), lg, final_grads, init_grads, T, C, shape)
+    del x, xn  # only the scans read X; freeing it lowers the peak of the last launches
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]
     for want_qk, want_v in parts:
         kern.chunk_grads_kernel[(NT, B * H)](
-            q, k, v, do, lg, ds, da, z, qdo, dq, dk, dv, T, NT, WANT_QK=want_qk, WANT_V=want_v,
-            num_warps=warps, **shape)
-    return dq, dk, dv, gs0, ga0
+            q, k, v, do, dden, lg, ds, da, z, qdo, an, qn, dq, dk, dv, T, NT,
+            WANT_QK=want_qk, WANT_V=want_v, num_warps=warps, **shape)
+    return dq, dk, dv, init_grads
+
+
+def _final_grads(q, D, DV, normalize, grads):
+    """fp32 contiguous final-state gradients (zeros for the missing ones), or None when
+    no final-state output has a gradient."""
+    if all(g is None for g in grads):
+        return None
+    B, _, H, _ = q.shape
+    shapes = [(B, H, D, D), (B, H, D, DV), (B, H, D)]
+    out = tuple(torch.zeros(shp, dtype=torch.float32, device=q.device) if g is None
+                else g.float().contiguous() for g, shp in zip(grads, shapes))
+    return out if normalize else out[:2] + (q,)
 
 
 class _HLA2Masked(torch.autograd.Function):
-    """(q, k, v, S0, A0) -> (o, S1, A1) for masked hla2 with optional per-head decay
-    (given as log2 g, not differentiated)."""
+    """(q, k, v, S0, A0, a0) -> (o, S1, A1, a1) for masked hla2 with optional per-head decay
+    (given as log2 g, not differentiated); a0, a1: the denominator state with normalize,
+    whose output o = numerator / (denominator + eps) comes from the same launches."""
 
     @staticmethod
-    def forward(ctx, q, k, v, s0, a0, log2g, chunk_size, want_final):
-        o, s1, a1 = _forward(q, k, v, log2g, s0, a0, chunk_size, want_final)
-        ctx.save_for_backward(q, k, v, s0, a0, log2g)
-        ctx.chunk_size = chunk_size
-        return o, s1, a1
+    def forward(ctx, q, k, v, s0, a0, an0, log2g, chunk_size, want_final, normalize, eps):
+        init = None
+        if s0 is not None:
+            init = (s0, a0, an0 if normalize else q)
+        o, den, final = _forward(q, k, v, log2g, init, chunk_size, want_final, normalize, eps)
+        if normalize:
+            ctx.save_for_backward(q, k, v, s0, a0, an0, log2g, o, den)
+        else:
+            ctx.save_for_backward(q, k, v, s0, a0, an0, log2g)
+        ctx.chunk_size, ctx.normalize, ctx.eps = chunk_size, normalize, eps
+        s1, a1, an1 = (None, None, None) if final is None else final
+        return o, s1, a1, an1 if normalize else None
 
     @staticmethod
-    def backward(ctx, do, gs1, ga1):
-        q, k, v, s0, a0, log2g = ctx.saved_tensors
-        want_init_grad = s0 is not None and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4])
-        dq, dk, dv, gs0, ga0 = _backward(q, k, v, log2g, s0, a0, do.contiguous(), gs1, ga1,
-                                         ctx.chunk_size, want_init_grad)
-        return dq, dk, dv, gs0, ga0, None, None, None
+    def backward(ctx, do, gs1, ga1, gan1):
+        q, k, v, s0, a0, an0, log2g, *saved = ctx.saved_tensors
+        D, DV = q.shape[-1], v.shape[-1]
+        init = None if s0 is None else (s0, a0, an0 if ctx.normalize else q)
+        dden = None
+        if ctx.normalize:  # o = n / (den + eps): dn = do / (den + eps), dden = -(do . o) / ..
+            o, den = saved
+            scale = 1.0 / (den + ctx.eps)
+            dden = (-(do.float() * o.float()).sum(-1) * scale).contiguous()
+            do = (do.float() * scale.unsqueeze(-1)).to(q.dtype)
+        want_init_grad = s0 is not None and any(ctx.needs_input_grad[3:6])
+        final_grads = _final_grads(q, D, DV, ctx.normalize, (gs1, ga1, gan1))
+        dq, dk, dv, init_grads = _backward(q, k, v, log2g, init, do.contiguous(), dden,
+                                           final_grads, ctx.chunk_size, want_init_grad)
+        gs0, ga0, gan0 = (None, None, None) if init_grads is None else init_grads
+        gan0 = gan0 if ctx.normalize and init_grads is not None else None
+        return dq, dk, dv, gs0, ga0, gan0, None, None, None, None, None
 
 
 def _chunk(chunk_size: int, dtype) -> int:
@@ -259,10 +308,6 @@ def _chunk(chunk_size: int, dtype) -> int:
     use at most 32, which keeps the D = 128 backward within the shared memory of an H100/H200."""
     chunk = chunk_size if chunk_size in CHUNK_SIZES else 64
     return min(chunk, 32) if dtype == torch.float32 else chunk
-
-
-def _masked_op(q, k, v, s0, a0, log2g, chunk_size, want_final):
-    return _HLA2Masked.apply(q, k, v, s0, a0, log2g, chunk_size, want_final)
 
 
 def _empty_sequence(q, k, v, normalize, initial_state, output_final_state):
@@ -298,24 +343,20 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
     if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
         k, v = k.expand(B, T, H, D), v.expand(B, T, H, v.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    s0 = a0 = a_den0 = None
+    s0 = a0 = an0 = None
     if initial_state is not None:
         s0 = initial_state["S"].float().expand(B, H, D, D).contiguous()
         a0 = initial_state["A"].float().contiguous()
         if normalize:
-            a_den0 = initial_state["a"].float().unsqueeze(-1).expand(B, H, D, 16).contiguous()
+            an0 = initial_state["a"].float().contiguous()
     log2g = None if decay is None else torch.log2(decay.float()).contiguous()
-    o, s1, a1 = _masked_op(q, k, v, s0, a0, log2g, C, output_final_state)
+    o, s1, a1, an1 = _HLA2Masked.apply(q, k, v, s0, a0, an0, log2g, C, output_final_state,
+                                       normalize, float(eps))
     final = None
     if output_final_state:
         final = {"S": s1[:, :1].contiguous() if shared_kv else s1, "A": a1}
-    if normalize:
-        ones = q.new_ones(B, T, H, 16)
-        den, _, a_den1 = _masked_op(q, k, ones, s0, a_den0, log2g, C,
-                                     output_final_state)
-        o = (o.float() / (den[..., :1].float() + eps)).to(q.dtype)
-        if output_final_state:
-            final["a"] = a_den1[..., 0]
+        if normalize:
+            final["a"] = an1
     return o, final
 
 

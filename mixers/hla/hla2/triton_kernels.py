@@ -47,6 +47,12 @@ def _store_tokens(ptr, val, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _load_den(ptr, i_b, i_h, t, T, H: tl.constexpr):
+    """[len(t)] entries of a [B, T, H] fp32 tensor; past T zero."""
+    return tl.load(ptr + (i_b * T + t).to(tl.int64) * H + i_h, mask=t < T, other=0.0)
+
+
+@triton.jit
 def _mat_offsets(rows, cols, NCOL: tl.constexpr):
     return rows[:, None] * NCOL + cols[None, :]
 
@@ -78,12 +84,15 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_increments_kernel(q, k, v, do, log2g, ds_buf, x_buf, da_buf, qdo_buf, z_buf, T, NT,
-                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                            HAS_DECAY: tl.constexpr, WITH_GRAD: tl.constexpr,
+def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo_buf, z_buf,
+                            xn_buf, an_buf, qn_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
+                            DV: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                            WITH_GRAD: tl.constexpr, NORMALIZE: tl.constexpr,
                             PREC: tl.constexpr):
     """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V; with WITH_GRAD also
-    Q^T b^2 dO and Z = Q^T (b * P) Q, P = Dm * (dO V^T). Grid (NT, B*H)."""
+    Q^T b^2 dO and Z = Q^T (b * P) Q, P = Dm * (dO V^T). NORMALIZE adds the denominator as
+    a ones value column with output gradient dden: its X, dA and Q^T b^2 dden columns go to
+    the [B*H, NT, D] vectors xn, an, qn, and P gains Dm * (dden 1^T). Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
@@ -106,23 +115,34 @@ def chunk_increments_kernel(q, k, v, do, log2g, ds_buf, x_buf, da_buf, qdo_buf, 
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
     b_da = tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC)
     tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
+    if NORMALIZE:  # V = 1 at real tokens, so E V = e
+        b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
+        tl.store(xn_buf + base * D + rd, gamma * tl.sum(b_q.to(tl.float32) * e[:, None], 0))
+        tl.store(an_buf + base * D + rd, tl.sum(b_ke.to(tl.float32) * b_wte[:, None], 0))
     if WITH_GRAD:
         b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
         b_qb2 = (b_q * (b * b)[:, None]).to(dt)
         b_qdo = tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC)
         tl.store(qdo_buf + base * D * DV + dv, b_qdo.to(qdo_buf.dtype.element_ty))
-        b_pb = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm * b[:, None]
+        b_pv = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        if NORMALIZE:
+            b_dden = _load_den(dden, i_b, i_h, t, T, H)
+            b_pv += b_dden[:, None]
+            tl.store(qn_buf + base * D + rd,
+                     tl.sum(b_qb2.to(tl.float32) * b_dden[:, None], axis=0))
+        b_pb = b_pv * dm * b[:, None]
         b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
         b_z = tl.dot(tl.trans(b_q), b_pq, input_precision=PREC)
         tl.store(z_buf + base * D * D + dd, b_z.to(z_buf.dtype.element_ty))
 
 
 @triton.jit
-def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_final, xp_final,
-                      T, NT, SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                      DV: tl.constexpr, CL: tl.constexpr, BD: tl.constexpr,
-                      HAS_DECAY: tl.constexpr, HAS_INIT: tl.constexpr,
-                      STORE_FINAL: tl.constexpr, SUMMARY: tl.constexpr, PREC: tl.constexpr):
+def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_init, an_init,
+                      s_final, a_final, an_final, xp_final, xpn_final, T, NT,
+                      SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                      CL: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
+                      HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+                      SUMMARY: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr):
     """Exclusive scan over steps of CL tokens (chunks, or segments of chunks):
     S_{c+1} = G S_c + dS, A_{c+1} = G^2 A_c + S_c X + dA. Grid (D // BD, NSEG, B*H): a block
     of BD state rows and segment i_s, steps [i_s SEG, i_s SEG + SEG) of NT. Start and end
@@ -131,7 +151,9 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
     SUMMARY=True: nothing is written in place; the segment runs from zero and stores its
     local end state and Xp = sum_c Gamma_c (G^2 of the later steps) X_c, Gamma_c = G of
     the earlier steps, so that a start state (S', A') adds Gamma S' and
-    Gamma^2 A' + S' Xp: segments then chain by this same scan with (S, Xp, A) as increments."""
+    Gamma^2 A' + S' Xp: segments then chain by this same scan with (S, Xp, A) as increments.
+    NORMALIZE carries the denominator column of A (vector a, increments an, X column xn)
+    alongside, in [.., D] vectors with the same layout (xpn its Xp column)."""
     i_r, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lg = _log2_decay(log2g, i_bh % H, HAS_DECAY)
     rr, rd, rv = i_r * BD + tl.arange(0, BD), tl.arange(0, D), tl.arange(0, DV)
@@ -144,7 +166,12 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
     else:
         b_s = tl.zeros([BD, D], dtype=tl.float32)
         b_a = tl.zeros([BD, DV], dtype=tl.float32)
+    if HAS_INIT and NORMALIZE:
+        b_an = tl.load(an_init + state * D + rr)
+    else:
+        b_an = tl.zeros([BD], dtype=tl.float32)
     b_xp = tl.zeros([D, DV], dtype=tl.float32)
+    b_xpn = tl.zeros([D], dtype=tl.float32)
     b_gamma = 1.0
     for j in range(SEG):
         i_c = i_s * SEG + j
@@ -158,6 +185,15 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
             tl.store(p_s, b_s.to(ds_buf.dtype.element_ty), mask=real)
             tl.store(p_a, b_a.to(da_buf.dtype.element_ty), mask=real)
         gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
+        if NORMALIZE:
+            p_an = an_buf + base * D + rr
+            b_dan = tl.load(p_an, mask=real, other=0.0)
+            b_xn = tl.load(xn_buf + base * D + rd, mask=real, other=0.0)
+            if not SUMMARY:
+                tl.store(p_an, b_an, mask=real)
+            if SUMMARY:
+                b_xpn = gamma * gamma * b_xpn + b_gamma * b_xn
+            b_an = gamma * gamma * b_an + tl.sum(b_s * b_xn[None, :], axis=1) + b_dan
         if SUMMARY:
             b_xp = gamma * gamma * b_xp + b_gamma * b_x.to(tl.float32)
             b_gamma = b_gamma * gamma
@@ -166,17 +202,22 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, log2g, s_init, a_init, s_final, a_f
     if STORE_FINAL:
         tl.store(s_final + state * D * D + sd, b_s)
         tl.store(a_final + state * D * DV + sv, b_a)
+        if NORMALIZE:
+            tl.store(an_final + state * D + rr, b_an)
         if SUMMARY:
             if i_r == 0:
                 tl.store(xp_final + state * D * DV + xv, b_xp)
+                if NORMALIZE:
+                    tl.store(xpn_final + state * D + rd, b_xpn)
 
 
 @triton.jit
-def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, ga_init,
-                     xq_init, T, NT, SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                     DV: tl.constexpr, CL: tl.constexpr, BD: tl.constexpr,
-                     HAS_DECAY: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
-                     STORE_INIT_GRAD: tl.constexpr, SUMMARY: tl.constexpr, PREC: tl.constexpr):
+def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_final,
+                     gan_final, gs_init, ga_init, gan_init, xq_init, xqn_init, T, NT,
+                     SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     CL: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
+                     HAS_FINAL_GRAD: tl.constexpr, STORE_INIT_GRAD: tl.constexpr,
+                     SUMMARY: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr):
     """Reverse scan of the state gradients. With gA, gS the gradients w.r.t. a step's
     outgoing state: incoming gA = G^2 gA + Q^T b^2 dO, incoming gS = G gS + Z + gA X^T.
     Grid (D // BD, NSEG, B*H), segments as in state_scan_kernel; end-of-segment gradients
@@ -184,7 +225,8 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, 
     SUMMARY=False: each step's outgoing (gS, gA) overwrite its (Z, Q^T b^2 dO) slots.
     SUMMARY=True: from zero, nothing in place; stores the local incoming gradients and
     Xq = sum_c (G^2 of the later steps)_c (G of the earlier steps) X_c, so an end
-    gradient (gS', gA') adds Gamma gS' + gA' Xq^T and Gamma^2 gA'."""
+    gradient (gS', gA') adds Gamma gS' + gA' Xq^T and Gamma^2 gA'. NORMALIZE carries the
+    denominator column of gA (vector gan, increments qn, X column xn; xqn its Xq column)."""
     i_r, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lg = _log2_decay(log2g, i_bh % H, HAS_DECAY)
     rr, rd, rv = i_r * BD + tl.arange(0, BD), tl.arange(0, D), tl.arange(0, DV)
@@ -197,7 +239,12 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, 
     else:
         b_gs = tl.zeros([BD, D], dtype=tl.float32)
         b_ga = tl.zeros([BD, DV], dtype=tl.float32)
+    if HAS_FINAL_GRAD and NORMALIZE:
+        b_gan = tl.load(gan_final + state * D + rr)
+    else:
+        b_gan = tl.zeros([BD], dtype=tl.float32)
     b_xq = tl.zeros([D, DV], dtype=tl.float32)
+    b_xqn = tl.zeros([D], dtype=tl.float32)
     b_gamma2 = 1.0
     for j in range(SEG):
         i_c = i_s * SEG + SEG - 1 - j
@@ -211,26 +258,44 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, log2g, gs_final, ga_final, gs_init, 
             tl.store(p_z, b_gs.to(z_buf.dtype.element_ty), mask=real)
             tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty), mask=real)
         gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
+        if NORMALIZE:
+            p_qn = qn_buf + base * D + rr
+            b_qn = tl.load(p_qn, mask=real, other=0.0)
+            b_xn = tl.load(xn_buf + base * D + rd, mask=real, other=0.0)
+            if not SUMMARY:
+                tl.store(p_qn, b_gan, mask=real)
+            if SUMMARY:
+                b_xqn = gamma * b_xqn + b_gamma2 * b_xn
         if SUMMARY:
             b_xq = gamma * b_xq + b_gamma2 * b_x.to(tl.float32)
             b_gamma2 = b_gamma2 * gamma * gamma
         b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
                                            input_precision=PREC)
+        if NORMALIZE:
+            b_gs += b_gan[:, None] * b_xn[None, :]
+            b_gan = gamma * gamma * b_gan + b_qn
         b_ga = gamma * gamma * b_ga + b_qdo
     if STORE_INIT_GRAD:
         tl.store(gs_init + state * D * D + sd, b_gs)
         tl.store(ga_init + state * D * DV + sv, b_ga)
+        if NORMALIZE:
+            tl.store(gan_init + state * D + rr, b_gan)
         if SUMMARY:
             if i_r == 0:
                 tl.store(xq_init + state * D * DV + xv, b_xq)
+                if NORMALIZE:
+                    tl.store(xqn_init + state * D + rd, b_xqn)
 
 
 @triton.jit
-def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, o, T, NT,
+def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                        BV: tl.constexpr, HAS_DECAY: tl.constexpr, PREC: tl.constexpr):
+                        BV: tl.constexpr, HAS_DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
+                        PREC: tl.constexpr):
     """O = b^2 (Q A0) + (Dm * (b (Q S0 Q^T) + Wd W^T)) V for one chunk and a BV-wide slice
-    of the values. Grid (DV // BV, NT, B*H)."""
+    of the values. NORMALIZE divides by the same form on a ones column,
+    den = b^2 (Q a0) + rowsum(Dm * (..)), plus eps, and stores den ([B, T, H] fp32, for
+    the backward pass). Grid (DV // BV, NT, B*H)."""
     i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
@@ -252,13 +317,21 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, o, T, NT,
     b_m = tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
     b_m += tl.dot((b_qk * dm).to(dt), tl.trans(b_w), input_precision=PREC)
     b_o += tl.dot((b_m * dm).to(dt), b_v, input_precision=PREC)
+    if NORMALIZE:
+        b_an = tl.load(an_buf + base * D + rd)
+        b_den = (b * b) * tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1)
+        b_den += tl.sum(b_m * dm, axis=1)
+        b_o = b_o / (b_den + eps)[:, None]
+        if i_v == 0:
+            tl.store(den + ((i_b * T + t).to(tl.int64) * H + i_h), b_den, mask=t < T)
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
 
 
 @triton.jit
-def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk, dv, T, NT,
-                       H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                       HAS_DECAY: tl.constexpr, PREC: tl.constexpr, WANT_QK: tl.constexpr,
+def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, an_buf,
+                       gan_buf, dq, dk, dv, T, NT, H: tl.constexpr, D: tl.constexpr,
+                       DV: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                       NORMALIZE: tl.constexpr, PREC: tl.constexpr, WANT_QK: tl.constexpr,
                        WANT_V: tl.constexpr):
     """Local gradients of one chunk given its carried state (S0, A0) and the gradients
     (gS, gA) w.r.t. its outgoing state. With P = Dm * (dO V^T), Pb = b * P,
@@ -269,7 +342,8 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
         dK = Gr^T Q + E W^T E V gA^T + E K (gS + gS^T)
     (S0 symmetric, as every state built from k k^T is). WANT_QK / WANT_V select dq, dk and
     dv, so large head dims can split the work over two launches (register pressure).
-    Grid (NT, B*H)."""
+    NORMALIZE adds the ones value column to dq and dk (output gradient dden, states a0 and
+    gan from the [B*H, NT, D] vectors an_buf, gan_buf). Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
@@ -289,18 +363,31 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
     b_ga = tl.load(ga_buf + base * D * DV + dvo).to(dt)
     b_kga = tl.dot((b_k * e[:, None]).to(dt), b_ga, input_precision=PREC).to(dt)
     if WANT_QK:
-        b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC) * dm
+        b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        if NORMALIZE:
+            b_dden = _load_den(dden, i_b, i_h, t, T, H)
+            b_gan = tl.load(gan_buf + base * D + rd)
+            b_p += b_dden[:, None]
+            b_kgan = e * tl.sum(b_k.to(tl.float32) * b_gan[None, :], axis=1)
+        b_p = b_p * dm
         b_gr = tl.dot(b_p.to(dt), b_w, input_precision=PREC) * dm
+        b_vkga = tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC)
+        if NORMALIZE:
+            b_vkga += e[:, None] * b_kgan[None, :]
         b_gr += tl.where(causal, tl.dot(tl.trans(b_p.to(dt)), b_wd, input_precision=PREC)
-                         + tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC), 0.0)
+                         + b_vkga, 0.0)
         b_gr = b_gr.to(dt)
 
         b_gs = tl.load(gs_buf + base * D * D + dd).to(tl.float32)
         b_gs = (b_gs + tl.trans(b_gs)).to(dt)
         b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
         b_dk = tl.dot(tl.trans(b_gr), b_q, input_precision=PREC)
-        b_dk += (tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
-                 + tl.dot(b_k, b_gs, input_precision=PREC)) * e[:, None]
+        b_kgs = tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
+        b_kgs += tl.dot(b_k, b_gs, input_precision=PREC)
+        if NORMALIZE:
+            b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
+            b_kgs += b_wte[:, None] * b_gan[None, :]
+        b_dk += b_kgs * e[:, None]
         _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
 
         b_pb = b_p * b[:, None]
@@ -308,7 +395,12 @@ def chunk_grads_kernel(q, k, v, do, log2g, s_buf, a_buf, gs_buf, ga_buf, dq, dk,
         b_r += gamma * tl.dot(b_ve, tl.trans(b_ga), input_precision=PREC)
         b_s = tl.load(s_buf + base * D * D + dd).to(dt)
         b_a = tl.load(a_buf + base * D * DV + dvo).to(dt)
-        b_dq = tl.dot(b_do, tl.trans(b_a), input_precision=PREC) * (b * b)[:, None]
+        b_doa = tl.dot(b_do, tl.trans(b_a), input_precision=PREC)
+        if NORMALIZE:
+            b_r += (gamma * e)[:, None] * b_gan[None, :]
+            b_an = tl.load(an_buf + base * D + rd)
+            b_doa += b_dden[:, None] * b_an[None, :]
+        b_dq = b_doa * (b * b)[:, None]
         b_dq += tl.dot(b_r.to(dt), b_s, input_precision=PREC)
         b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
         _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
