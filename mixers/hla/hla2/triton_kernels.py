@@ -364,15 +364,14 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
     b_kga = tl.dot((b_k * e[:, None]).to(dt), b_ga, input_precision=PREC).to(dt)
     if WANT_QK:
         b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        if NORMALIZE:
-            b_dden = _load_den(dden, i_b, i_h, t, T, H)
-            b_gan = tl.load(gan_buf + base * D + rd)
-            b_p += b_dden[:, None]
-            b_kgan = e * tl.sum(b_k.to(tl.float32) * b_gan[None, :], axis=1)
+        if NORMALIZE:  # small vectors are reloaded where used (fewer live registers)
+            b_p += _load_den(dden, i_b, i_h, t, T, H)[:, None]
         b_p = b_p * dm
         b_gr = tl.dot(b_p.to(dt), b_w, input_precision=PREC) * dm
         b_vkga = tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC)
         if NORMALIZE:
+            b_gan = tl.load(gan_buf + base * D + rd)
+            b_kgan = e * tl.sum(b_k.to(tl.float32) * b_gan[None, :], axis=1)
             b_vkga += e[:, None] * b_kgan[None, :]
         b_gr += tl.where(causal, tl.dot(tl.trans(b_p.to(dt)), b_wd, input_precision=PREC)
                          + b_vkga, 0.0)
@@ -386,7 +385,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_kgs += tl.dot(b_k, b_gs, input_precision=PREC)
         if NORMALIZE:
             b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
-            b_kgs += b_wte[:, None] * b_gan[None, :]
+            b_kgs += b_wte[:, None] * tl.load(gan_buf + base * D + rd)[None, :]
         b_dk += b_kgs * e[:, None]
         _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
 
@@ -397,9 +396,9 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_a = tl.load(a_buf + base * D * DV + dvo).to(dt)
         b_doa = tl.dot(b_do, tl.trans(b_a), input_precision=PREC)
         if NORMALIZE:
-            b_r += (gamma * e)[:, None] * b_gan[None, :]
+            b_r += (gamma * e)[:, None] * tl.load(gan_buf + base * D + rd)[None, :]
             b_an = tl.load(an_buf + base * D + rd)
-            b_doa += b_dden[:, None] * b_an[None, :]
+            b_doa += _load_den(dden, i_b, i_h, t, T, H)[:, None] * b_an[None, :]
         b_dq = b_doa * (b * b)[:, None]
         b_dq += tl.dot(b_r.to(dt), b_s, input_precision=PREC)
         b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
