@@ -117,7 +117,6 @@ def random_state(B, H, D, Dv, normalize=False, seed=3):
 def test_split_gradient_launches(monkeypatch, normalize):
     """Large head dims compute dq, dk and dv in two launches; force that path here."""
     monkeypatch.setattr(hla2_triton_module, "SPLIT_GRADS_FROM", 16)
-    monkeypatch.setattr(hla2_triton_module, "SPLIT_NORMALIZED_GRADS_FROM", 16)
     q, k, v = make_inputs(1, 40, 2, 16, 32, torch.float32, seed=18)
     check_against_reference(q, k, v, chunk_size=16, decay=torch.tensor([0.9, 0.8]).to(DEVICE),
                             normalize=normalize, eps=1e-3)

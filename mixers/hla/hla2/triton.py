@@ -69,9 +69,8 @@ def _precision(dtype) -> str:
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
 # increments, output and scan kernels free of spills at D = Dv = 64 (little at 128).
 WARPS, SCAN_ROWS = 8, 16
-# From this head dim on, dq/dk and dv are computed by two launches (fewer register spills;
-# with normalize, ptxas sm_90a at D = 64: 528 B spilled fused, 280 B + 0 B split).
-SPLIT_GRADS_FROM, SPLIT_NORMALIZED_GRADS_FROM = 128, 64
+# From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
+SPLIT_GRADS_FROM = 128
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -244,8 +243,7 @@ def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
     _scan_grads((qdo, z, x, qn, xn), lg, final_grads, init_grads, T, C, shape)
     del x, xn  # only the scans read X; freeing it lowers the peak of the last launches
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    split_from = SPLIT_NORMALIZED_GRADS_FROM if normalize else SPLIT_GRADS_FROM
-    parts = [(True, False), (False, True)] if max(D, DV) >= split_from else [(True, True)]
+    parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]
     for want_qk, want_v in parts:
         kern.chunk_grads_kernel[(NT, B * H)](
             q, k, v, do, dden, lg, ds, da, z, qdo, an, qn, dq, dk, dv, T, NT,

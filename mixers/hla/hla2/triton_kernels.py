@@ -53,6 +53,12 @@ def _load_den(ptr, i_b, i_h, t, T, H: tl.constexpr):
 
 
 @triton.jit
+def _col(x):
+    """The column of a [N, 16] block whose columns are equal (exact: 16 x / 16)."""
+    return tl.sum(x, axis=1) * 0.0625
+
+
+@triton.jit
 def _mat_offsets(rows, cols, NCOL: tl.constexpr):
     return rows[:, None] * NCOL + cols[None, :]
 
@@ -115,10 +121,12 @@ def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
     b_da = tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC)
     tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
-    if NORMALIZE:  # V = 1 at real tokens, so E V = e
-        b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
-        tl.store(xn_buf + base * D + rd, gamma * tl.sum(b_q.to(tl.float32) * e[:, None], 0))
-        tl.store(an_buf + base * D + rd, tl.sum(b_ke.to(tl.float32) * b_wte[:, None], 0))
+    if NORMALIZE:  # V = 1 at real tokens, so E V = e: dots on 16 equal columns of e
+        b_e16 = (e[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
+        b_xn = gamma * tl.dot(tl.trans(b_q), b_e16, input_precision=PREC)
+        tl.store(xn_buf + base * D + rd, _col(b_xn))
+        b_wte = tl.dot(tl.trans(b_w), b_e16, input_precision=PREC).to(dt)
+        tl.store(an_buf + base * D + rd, _col(tl.dot(tl.trans(b_ke), b_wte, input_precision=PREC)))
     if WITH_GRAD:
         b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
         b_qb2 = (b_q * (b * b)[:, None]).to(dt)
@@ -128,8 +136,9 @@ def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo
         if NORMALIZE:
             b_dden = _load_den(dden, i_b, i_h, t, T, H)
             b_pv += b_dden[:, None]
+            b_dden16 = (b_dden[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
             tl.store(qn_buf + base * D + rd,
-                     tl.sum(b_qb2.to(tl.float32) * b_dden[:, None], axis=0))
+                     _col(tl.dot(tl.trans(b_qb2), b_dden16, input_precision=PREC)))
         b_pb = b_pv * dm * b[:, None]
         b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
         b_z = tl.dot(tl.trans(b_q), b_pq, input_precision=PREC)
@@ -316,11 +325,12 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     b_w = tl.where(causal, b_qk, 0.0).to(dt)
     b_m = tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
     b_m += tl.dot((b_qk * dm).to(dt), tl.trans(b_w), input_precision=PREC)
-    b_o += tl.dot((b_m * dm).to(dt), b_v, input_precision=PREC)
-    if NORMALIZE:
-        b_an = tl.load(an_buf + base * D + rd)
-        b_den = (b * b) * tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1)
-        b_den += tl.sum(b_m * dm, axis=1)
+    b_m = (b_m * dm).to(dt)
+    b_o += tl.dot(b_m, b_v, input_precision=PREC)
+    if NORMALIZE:  # the same form on 16 equal columns: ones, a0
+        b_an16 = tl.load(an_buf + base * D + rd[:, None] + 0 * tl.arange(0, 16)[None, :])
+        b_den = tl.dot(b_q, b_an16.to(dt), input_precision=PREC) * (b * b)[:, None]
+        b_den = _col(tl.dot(b_m, tl.full([C, 16], 1.0, dt), acc=b_den, input_precision=PREC))
         b_o = b_o / (b_den + eps)[:, None]
         if i_v == 0:
             tl.store(den + ((i_b * T + t).to(tl.int64) * H + i_h), b_den, mask=t < T)
@@ -370,8 +380,8 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_gr = tl.dot(b_p.to(dt), b_w, input_precision=PREC) * dm
         b_vkga = tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC)
         if NORMALIZE:
-            b_gan = tl.load(gan_buf + base * D + rd)
-            b_kgan = e * tl.sum(b_k.to(tl.float32) * b_gan[None, :], axis=1)
+            b_gan16 = tl.load(gan_buf + base * D + rd[:, None] + 0 * tl.arange(0, 16)[None, :])
+            b_kgan = e * _col(tl.dot(b_k, b_gan16.to(dt), input_precision=PREC))
             b_vkga += e[:, None] * b_kgan[None, :]
         b_gr += tl.where(causal, tl.dot(tl.trans(b_p.to(dt)), b_wd, input_precision=PREC)
                          + b_vkga, 0.0)
@@ -384,7 +394,8 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_kgs = tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
         b_kgs += tl.dot(b_k, b_gs, input_precision=PREC)
         if NORMALIZE:
-            b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
+            b_e16 = (e[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
+            b_wte = _col(tl.dot(tl.trans(b_w), b_e16, input_precision=PREC))
             b_kgs += b_wte[:, None] * tl.load(gan_buf + base * D + rd)[None, :]
         b_dk += b_kgs * e[:, None]
         _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
