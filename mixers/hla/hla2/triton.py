@@ -9,7 +9,9 @@ D/16 x B*H programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in tw
 segments of chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan
 chains the summaries, and the segments rescan from their start states (see _segments).
 Per-chunk buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only
-inside one pass: 3 in forward, 5 in backward; segment summaries are fp32 and small. Scan
+inside one pass: 3 in forward, 5 in backward (normalize adds 2 or 3 fp32 [D] vectors per
+chunk, and a [B, T, H] fp32 denominator saved for backward); segment summaries are fp32 and
+small. Scan
 loop bounds are powers of two (masked past the chunk count), so a sweep over T compiles
 them once per power-of-two bucket (see triton_kernels.py, which also holds the math).
 

@@ -14,6 +14,9 @@ computed for all chunks in parallel; a scan over chunks turns them into the carr
 (A needs one small matmul S0 X per chunk), and the output kernel is parallel again. The
 backward pass mirrors this with a reverse scan of the state gradients. Padded positions of
 the last chunk have zero q, k, v and do not decay the state (n counts real tokens only).
+Normalize (NORMALIZE) is the same form on a ones value column (E V = e): its X, dA and A
+columns are [D] vectors carried next to the matrices in the same kernels (the reductions run
+as dots on 16 equal columns, see _col), and the output kernel divides by it.
 
 Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
