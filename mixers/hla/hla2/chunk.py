@@ -30,7 +30,7 @@ import math
 import torch
 
 from mixers.hla.common import pad_to_multiple
-from mixers.hla.hla2.state import finish, value_keys, with_ones
+from mixers.hla.hla2.state import compute_inputs, finish, value_keys
 
 # decay power each summary takes per token: S, C, G decay by g, A by g^2
 _POWER = {"S": 1, "C": 1, "G": 1, "A": 2}
@@ -145,10 +145,8 @@ def hla2_chunk(q, k, v, *, form, normalize, eps, ridge, g, packed, chunk_size,
     """[B, T, H, .] inputs, packed initial state -> (o, packed final state | None), both in
     the state's (compute) dtype."""
     B, T, H, _ = q.shape
-    dtype = packed["S"].dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if normalize:
-        v = with_ones(v)
+    q, k, v = compute_inputs(q, k, v, packed, normalize)
+    dtype = q.dtype
     if T == 0:
         return q.new_zeros(B, 0, H, v.shape[-1] - int(normalize)), packed
     chunk = min(chunk_size, T)

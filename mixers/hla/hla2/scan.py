@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mixers.hla.common import pad_to_multiple
-from mixers.hla.hla2.state import finish, with_ones
+from mixers.hla.hla2.state import compute_inputs, finish
 
 
 def _combine(a: dict, b: dict, form: str, log_g: torch.Tensor) -> dict:
@@ -61,10 +61,8 @@ def hla2_scan(q, k, v, *, form, normalize, eps, ridge, g, packed, chunk_size,
               output_final_state) -> tuple:
     """[B, T, H, .] inputs, packed initial state -> (o, packed final state | None)."""
     B, T, H, _ = q.shape
-    dtype = packed["S"].dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if normalize:
-        v = with_ones(v)
+    q, k, v = compute_inputs(q, k, v, packed, normalize)
+    dtype = q.dtype
     if T == 0:
         return q.new_zeros(B, 0, H, v.shape[-1] - int(normalize)), packed
     chunk = min(chunk_size, T)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.hla2.state import finish, with_ones
+from mixers.hla.hla2.state import compute_inputs, finish
 
 
 def _decayed(x: torch.Tensor, g: torch.Tensor | None, power: int = 1) -> torch.Tensor:
@@ -42,10 +42,7 @@ def step_packed(packed: dict, q_t, k_t, v_t, *, form: str, ridge: float, g) -> t
 
 def hla2_serial(q, k, v, *, form, normalize, eps, ridge, g, packed) -> tuple:
     """Run the recurrence over [B, T, H, .] inputs from packed state; return (o, packed)."""
-    dtype = packed["S"].dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if normalize:
-        v = with_ones(v)
+    q, k, v = compute_inputs(q, k, v, packed, normalize)
     outs = []
     for t in range(q.shape[1]):
         out, packed = step_packed(packed, q[:, t], k[:, t], v[:, t], form=form, ridge=ridge, g=g)

@@ -79,6 +79,13 @@ def with_ones(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], -1)
 
 
+def compute_inputs(q, k, v, packed: dict, normalize: bool) -> tuple:
+    """q, k, v in the state's (compute) dtype; v with the ones column when normalizing."""
+    dtype = packed["S"].dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return q, k, with_ones(v) if normalize else v
+
+
 def finish(o_ext: torch.Tensor, normalize: bool, eps: float) -> torch.Tensor:
     """Split the packed output into numerator / (denominator + eps) when normalizing."""
     if not normalize:
