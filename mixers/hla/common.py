@@ -83,3 +83,20 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tenso
         return x
     widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
     return F.pad(x, widths)
+
+
+def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_state",
+                device: torch.device | None = None) -> None:
+    """`state` must be a dict with exactly the keys of `shapes`, each a tensor of that shape
+    (and on `device` when given): the keys a state has depend on the operator's options."""
+    if not isinstance(state, dict) or set(state) != set(shapes):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{name} must be a dict with keys {sorted(shapes)} for these options, "
+                         f"got {got}")
+    for key, shape in shapes.items():
+        x = state[key]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}[{key!r}] must have shape {shape}, got {got}")
+        if device is not None and x.device != device:
+            raise ValueError(f"{name}[{key!r}] must be on {device}, got {x.device}")

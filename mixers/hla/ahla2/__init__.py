@@ -20,9 +20,9 @@ from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
 from mixers.hla.ahla2.scan import ahla2_scan
 from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
-from mixers.hla.ahla2.state import (check_eps, check_state, check_token, compute_dtype, pack,
+from mixers.hla.ahla2.state import (check_eps, check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import check_choice, check_chunk_size, check_decay, check_qkv
+from mixers.hla.common import check_choice, check_chunk_size, check_decay, check_qkv, check_state
 
 __all__ = ["ahla2", "ahla2_step", "ahla2_naive", "ahla2_state_bytes", "ahla2_flops"]
 

@@ -24,20 +24,6 @@ def to_heads_first(x: torch.Tensor, dtype: torch.dtype, ones_column: bool = Fals
     return x
 
 
-def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_state") -> None:
-    """`state` must be a dict with exactly the keys of `shapes`, each a tensor of that shape."""
-    if not isinstance(state, dict):
-        raise ValueError(f"{name} must be a dict of tensors, got {type(state).__name__}")
-    if set(state) != set(shapes):
-        raise ValueError(f"{name} must have the keys {sorted(shapes)} for these options, "
-                         f"got {sorted(state)}")
-    for key, shape in shapes.items():
-        value = state[key]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{name}[{key!r}] must be a tensor of shape {shape}, got {got}")
-
-
 def pack(state: dict, key: str, twin: str | None, dtype: torch.dtype,
          device: torch.device) -> torch.Tensor:
     """`state[key]` ([B, H, D, Dv]) with `state[twin]` ([B, H, D]) appended as a column."""

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from mixers.hla.common import IMPLS, check_choice, check_chunk_size, check_decay, check_qkv
+from mixers.hla.common import (IMPLS, check_choice, check_chunk_size, check_decay, check_qkv,
+                               check_state)
 from mixers.hla.hla2.chunk import hla2_chunk
 from mixers.hla.hla2.naive import hla2_naive
 from mixers.hla.hla2.scan import hla2_scan
@@ -45,17 +46,7 @@ def _check_state(state, shapes: dict, dtype, device, name: str) -> dict | None:
     """The state with exactly the expected keys and shapes, cast to the compute dtype."""
     if state is None:
         return None
-    if not isinstance(state, dict) or set(state) != set(shapes):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{name} must be a dict with keys {sorted(shapes)} for these options, "
-                         f"got {got}")
-    for key, shape in shapes.items():
-        x = state[key]
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name}[{key!r}] must have shape {shape}, got {got}")
-        if x.device != device:
-            raise ValueError(f"{name}[{key!r}] must be on {device}, got {x.device}")
+    check_state(state, shapes, name, device)
     return {key: state[key].to(dtype) for key in shapes}
 
 

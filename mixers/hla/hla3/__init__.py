@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.ahla2.state import (check_eps, check_state, check_token, compute_dtype, pack,
+from mixers.hla.ahla2.state import (check_eps, check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import check_choice, check_chunk_size, check_qkv
+from mixers.hla.common import check_choice, check_chunk_size, check_qkv, check_state
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.naive import hla3_naive
 from mixers.hla.hla3.scan import hla3_scan
