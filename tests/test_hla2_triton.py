@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from mixers.hla.hla2 import hla2, hla2_step
 from mixers.hla.hla2 import triton as hla2_triton_module
 from mixers.hla.hla2.triton import hla2_step_triton, hla2_triton, triton_unsupported_reason
 
@@ -241,13 +242,11 @@ def test_unsupported_reasons():
     assert "float" in triton_unsupported_reason(q.double(), k.double(), v.double(), **kw)
     g = torch.tensor([0.9, 0.9], device=DEVICE)
     assert triton_unsupported_reason(q, k, v, **{**kw, "decay": g}) is None
-    assert "paper" in triton_unsupported_reason(q, k, v, **{**kw, "decay": g,
-                                                           "decay_form": "paper"})
+    assert triton_unsupported_reason(q, k, v, **{**kw, "decay": g, "decay_form": "paper"}) is None
     k3 = torch.zeros(1, 8, 3, 16, device=DEVICE)
     assert "heads" in triton_unsupported_reason(q, k3, k3, **kw)
-    with pytest.raises(ValueError, match="paper"):
-        hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=g, decay_form="paper",
-                    chunk_size=16, initial_state=None, output_final_state=False)
+    with pytest.raises(ValueError, match="ridge"):
+        hla2(q, k, v, ridge=0.1, decay=g, decay_form="paper", impl="triton")
 
 
 @pytest.mark.parametrize("normalize, decay", [(False, None), (True, None),
@@ -335,3 +334,143 @@ def test_multi_query_decode_step():
     assert rel(torch.stack(outs, 1), ref_o) < 1e-4
     assert rel(state["S"], ref_final["S"][:, :1]) < 1e-4
     assert rel(state["A"], ref_final["A"]) < 1e-4
+
+
+# ---- decay_form="paper" (the paper's §4.3 recurrence with S, C, G) ----------------------
+
+def paper_reference(q, k, v, state=None, *, decay, normalize=False, eps=1e-6):
+    """The serial recurrence of mixers.hla.hla2 in float64 (differentiable)."""
+    state = None if state is None else {key: x.double() for key, x in state.items()}
+    return hla2(q.double(), k.double(), v.double(), decay=decay.double(), decay_form="paper",
+                normalize=normalize, eps=eps, impl="serial", initial_state=state,
+                output_final_state=True)
+
+
+def paper_state(B, H, D, Dv, normalize=False, kv_heads=None, seed=21):
+    """A paper-form state: S symmetric PSD, C and G (and m, h) random."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, kv_heads or H, 2 * D, D, generator=gen) * D ** -0.5
+    state = {"S": k.transpose(-1, -2) @ k}
+    for key, twin in (("C", "m"), ("G", "h")):
+        state[key] = torch.randn(B, H, D, Dv, generator=gen) * 0.5
+        if normalize:
+            state[twin] = torch.rand(B, H, D, generator=gen) + 1.0
+    return {key: x.to(DEVICE).requires_grad_() for key, x in state.items()}
+
+
+def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=False,
+                eps=1e-3):
+    out_tol, grad_tol = TOL[q.dtype]
+    names = ["q", "k", "v"] + ([] if initial_state is None else sorted(initial_state))
+    leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
+    o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
+                           decay_form="paper", chunk_size=chunk_size,
+                           initial_state=initial_state, output_final_state=True)
+    ref_o, ref_final = paper_reference(q, k, v, initial_state, decay=decay,
+                                       normalize=normalize, eps=eps)
+    assert o.dtype == q.dtype and o.shape == v.shape
+    assert sorted(final) == sorted(ref_final)
+    assert rel(o, ref_o) < out_tol
+    for key in ref_final:
+        assert final[key].dtype == torch.float32
+        assert rel(final[key], ref_final[key]) < out_tol, key
+    got = grads(weighted_loss(o, final), leaves)
+    want = grads(weighted_loss(ref_o, ref_final), leaves)
+    for name, a, b in zip(names, got, want):
+        assert rel(a, b) < grad_tol, name
+
+
+@pytest.mark.parametrize("T, chunk_size, D, Dv, decay, normalize, with_state", [
+    (45, 16, 16, 32, (0.9, 1.0), False, True),   # per-head decay including 1, partial chunk
+    (37, 64, 16, 16, (0.8, 0.95), True, True),   # normalize (m, h), chunk capped at 32
+    (20, 16, 32, 16, (0.6, 0.9), False, False),
+    (2, 16, 16, 16, (0.5, 0.9), True, False)])
+def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_state):
+    q, k, v = make_inputs(1, T, 2, D, Dv, torch.float32, seed=22)
+    if normalize:  # nonnegative features keep the denominator away from zero
+        with torch.no_grad():
+            q.abs_(), k.abs_()
+    state = paper_state(1, 2, D, Dv, normalize) if with_state else None
+    check_paper(q, k, v, decay=torch.tensor(decay, device=DEVICE), chunk_size=chunk_size,
+                initial_state=state, normalize=normalize)
+
+
+def test_paper_half_precision():
+    q, k, v = make_inputs(1, 40, 2, 16, 16, HALF, seed=23)
+    check_paper(q, k, v, decay=torch.tensor([0.9, 0.8], device=DEVICE))
+
+
+def test_paper_initial_state_continues_the_sequence():
+    q, k, v = (x.detach() for x in make_inputs(1, 70, 2, 16, 32, torch.float32, seed=24))
+    kw = dict(decay=torch.tensor([0.95, 0.85], device=DEVICE), decay_form="paper",
+              normalize=False, eps=1e-6, output_final_state=True)
+    full, full_state = hla2_triton(q, k, v, chunk_size=16, initial_state=None, **kw)
+    first, mid = hla2_triton(q[:, :23], k[:, :23], v[:, :23], chunk_size=32,
+                             initial_state=None, **kw)
+    second, last = hla2_triton(q[:, 23:], k[:, 23:], v[:, 23:], chunk_size=16,
+                               initial_state=mid, **kw)
+    assert rel(torch.cat([first, second], 1), full) < 1e-4
+    assert sorted(last) == ["C", "G", "S"]
+    for key in full_state:
+        assert rel(last[key], full_state[key]) < 1e-4, key
+
+
+def test_paper_multi_query():
+    B, T, H, D, Dv = 1, 40, 3, 16, 16
+    q, _, _ = make_inputs(B, T, H, D, Dv, torch.float32, seed=25)
+    _, k, v = make_inputs(B, T, 1, D, Dv, torch.float32, seed=26)
+    g = torch.full((H,), 0.9, device=DEVICE)
+    state = paper_state(B, H, D, Dv, kv_heads=1, seed=27)
+    o, final = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=g, decay_form="paper",
+                           chunk_size=16, initial_state=state, output_final_state=True)
+    ref_o, ref_final = paper_reference(q, k, v, state, decay=g)
+    assert final["S"].shape == (B, 1, D, D)
+    assert rel(o, ref_o) < 1e-4
+    for key in ref_final:
+        assert rel(final[key], ref_final[key]) < 1e-4, key
+    leaves = [q, k, v] + [state[key] for key in sorted(state)]
+    got = grads(weighted_loss(o, final), leaves)
+    want = grads(weighted_loss(ref_o, ref_final), leaves)
+    for name, a, b in zip(["q", "k", "v"] + sorted(state), got, want):
+        assert rel(a, b) < 1e-4, name
+
+
+def test_paper_dispatch_runs_triton(monkeypatch):
+    """hla2(impl="triton") routes decay_form="paper" to the paper kernels."""
+    launches = []
+    kernel = hla2_triton_module.kern.paper_forward_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(hla2_triton_module.kern, "paper_forward_kernel", Counting())
+    q, k, v = (x.detach() for x in make_inputs(1, 20, 2, 16, 16, torch.float32, seed=28))
+    g = torch.tensor([0.9, 0.7], device=DEVICE)
+    o, _ = hla2(q, k, v, decay=g, decay_form="paper", impl="triton")
+    ref_o, _ = paper_reference(q, k, v, decay=g)
+    assert launches == [(2,)]
+    assert rel(o, ref_o) < 1e-4
+
+
+@pytest.mark.parametrize("normalize, shared_kv", [(False, False), (True, False), (False, True)])
+def test_paper_decode_step(normalize, shared_kv):
+    B, T, H, D, Dv = 2, 5, 2, 32, 16
+    q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=29))
+    if shared_kv:
+        k, v = k[:, :, :1], v[:, :, :1]
+    q, k = q.abs(), k.abs()
+    g = torch.tensor([0.8, 0.8] if shared_kv else [0.9, 1.0], device=DEVICE)
+    state = {key: x.detach() for key, x in
+             paper_state(B, H, D, Dv, normalize, kv_heads=k.shape[2]).items()}
+    ref_o, ref_state = paper_reference(q, k, v, state, decay=g, normalize=normalize, eps=1e-3)
+    outs = []
+    for t in range(T):
+        o_t, state = hla2_step(q[:, t], k[:, t], v[:, t], state, decay=g, decay_form="paper",
+                               normalize=normalize, eps=1e-3, impl="triton")
+        outs.append(o_t)
+    assert rel(torch.stack(outs, 1), ref_o) < 1e-4
+    assert sorted(state) == sorted(ref_state)
+    for key in ref_state:
+        assert rel(state[key], ref_state[key]) < 1e-4, key

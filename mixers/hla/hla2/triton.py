@@ -15,12 +15,20 @@ small. Scan
 loop bounds are powers of two (masked past the chunk count), so a sweep over T compiles
 them once per power-of-two bucket (see triton_kernels.py, which also holds the math).
 
-Supported: masked hla2, no decay or decay_form="masked" (per-head decay), normalize (the
-denominator is a ones value column carried as [D] vectors next to A in the same launches),
-initial_state with gradients,
+decay_form="paper" (spec §4.3: S, C and G = g G + k k^T C_prev) runs its own, simpler
+kernels (see triton_kernels.py): one program per (batch, head) walks the chunks in order with
+the states in registers, forward 1 launch (grid B*H), backward 2 (the walk again storing each
+chunk's start states, then a reverse walk carrying the state gradients and writing
+dq/dk/dv); normalize is a ones column appended to v (padded to a power of two) and divided
+out here; chunks of at most PAPER_CHUNK tokens. Sequential over chunks: correct and simple,
+not tuned (ptxas sm_90a at D = 64 spills; see the commit notes).
+
+Supported: masked hla2, no decay, decay_form="masked" or "paper" (per-head decay),
+normalize (masked form: the denominator is a ones value column carried as [D] vectors next
+to A in the same launches), initial_state with gradients,
 output_final_state, any T, Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs,
 multi-query (k, v with one head: broadcast to the query heads, S returned once).
-Not supported (the dispatcher falls back): masked=False, ridge != 0, decay_form="paper".
+Not supported (the dispatcher falls back): masked=False, ridge != 0.
 fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exceeds 65504
 (long sequences of large keys); prefer bf16.
 """
@@ -50,8 +58,6 @@ def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> s
         return "the Triton kernels implement masked hla2 only (masked=False)"
     if ridge != 0:
         return "the Triton kernels do not implement ridge != 0"
-    if decay is not None and decay_form == "paper":
-        return "the Triton kernels do not implement decay_form='paper'"
     if q.device.type != "cuda" and not _interpreted():
         return f"the Triton kernels need a CUDA device (got {q.device}) or TRITON_INTERPRET=1"
     if q.dtype not in DTYPES:
@@ -73,6 +79,9 @@ def _precision(dtype) -> str:
 WARPS, SCAN_ROWS = 8, 16
 # From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
 SPLIT_GRADS_FROM = 128
+# decay_form="paper": chunk size of its sequential walk (one program per head holds every
+# state and chunk temporary: smaller chunks keep the registers in bounds).
+PAPER_CHUNK = 32
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -304,6 +313,111 @@ class _HLA2Masked(torch.autograd.Function):
         return dq, dk, dv, gs0, ga0, gan0, None, None, None, None, None
 
 
+def _paper_forward(q, k, v, log2g, init, C, want_final, want_out, want_states):
+    """Run paper_forward_kernel: (o | None, (S1, C1, G1) | None, per-chunk start states |
+    None)."""
+    B, T, H, D = q.shape
+    DV = v.shape[-1]
+    NT = triton.cdiv(T, C)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    o = torch.empty_like(v) if want_out else q
+    final = states = None
+    if want_final:
+        final = (torch.empty(B, H, D, D, **f32), torch.empty(B, H, D, DV, **f32),
+                 torch.empty(B, H, D, DV, **f32))
+    if want_states:
+        states = (torch.empty(B * H, NT, D, D, **f32), torch.empty(B * H, NT, D, DV, **f32),
+                  torch.empty(B * H, NT, D, DV, **f32))
+    kern.paper_forward_kernel[(B * H,)](
+        q, k, v, log2g, *(init or (q, q, q)), o, *(final or (q, q, q)), *(states or (q, q, q)),
+        T, NT, H=H, D=D, DV=DV, C=C, NT_BOUND=_loop_bound(NT), HAS_INIT=init is not None,
+        STORE_OUT=want_out, STORE_FINAL=want_final, STORE_STATES=want_states,
+        PREC=_precision(q.dtype), num_warps=WARPS)
+    return (o if want_out else None), final, states
+
+
+class _HLA2Paper(torch.autograd.Function):
+    """(q, k, v, S0, C0, G0) -> (o, S1, C1, G1) for masked hla2 with the paper's decayed
+    recurrence (log2 g per head, not differentiated). Forward: 1 launch; backward: 2 (the
+    forward walk again storing each chunk's start states, then the reverse walk)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s0, c0, g0, log2g, chunk_size, want_final):
+        init = None if s0 is None else (s0, c0, g0)
+        o, final, _ = _paper_forward(q, k, v, log2g, init, chunk_size, want_final, True, False)
+        ctx.save_for_backward(q, k, v, s0, c0, g0, log2g)
+        ctx.chunk_size = chunk_size
+        return (o,) + (final or (None, None, None))
+
+    @staticmethod
+    def backward(ctx, do, gs1, gc1, gg1):
+        q, k, v, s0, c0, g0, log2g = ctx.saved_tensors
+        B, T, H, D = q.shape
+        DV, C = v.shape[-1], ctx.chunk_size
+        init = None if s0 is None else (s0, c0, g0)
+        _, _, states = _paper_forward(q, k, v, log2g, init, C, False, False, True)
+        final_grads = None
+        if any(x is not None for x in (gs1, gc1, gg1)):
+            shapes = [(B, H, D, D), (B, H, D, DV), (B, H, D, DV)]
+            final_grads = tuple(q.new_zeros(shp, dtype=torch.float32) if x is None
+                                else x.float().contiguous() for x, shp in zip((gs1, gc1, gg1),
+                                                                               shapes))
+        want_init_grad = s0 is not None and any(ctx.needs_input_grad[3:6])
+        init_grads = None
+        if want_init_grad:
+            init_grads = tuple(torch.empty_like(x) for x in (s0, c0, g0))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kern.paper_backward_kernel[(B * H,)](
+            q, k, v, do.contiguous(), log2g, *states, *(final_grads or (q, q, q)),
+            *(init_grads or (q, q, q)), dq, dk, dv, T, triton.cdiv(T, C), H=H, D=D, DV=DV,
+            C=C, NT_BOUND=_loop_bound(triton.cdiv(T, C)),
+            HAS_FINAL_GRAD=final_grads is not None, STORE_INIT_GRAD=want_init_grad,
+            PREC=_precision(q.dtype), num_warps=WARPS)
+        return (dq, dk, dv) + (init_grads or (None, None, None)) + (None, None, None)
+
+
+def _paper_values(v, normalize, width):
+    """v, or with normalize [v, 1, 0..] padded to the power-of-two width (the kernels'
+    ones column: the denominator comes out of the numerator's matmuls)."""
+    if not normalize:
+        return v
+    pad = v.new_zeros(*v.shape[:-1], width - v.shape[-1] - 1)
+    return torch.cat([v, torch.ones_like(v[..., :1]), pad], -1).contiguous()
+
+
+def _paper_state(state, key, twin, normalize, width):
+    """A [B, H, D, Dv] value state (with its [B, H, D] twin and zero padding under
+    normalize) as the kernels' fp32 [B, H, D, width] tensor."""
+    x = state[key].float()
+    if not normalize:
+        return x.contiguous()
+    pad = x.new_zeros(*x.shape[:-1], width - x.shape[-1] - 1)
+    return torch.cat([x, state[twin].float().unsqueeze(-1), pad], -1).contiguous()
+
+
+def _hla2_paper(q, k, v, *, normalize, eps, decay, C, initial_state, output_final_state):
+    """hla2_triton for decay_form="paper" (q, k, v contiguous with H heads each)."""
+    B, T, H, D = q.shape
+    DV = v.shape[-1]
+    width = triton.next_power_of_2(DV + 1) if normalize else DV
+    v_in = _paper_values(v, normalize, width)
+    s0 = c0 = g0 = None
+    if initial_state is not None:
+        s0 = initial_state["S"].float().expand(B, H, D, D).contiguous()
+        c0 = _paper_state(initial_state, "C", "m", normalize, width)
+        g0 = _paper_state(initial_state, "G", "h", normalize, width)
+    log2g = torch.log2(decay.float()).contiguous()
+    o, s1, c1, g1 = _HLA2Paper.apply(q, k, v_in, s0, c0, g0, log2g, C, output_final_state)
+    if normalize:
+        o = (o[..., :DV].float() / (o[..., DV:DV + 1].float() + eps)).to(q.dtype)
+    if not output_final_state:
+        return o, None
+    final = {"S": s1, "C": c1[..., :DV].contiguous(), "G": g1[..., :DV].contiguous()}
+    if normalize:
+        final.update(m=c1[..., DV].contiguous(), h=g1[..., DV].contiguous())
+    return o, final
+
+
 def _chunk(chunk_size: int, dtype) -> int:
     """The kernels need a power-of-two chunk in [16, 128]; other sizes run with 64 (the
     result does not depend on the chunk size). fp32 inputs (exact, non-tensor-core dots)
@@ -312,7 +426,7 @@ def _chunk(chunk_size: int, dtype) -> int:
     return min(chunk, 32) if dtype == torch.float32 else chunk
 
 
-def _empty_sequence(q, k, v, normalize, initial_state, output_final_state):
+def _empty_sequence(q, k, v, normalize, paper, initial_state, output_final_state):
     """T = 0: no output rows; the final state is the initial one (or zeros)."""
     B, _, H, D = q.shape
     o = q.new_empty(B, 0, H, v.shape[-1])
@@ -320,10 +434,12 @@ def _empty_sequence(q, k, v, normalize, initial_state, output_final_state):
         return o, None
     if initial_state is not None:
         return o, {key: x.float().clone() for key, x in initial_state.items()}
-    final = {"S": q.new_zeros(B, k.shape[2], D, D, dtype=torch.float32),
-             "A": q.new_zeros(B, H, D, v.shape[-1], dtype=torch.float32)}
-    if normalize:
-        final["a"] = q.new_zeros(B, H, D, dtype=torch.float32)
+    twins = {"C": "m", "G": "h"} if paper else {"A": "a"}
+    final = {"S": q.new_zeros(B, k.shape[2], D, D, dtype=torch.float32)}
+    for key, twin in twins.items():
+        final[key] = q.new_zeros(B, H, D, v.shape[-1], dtype=torch.float32)
+        if normalize:
+            final[twin] = q.new_zeros(B, H, D, dtype=torch.float32)
     return o, final
 
 
@@ -338,13 +454,21 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
     if reason is not None:
         raise ValueError(reason)
     B, T, H, D = q.shape
+    paper = decay is not None and decay_form == "paper"
     if T == 0:
-        return _empty_sequence(q, k, v, normalize, initial_state, output_final_state)
+        return _empty_sequence(q, k, v, normalize, paper, initial_state, output_final_state)
     C = _chunk(chunk_size, q.dtype)
     shared_kv = k.shape[2] == 1 and H > 1
     if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
         k, v = k.expand(B, T, H, D), v.expand(B, T, H, v.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if paper:
+        o, final = _hla2_paper(q, k, v, normalize=normalize, eps=eps, decay=decay,
+                               C=min(C, PAPER_CHUNK), initial_state=initial_state,
+                               output_final_state=output_final_state)
+        if final is not None and shared_kv:
+            final["S"] = final["S"][:, :1].contiguous()
+        return o, final
     s0 = a0 = an0 = None
     if initial_state is not None:
         s0 = initial_state["S"].float().expand(B, H, D, D).contiguous()
@@ -374,7 +498,8 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
                      decay_form="masked"):
     """One decode token with the fused step kernel: q_t, k_t [B, H, D], v_t [B, H, Dv] ->
     (o_t [B, H, Dv], state). The state's fp32 tensors ("S", "A", and "a" with normalize)
-    are updated in place; state=None starts from zeros."""
+    are updated in place; state=None starts from zeros. decay_form="paper" (state "S", "C",
+    "G", and "m", "h" with normalize): see _paper_step."""
     reason = triton_unsupported_reason(q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1),
                                        masked=True, ridge=0.0, decay_form=decay_form,
                                        decay=decay)
@@ -382,6 +507,8 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
         raise ValueError(reason)
     B, H, D = q_t.shape
     DV = v_t.shape[-1]
+    if decay is not None and decay_form == "paper":
+        return _paper_step(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=decay)
     if state is None:
         state = {"S": q_t.new_zeros(B, k_t.shape[1], D, D, dtype=torch.float32),
                  "A": q_t.new_zeros(B, H, D, DV, dtype=torch.float32)}
@@ -401,3 +528,35 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
         D=D, DV=DV, BR=16, HAS_DECAY=decay is not None, NORMALIZE=normalize,
         SHARED_KV=shared_kv, num_warps=4)
     return o, state
+
+
+def _paper_step(q_t, k_t, v_t, state, *, normalize, eps, decay):
+    """hla2_step_triton for decay_form="paper". S is updated in place; C and G (with
+    normalize packed with m and h into one padded tensor for the kernel, then split back)
+    are replaced by their new values in the state dict."""
+    B, H, D = q_t.shape
+    DV = v_t.shape[-1]
+    width = triton.next_power_of_2(DV + 1) if normalize else DV
+    if state is None:
+        state = {"S": q_t.new_zeros(B, k_t.shape[1], D, D, dtype=torch.float32)}
+        for key, twin in (("C", "m"), ("G", "h")):
+            state[key] = q_t.new_zeros(B, H, D, DV, dtype=torch.float32)
+            if normalize:
+                state[twin] = q_t.new_zeros(B, H, D, dtype=torch.float32)
+    s = _state_tensor(state, "S")
+    c = _paper_state(state, "C", "m", normalize, width)
+    g_state = _paper_state(state, "G", "h", normalize, width)
+    shared_kv = k_t.shape[1] == 1 and H > 1
+    if shared_kv:  # one S for all heads: update it once here (decay is equal across heads)
+        s.mul_(decay[0])
+        s.add_(k_t.float().unsqueeze(-1) * k_t.float().unsqueeze(-2))
+    o = q_t.new_empty(B, H, width, dtype=torch.float32)
+    kern.paper_decode_step_kernel[(B * H,)](
+        q_t.contiguous(), k_t.contiguous(), _paper_values(v_t, normalize, width).contiguous(), s, c,
+        g_state, decay.float().contiguous(), o, H=H, D=D, DV=width, BR=16,
+        SHARED_KV=shared_kv, num_warps=4)
+    state["C"], state["G"] = c[..., :DV].contiguous(), g_state[..., :DV].contiguous()
+    if normalize:
+        state["m"], state["h"] = c[..., DV].contiguous(), g_state[..., DV].contiguous()
+        return (o[..., :DV] / (o[..., DV:DV + 1] + eps)).to(q_t.dtype), state
+    return o.to(q_t.dtype), state

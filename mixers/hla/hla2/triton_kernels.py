@@ -475,3 +475,258 @@ def decode_step_kernel(q, k, v, s, a, a_den, g, o, eps, H: tl.constexpr, D: tl.c
     if NORMALIZE:
         b_num = b_num / den
     tl.store(o + i_bh * DV + rv, b_num.to(o.dtype.element_ty))
+
+
+# ---- decay_form="paper" (spec §4.3 recurrence) -------------------------------------------
+# S_t = g S + k k^T, C_t = g C + q v^T, G_t = g G + k k^T C_{t-1}, o_t = q^T (S_t C_t - G_t).
+# Per chunk of n <= C real tokens with carried (S0, C0, G0), local positions s = 0..C-1,
+# b_s = g^(s+1), a_s = g^s, e_s = g^(n-1-s) [s < n], f_s = g^(n-2-s) [s < n-1],
+# Dm_rs = g^(r-s) [r >= s], Ds_rs = g^(r-1-s) [r > s], Gam = g^n, A = Q K^T, W = L * A,
+# Wd = Dm * A, Ks = (strict lower) * A^T (Ks_is = k_i . q_s, s < i):
+#     QS = b Q S0 + Wd K                                    (rows q_r^T S_r)
+#     Y  = b QS - a W K                                     (what multiplies C0)
+#     M  = Dm * (QS Q^T) - Ds * (W Ks)
+#     O  = Y C0 - b Q G0 + M V
+#     S1 = Gam S0 + K^T E K,  C1 = Gam C0 + Q^T E V
+#     G1 = Gam G0 + g^(n-1) K^T K C0 + K^T Ks F V           (E = diag(e), F = diag(f))
+# These need the full carried C0 at every chunk, so one program per (batch, head) walks the
+# chunks in order with the states in registers (a sequential scan; simple, not the fastest).
+# The backward pass reruns it storing each chunk's start states, then walks the chunks in
+# reverse carrying the state gradients (dS, dC, dG) and writes dq, dk, dv per chunk.
+# Normalize is handled by the caller as a ones column of v (padded to a power of two).
+
+
+@triton.jit
+def _paper_decay(i_c, T, lg, C: tl.constexpr):
+    """Decay factors of chunk i_c (see above): n, b, a, e, f, Dm, Ds, Gam, g^(n-1), masks."""
+    s = tl.arange(0, C)
+    n = tl.maximum(tl.minimum(T - i_c * C, C), 0)
+    causal = s[:, None] >= s[None, :]
+    strict = s[:, None] > s[None, :]
+    sf = s.to(tl.float32)
+    b = tl.exp2((sf + 1.0) * lg)
+    a = tl.exp2(sf * lg)
+    e = tl.where(s < n, tl.exp2((n - 1 - s).to(tl.float32) * lg), 0.0)
+    f = tl.where(s < n - 1, tl.exp2((n - 2 - s).to(tl.float32) * lg), 0.0)
+    diff = (s[:, None] - s[None, :]).to(tl.float32)
+    dm = tl.where(causal, tl.exp2(diff * lg), 0.0)
+    ds = tl.where(strict, tl.exp2((diff - 1.0) * lg), 0.0)
+    gam = tl.exp2(n.to(tl.float32) * lg)
+    last = tl.exp2(tl.maximum(n - 1, 0).to(tl.float32) * lg)
+    return causal, strict, b, a, e, f, dm, ds, gam, last
+
+
+@triton.jit
+def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_final, g_final,
+                         s_buf, c_buf, g_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
+                         DV: tl.constexpr, C: tl.constexpr, NT_BOUND: tl.constexpr,
+                         HAS_INIT: tl.constexpr, STORE_OUT: tl.constexpr,
+                         STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
+                         PREC: tl.constexpr):
+    """Sequential chunk scan of the paper form for one (batch, head): outputs into o
+    (STORE_OUT), end states into s/c/g_final (STORE_FINAL), each chunk's start states into
+    the [B*H, NT, ..] buffers s/c/g_buf (STORE_STATES, for backward). fp32 throughout.
+    Chunks past NT (the loop runs to the power of two NT_BOUND) load zeros and keep the
+    state. Grid (B*H,)."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    lg = tl.load(log2g + i_h)
+    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+    head = i_bh.to(tl.int64)
+    if HAS_INIT:
+        b_s = tl.load(s_init + head * D * D + dd)
+        b_c = tl.load(c_init + head * D * DV + dv)
+        b_g = tl.load(g_init + head * D * DV + dv)
+    else:
+        b_s = tl.zeros([D, D], dtype=tl.float32)
+        b_c = tl.zeros([D, DV], dtype=tl.float32)
+        b_g = tl.zeros([D, DV], dtype=tl.float32)
+    for i_c in range(NT_BOUND):
+        t = i_c * C + tl.arange(0, C)
+        causal, strict, b, a, e, f, dm, ds, gam, last = _paper_decay(i_c, T, lg, C)
+        if STORE_STATES:
+            base = (i_bh * NT + i_c).to(tl.int64)
+            real = i_c < NT
+            tl.store(s_buf + base * D * D + dd, b_s, mask=real)
+            tl.store(c_buf + base * D * DV + dv, b_c, mask=real)
+            tl.store(g_buf + base * D * DV + dv, b_g, mask=real)
+        b_q = _load_tokens(q, i_b, i_h, t, T, H, D).to(tl.float32)
+        b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
+        b_v = _load_tokens(v, i_b, i_h, t, T, H, DV).to(tl.float32)
+        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_w = tl.where(causal, b_qk, 0.0)
+        b_ks = tl.where(strict, tl.trans(b_qk), 0.0)
+        if STORE_OUT:
+            b_qs = b[:, None] * tl.dot(b_q, b_s, input_precision=PREC)
+            b_qs += tl.dot(b_qk * dm, b_k, input_precision=PREC)
+            b_y = b[:, None] * b_qs - a[:, None] * tl.dot(b_w, b_k, input_precision=PREC)
+            b_m = dm * tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
+            b_m -= ds * tl.dot(b_w, b_ks, input_precision=PREC)
+            b_o = tl.dot(b_y, b_c, input_precision=PREC)
+            b_o -= b[:, None] * tl.dot(b_q, b_g, input_precision=PREC)
+            b_o += tl.dot(b_m, b_v, input_precision=PREC)
+            _store_tokens(o, b_o, i_b, i_h, t, T, H, DV)
+        b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
+        b_g = gam * b_g + last * tl.dot(b_ktk, b_c, input_precision=PREC)
+        b_g += tl.dot(tl.trans(b_k), tl.dot(b_ks, b_v * f[:, None], input_precision=PREC),
+                      input_precision=PREC)
+        b_c = gam * b_c + tl.dot(tl.trans(b_q * e[:, None]), b_v, input_precision=PREC)
+        b_s = gam * b_s + tl.dot(tl.trans(b_k * e[:, None]), b_k, input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(s_final + head * D * D + dd, b_s)
+        tl.store(c_final + head * D * DV + dv, b_c)
+        tl.store(g_final + head * D * DV + dv, b_g)
+
+
+@triton.jit
+def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_final,
+                          gg_final, gs_init, gc_init, gg_init, dq, dk, dv, T, NT,
+                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                          NT_BOUND: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
+                          STORE_INIT_GRAD: tl.constexpr, PREC: tl.constexpr):
+    """Reverse chunk walk of the paper form for one (batch, head), given each chunk's start
+    states (S0, C0, G0) from paper_forward_kernel. Carries the gradients (dS, dC, dG) of
+    the chunk's outgoing state; per chunk, with dM = dO V^T, dY = dO C0^T,
+    dQS = (Dm * dM) Q, dU = -Ds * dM, dB = dY K^T (B = b Wd - a W):
+        dQ = -b dO G0^T + (Dm * dM)^T QS + b^2 dY S0^T + b dQS S0^T + E V dC^T + dA K
+        dK = B^T dY + Wd^T dQS + (Ks F V) dG^T + g^(n-1) K (C0 dG^T + dG C0^T)
+             + E K (dS + dS^T) + dA^T Q
+        dV = M^T dO + E Q dC + F Ks^T K dG
+        dA = (strict * dKs)^T + L * dW + Dm * dWd,  dKs = W^T dU + K dG (F V)^T,
+        dW = dU Ks^T - a dB,  dWd = b dB + dQS K^T
+    and the incoming state gradients
+        dS0 = Gam dS + Q^T (b^2 dY + b dQS),  dC0 = Gam dC + Y^T dO + g^(n-1) K^T K dG,
+        dG0 = Gam dG - (b Q)^T dO.
+    Grid (B*H,)."""
+    i_bh = tl.program_id(0)
+    i_b, i_h = i_bh // H, i_bh % H
+    lg = tl.load(log2g + i_h)
+    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    dd, dvo = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+    head = i_bh.to(tl.int64)
+    if HAS_FINAL_GRAD:
+        b_gs = tl.load(gs_final + head * D * D + dd)
+        b_gc = tl.load(gc_final + head * D * DV + dvo)
+        b_gg = tl.load(gg_final + head * D * DV + dvo)
+    else:
+        b_gs = tl.zeros([D, D], dtype=tl.float32)
+        b_gc = tl.zeros([D, DV], dtype=tl.float32)
+        b_gg = tl.zeros([D, DV], dtype=tl.float32)
+    for j in range(NT_BOUND):
+        i_c = NT_BOUND - 1 - j
+        real = i_c < NT
+        t = i_c * C + tl.arange(0, C)
+        causal, strict, b, a, e, f, dm, ds, gam, last = _paper_decay(i_c, T, lg, C)
+        base = (i_bh * NT + i_c).to(tl.int64)
+        b_s0 = tl.load(s_buf + base * D * D + dd, mask=real, other=0.0)
+        b_c0 = tl.load(c_buf + base * D * DV + dvo, mask=real, other=0.0)
+        b_g0 = tl.load(g_buf + base * D * DV + dvo, mask=real, other=0.0)
+        b_q = _load_tokens(q, i_b, i_h, t, T, H, D).to(tl.float32)
+        b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
+        b_v = _load_tokens(v, i_b, i_h, t, T, H, DV).to(tl.float32)
+        b_do = _load_tokens(do, i_b, i_h, t, T, H, DV).to(tl.float32)
+        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+        b_w = tl.where(causal, b_qk, 0.0)
+        b_wd = b_qk * dm
+        b_ks = tl.where(strict, tl.trans(b_qk), 0.0)
+        b_vf = b_v * f[:, None]
+        b_qs = b[:, None] * tl.dot(b_q, b_s0, input_precision=PREC)
+        b_qs += tl.dot(b_wd, b_k, input_precision=PREC)
+        b_bm = b[:, None] * b_wd - a[:, None] * b_w
+        b_y = b[:, None] * b_qs - a[:, None] * tl.dot(b_w, b_k, input_precision=PREC)
+        b_m = dm * tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
+        b_m -= ds * tl.dot(b_w, b_ks, input_precision=PREC)
+
+        b_dm = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+        b_dy = tl.dot(b_do, tl.trans(b_c0), input_precision=PREC)
+        b_dn = dm * b_dm
+        b_du = -ds * b_dm
+        b_dqs = tl.dot(b_dn, b_q, input_precision=PREC)
+        b_db = tl.dot(b_dy, tl.trans(b_k), input_precision=PREC)
+        b_kdg = tl.dot(b_k, b_gg, input_precision=PREC)
+        b_dks = tl.dot(tl.trans(b_w), b_du, input_precision=PREC)
+        b_dks += tl.dot(b_kdg, tl.trans(b_vf), input_precision=PREC)
+        b_dw = tl.dot(b_du, tl.trans(b_ks), input_precision=PREC) - a[:, None] * b_db
+        b_dwd = b[:, None] * b_db + tl.dot(b_dqs, tl.trans(b_k), input_precision=PREC)
+        b_da = tl.trans(tl.where(strict, b_dks, 0.0)) + tl.where(causal, b_dw, 0.0) + dm * b_dwd
+
+        b_s0t = tl.trans(b_s0)
+        b_dq = -b[:, None] * tl.dot(b_do, tl.trans(b_g0), input_precision=PREC)
+        b_dq += tl.dot(tl.trans(b_dn), b_qs, input_precision=PREC)
+        b_dq += tl.dot((b * b)[:, None] * b_dy + b[:, None] * b_dqs, b_s0t, input_precision=PREC)
+        b_dq += e[:, None] * tl.dot(b_v, tl.trans(b_gc), input_precision=PREC)
+        b_dq += tl.dot(b_da, b_k, input_precision=PREC)
+        _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
+
+        b_dk = tl.dot(tl.trans(b_bm), b_dy, input_precision=PREC)
+        b_dk += tl.dot(tl.trans(b_wd), b_dqs, input_precision=PREC)
+        b_dk += tl.dot(tl.dot(b_ks, b_vf, input_precision=PREC), tl.trans(b_gg),
+                       input_precision=PREC)
+        b_cg = tl.dot(b_c0, tl.trans(b_gg), input_precision=PREC)
+        b_dk += last * tl.dot(b_k, b_cg + tl.trans(b_cg), input_precision=PREC)
+        b_dk += e[:, None] * tl.dot(b_k, b_gs + tl.trans(b_gs), input_precision=PREC)
+        b_dk += tl.dot(tl.trans(b_da), b_q, input_precision=PREC)
+        _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
+
+        b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
+        b_dv += e[:, None] * tl.dot(b_q, b_gc, input_precision=PREC)
+        b_dv += f[:, None] * tl.dot(tl.trans(b_ks), b_kdg, input_precision=PREC)
+        _store_tokens(dv, b_dv, i_b, i_h, t, T, H, DV)
+
+        b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
+        b_gs = gam * b_gs + tl.dot(tl.trans(b_q), (b * b)[:, None] * b_dy + b[:, None] * b_dqs,
+                                   input_precision=PREC)
+        b_gc = gam * b_gc + tl.dot(tl.trans(b_y), b_do, input_precision=PREC)
+        b_gc += last * tl.dot(b_ktk, b_gg, input_precision=PREC)
+        b_gg = gam * b_gg - tl.dot(tl.trans(b_q * b[:, None]), b_do, input_precision=PREC)
+    if STORE_INIT_GRAD:
+        tl.store(gs_init + head * D * D + dd, b_gs)
+        tl.store(gc_init + head * D * DV + dvo, b_gc)
+        tl.store(gg_init + head * D * DV + dvo, b_gg)
+
+
+@triton.jit
+def paper_decode_step_kernel(q, k, v, s, c, g_state, g, o, H: tl.constexpr, D: tl.constexpr,
+                             DV: tl.constexpr, BR: tl.constexpr, SHARED_KV: tl.constexpr):
+    """One token of the paper form for one (batch, head), state updated in place:
+    G = g G + k (k^T C), S = g S + k k^T, C = g C + q v^T, o = (q^T S) C - q^T G.
+    Two passes over blocks of BR state rows: k^T C (old C) and q^T S (new S), then the
+    C and G rows and the output. With SHARED_KV, k, v and S have one head per batch and S
+    arrives already updated. Grid (B*H,)."""
+    i_bh = tl.program_id(0)
+    i_kv = i_bh
+    if SHARED_KV:
+        i_kv = i_bh // H
+    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    b_k = tl.load(k + i_kv * D + rd).to(tl.float32)
+    b_v = tl.load(v + i_kv * DV + rv).to(tl.float32)
+    gamma = tl.load(g + i_bh % H).to(tl.float32)
+    b_kc = tl.zeros([DV], dtype=tl.float32)
+    b_qs = tl.zeros([D], dtype=tl.float32)
+    for i_r in tl.static_range(D // BR):
+        rr = i_r * BR + tl.arange(0, BR)
+        b_qr = tl.load(q + i_bh * D + rr).to(tl.float32)
+        b_kr = tl.load(k + i_kv * D + rr).to(tl.float32)
+        p_c = c + i_bh.to(tl.int64) * D * DV + _mat_offsets(rr, rv, DV)
+        b_kc += tl.sum(tl.load(p_c) * b_kr[:, None], axis=0)
+        p_s = s + i_kv.to(tl.int64) * D * D + _mat_offsets(rr, rd, D)
+        if SHARED_KV:
+            b_s = tl.load(p_s)
+        else:
+            b_s = gamma * tl.load(p_s) + b_kr[:, None] * b_k[None, :]
+            tl.store(p_s, b_s)
+        b_qs += tl.sum(b_s * b_qr[:, None], axis=0)
+    b_num = tl.zeros([DV], dtype=tl.float32)
+    for i_r in tl.static_range(D // BR):
+        rr = i_r * BR + tl.arange(0, BR)
+        b_qr = tl.load(q + i_bh * D + rr).to(tl.float32)
+        b_kr = tl.load(k + i_kv * D + rr).to(tl.float32)
+        b_qsr = tl.sum(tl.where(rd[None, :] == rr[:, None], b_qs[None, :], 0.0), axis=1)
+        offs = i_bh.to(tl.int64) * D * DV + _mat_offsets(rr, rv, DV)
+        b_c = gamma * tl.load(c + offs) + b_qr[:, None] * b_v[None, :]
+        tl.store(c + offs, b_c)
+        b_gr = gamma * tl.load(g_state + offs) + b_kr[:, None] * b_kc[None, :]
+        tl.store(g_state + offs, b_gr)
+        b_num += tl.sum(b_c * b_qsr[:, None] - b_gr * b_qr[:, None], axis=0)
+    tl.store(o + i_bh * DV + rv, b_num.to(o.dtype.element_ty))
