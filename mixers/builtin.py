@@ -96,11 +96,12 @@ LINEAR_ATTN = Mixer(
                 "optional normalisation).",
     build_op=_linear_op,
     build_layer=lambda d_model, n_heads, **o: MixerLayer(
-        d_model, n_heads, _linear_op(**o), qk_norm=o["qk_norm"], short_conv=o["short_conv"]),
+        d_model, n_heads, _linear_op(**o), qk_norm=o["qk_norm"], short_conv=o["short_conv"],
+        output_norm=o["output_norm"]),
     build_decoder=lambda feature_map, normalize, eps, **_: LinearAttnDecoder(
         feature_map, normalize, eps),
     options={"feature_map": "identity", "normalize": False, "eps": 1e-6, "chunk_size": 64,
-             "qk_norm": "l2", "short_conv": 4},
+             "qk_norm": "l2", "short_conv": 4, "output_norm": True},
     forms=("chunk",), flops=linear_attn_flops)
 
 

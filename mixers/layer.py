@@ -34,10 +34,13 @@ class MixerLayer(nn.Module):
     qk_norm: "l2" divides q and k by their L2 norm per head (bounded higher-order products),
     "scale" multiplies q by head_dim**-0.5 (softmax attention's scaling), "none" leaves them.
     short_conv: kernel size of a depthwise causal convolution on q, k and v (0 disables it).
+    output_norm: RMS-normalise each head's output (learned gain) before the output projection;
+    unnormalised linear and higher-order attention outputs grow with the context (HLA2's sum
+    has O(t^2) terms), and this keeps the residual stream at one scale.
     """
 
     def __init__(self, d_model: int, n_heads: int, op: Callable, *, qk_norm: str = "l2",
-                 short_conv: int = 0, head_dim: int | None = None):
+                 short_conv: int = 0, output_norm: bool = False, head_dim: int | None = None):
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
@@ -49,6 +52,7 @@ class MixerLayer(nn.Module):
         inner = n_heads * head_dim
         self.qkv = nn.Linear(d_model, 3 * inner, bias=False)
         self.conv = ShortConv(3 * inner, short_conv) if short_conv else None
+        self.out_norm = nn.RMSNorm(head_dim) if output_norm else None
         self.out = nn.Linear(inner, d_model, bias=False)
         self.op = op
 
@@ -63,4 +67,6 @@ class MixerLayer(nn.Module):
         elif self.qk_norm == "scale":
             q = q * self.head_dim ** -0.5
         o, _ = self.op(q, k, v)
+        if self.out_norm is not None:
+            o = self.out_norm(o)
         return self.out(o.reshape(B, T, -1))

@@ -139,6 +139,20 @@ def test_layer_maps_shape_and_backprops(name):
     assert all(p.grad is not None for p in layer.parameters())
 
 
+@pytest.mark.parametrize("output_norm", [True, False])
+def test_output_norm_makes_the_layer_blind_to_the_ops_scale(output_norm):
+    """HLA outputs grow with the context; the per-head output norm removes that scale."""
+    from mixers.layer import MixerLayer
+
+    x = torch.randn(2, 9, 16)
+    outputs = []
+    for scale in (1.0, 1000.0):
+        torch.manual_seed(0)
+        layer = MixerLayer(16, 2, lambda q, k, v, s=scale: (v * s, None), output_norm=output_norm)
+        outputs.append(layer(x))
+    assert torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5) == output_norm
+
+
 @pytest.mark.parametrize("name", AVAILABLE)
 def test_layer_runs_under_bf16_autocast(name, monkeypatch):
     """Training uses bf16 autocast, which on CUDA runs F.normalize in fp32: the layer must

@@ -19,7 +19,7 @@ import torch
 from hla_bench.registry import Mixer, state_nbytes
 from mixers.layer import MixerLayer
 
-LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4}
+LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4, "output_norm": True}
 
 
 def _accepted(fn, options: dict) -> dict:
@@ -98,7 +98,7 @@ def hla_entry(name: str, module: str, op_name: str, description: str, options: d
 
     def build_layer(d_model, n_heads, **opts):
         return MixerLayer(d_model, n_heads, build_op(**opts), qk_norm=opts["qk_norm"],
-                          short_conv=opts["short_conv"])
+                          short_conv=opts["short_conv"], output_norm=opts["output_norm"])
 
     def build_decoder(**opts):
         step = _operator(module, op_name + "_step")
