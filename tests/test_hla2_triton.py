@@ -382,7 +382,7 @@ def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=
 
 @pytest.mark.parametrize("T, chunk_size, D, Dv, decay, normalize, with_state", [
     (45, 16, 16, 32, (0.9, 1.0), False, True),   # per-head decay including 1, partial chunk
-    (37, 64, 16, 16, (0.8, 0.95), True, True),   # normalize (m, h), chunk capped at 32
+    (37, 64, 16, 16, (0.8, 0.95), True, True),   # normalize (m, h), chunk capped
     (20, 16, 32, 16, (0.6, 0.9), False, False),
     (2, 16, 16, 16, (0.5, 0.9), True, False)])
 def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_state):
@@ -393,6 +393,15 @@ def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_st
     state = paper_state(1, 2, D, Dv, normalize) if with_state else None
     check_paper(q, k, v, decay=torch.tensor(decay, device=DEVICE), chunk_size=chunk_size,
                 initial_state=state, normalize=normalize)
+
+
+def test_paper_value_slices(monkeypatch):
+    """Programs split the value columns (backward sums their dq, dk, dS0 parts); force 4
+    slices of 16."""
+    monkeypatch.setattr(hla2_triton_module, "PAPER_BV", 16)
+    q, k, v = make_inputs(1, 20, 2, 16, 64, torch.float32, seed=30)
+    check_paper(q, k, v, decay=torch.tensor([1.0, 0.85], device=DEVICE),
+                initial_state=paper_state(1, 2, 16, 64))
 
 
 def test_paper_half_precision():
@@ -442,7 +451,7 @@ def test_paper_dispatch_runs_triton(monkeypatch):
 
     class Counting:
         def __getitem__(self, grid):
-            launches.append(grid)
+            launches.append(tuple(grid))
             return kernel[grid]
 
     monkeypatch.setattr(hla2_triton_module.kern, "paper_forward_kernel", Counting())
@@ -450,7 +459,7 @@ def test_paper_dispatch_runs_triton(monkeypatch):
     g = torch.tensor([0.9, 0.7], device=DEVICE)
     o, _ = hla2(q, k, v, decay=g, decay_form="paper", impl="triton")
     ref_o, _ = paper_reference(q, k, v, decay=g)
-    assert launches == [(2,)]
+    assert launches == [(1, 2)]  # one launch: 1 value slice x B*H
     assert rel(o, ref_o) < 1e-4
 
 

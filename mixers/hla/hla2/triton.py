@@ -19,9 +19,10 @@ decay_form="paper" (spec §4.3: S, C and G = g G + k k^T C_prev) runs its own, s
 kernels (see triton_kernels.py): one program per (batch, head) walks the chunks in order with
 the states in registers, forward 1 launch (grid B*H), backward 2 (the walk again storing each
 chunk's start states, then a reverse walk carrying the state gradients and writing
-dq/dk/dv); normalize is a ones column appended to v (padded to a power of two) and divided
-out here; chunks of at most PAPER_CHUNK tokens. Sequential over chunks: correct and simple,
-not tuned (ptxas sm_90a at D = 64 spills; see the commit notes).
+dq/dk/dv); each program takes PAPER_BV value columns (grid Dv/PAPER_BV x B*H; backward
+sums the slices' dq, dk and dS0 parts). Normalize is a ones column appended to v (padded to
+a power of two) and divided out here; chunks of at most PAPER_CHUNK tokens. Sequential over
+chunks: correct and simple, not tuned or timed on a GPU yet.
 
 Supported: masked hla2, no decay, decay_form="masked" or "paper" (per-head decay),
 normalize (masked form: the denominator is a ones value column carried as [D] vectors next
@@ -81,7 +82,12 @@ WARPS, SCAN_ROWS = 8, 16
 SPLIT_GRADS_FROM = 128
 # decay_form="paper": chunk size of its sequential walk (one program per head holds every
 # state and chunk temporary: smaller chunks keep the registers in bounds).
-PAPER_CHUNK = 32
+# ptxas sm_90a, bf16, 8 warps, chunk 16, 32 value columns per program: D = 64 forward 0 B
+# spilled, backward ~0.6 KB; D = 128 forward ~0.4 KB, backward ~2.7 KB (chunk 32 spills more).
+PAPER_CHUNK = 16
+# decay_form="paper": value columns per program (C, G, O columns are independent; backward
+# sums the per-slice parts of dq, dk and dS0).
+PAPER_BV = 32
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -328,9 +334,10 @@ def _paper_forward(q, k, v, log2g, init, C, want_final, want_out, want_states):
     if want_states:
         states = (torch.empty(B * H, NT, D, D, **f32), torch.empty(B * H, NT, D, DV, **f32),
                   torch.empty(B * H, NT, D, DV, **f32))
-    kern.paper_forward_kernel[(B * H,)](
+    BV = min(DV, PAPER_BV)
+    kern.paper_forward_kernel[(DV // BV, B * H)](
         q, k, v, log2g, *(init or (q, q, q)), o, *(final or (q, q, q)), *(states or (q, q, q)),
-        T, NT, H=H, D=D, DV=DV, C=C, NT_BOUND=_loop_bound(NT), HAS_INIT=init is not None,
+        T, NT, H=H, D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(NT), HAS_INIT=init is not None,
         STORE_OUT=want_out, STORE_FINAL=want_final, STORE_STATES=want_states,
         PREC=_precision(q.dtype), num_warps=WARPS)
     return (o if want_out else None), final, states
@@ -339,7 +346,8 @@ def _paper_forward(q, k, v, log2g, init, C, want_final, want_out, want_states):
 class _HLA2Paper(torch.autograd.Function):
     """(q, k, v, S0, C0, G0) -> (o, S1, C1, G1) for masked hla2 with the paper's decayed
     recurrence (log2 g per head, not differentiated). Forward: 1 launch; backward: 2 (the
-    forward walk again storing each chunk's start states, then the reverse walk)."""
+    forward walk again storing each chunk's start states, then the reverse walk) plus the
+    sums of the per-slice dq, dk (and dS0) parts."""
 
     @staticmethod
     def forward(ctx, q, k, v, s0, c0, g0, log2g, chunk_size, want_final):
@@ -363,16 +371,24 @@ class _HLA2Paper(torch.autograd.Function):
                                 else x.float().contiguous() for x, shp in zip((gs1, gc1, gg1),
                                                                                shapes))
         want_init_grad = s0 is not None and any(ctx.needs_input_grad[3:6])
+        BV = min(DV, PAPER_BV)
+        n_slices = DV // BV  # value-column slices: dq, dk and dS0 come in parts to sum
         init_grads = None
         if want_init_grad:
-            init_grads = tuple(torch.empty_like(x) for x in (s0, c0, g0))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kern.paper_backward_kernel[(B * H,)](
+            init_grads = (s0.new_empty(n_slices, *s0.shape), torch.empty_like(c0),
+                          torch.empty_like(g0))
+        dq_parts, dk_parts = (q.new_empty(n_slices, *q.shape, dtype=torch.float32)
+                              for _ in range(2))
+        dv = torch.empty_like(v)
+        kern.paper_backward_kernel[(n_slices, B * H)](
             q, k, v, do.contiguous(), log2g, *states, *(final_grads or (q, q, q)),
-            *(init_grads or (q, q, q)), dq, dk, dv, T, triton.cdiv(T, C), H=H, D=D, DV=DV,
-            C=C, NT_BOUND=_loop_bound(triton.cdiv(T, C)),
+            *(init_grads or (q, q, q)), dq_parts, dk_parts, dv, T, triton.cdiv(T, C), H=H,
+            D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(triton.cdiv(T, C)),
             HAS_FINAL_GRAD=final_grads is not None, STORE_INIT_GRAD=want_init_grad,
             PREC=_precision(q.dtype), num_warps=WARPS)
+        dq, dk = dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype)
+        if init_grads is not None:
+            init_grads = (init_grads[0].sum(0),) + init_grads[1:]
         return (dq, dk, dv) + (init_grads or (None, None, None)) + (None, None, None)
 
 

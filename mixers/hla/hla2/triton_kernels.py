@@ -489,8 +489,9 @@ def decode_step_kernel(q, k, v, s, a, a_den, g, o, eps, H: tl.constexpr, D: tl.c
 #     O  = Y C0 - b Q G0 + M V
 #     S1 = Gam S0 + K^T E K,  C1 = Gam C0 + Q^T E V
 #     G1 = Gam G0 + g^(n-1) K^T K C0 + K^T Ks F V           (E = diag(e), F = diag(f))
-# These need the full carried C0 at every chunk, so one program per (batch, head) walks the
-# chunks in order with the states in registers (a sequential scan; simple, not the fastest).
+# These need the full carried C0 at every chunk, so one program per (batch, head) and slice
+# of value columns walks the chunks in order with the states in registers (a sequential
+# scan; simple, not the fastest).
 # The backward pass reruns it storing each chunk's start states, then walks the chunks in
 # reverse carrying the state gradients (dS, dC, dG) and writes dq, dk, dv per chunk.
 # Normalize is handled by the caller as a ones column of v (padded to a power of two).
@@ -519,19 +520,21 @@ def _paper_decay(i_c, T, lg, C: tl.constexpr):
 @triton.jit
 def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_final, g_final,
                          s_buf, c_buf, g_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
-                         DV: tl.constexpr, C: tl.constexpr, NT_BOUND: tl.constexpr,
+                         DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                         NT_BOUND: tl.constexpr,
                          HAS_INIT: tl.constexpr, STORE_OUT: tl.constexpr,
                          STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
                          PREC: tl.constexpr):
-    """Sequential chunk scan of the paper form for one (batch, head): outputs into o
-    (STORE_OUT), end states into s/c/g_final (STORE_FINAL), each chunk's start states into
-    the [B*H, NT, ..] buffers s/c/g_buf (STORE_STATES, for backward). fp32 throughout.
-    Chunks past NT (the loop runs to the power of two NT_BOUND) load zeros and keep the
-    state. Grid (B*H,)."""
-    i_bh = tl.program_id(0)
+    """Sequential chunk scan of the paper form for one (batch, head) and a BV-wide slice of
+    the value columns (C, G and O columns depend on their own value columns only; every
+    slice recomputes S, slice 0 stores it): outputs into o (STORE_OUT), end states into
+    s/c/g_final (STORE_FINAL), each chunk's start states into the [B*H, NT, ..] buffers
+    s/c/g_buf (STORE_STATES, for backward). fp32 throughout. Chunks past NT (the loop runs
+    to the power of two NT_BOUND) load zeros and keep the state. Grid (DV // BV, B*H)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     lg = tl.load(log2g + i_h)
-    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    rd, rv = tl.arange(0, D), i_v * BV + tl.arange(0, BV)
     dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
     head = i_bh.to(tl.int64)
     if HAS_INIT:
@@ -540,20 +543,21 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
         b_g = tl.load(g_init + head * D * DV + dv)
     else:
         b_s = tl.zeros([D, D], dtype=tl.float32)
-        b_c = tl.zeros([D, DV], dtype=tl.float32)
-        b_g = tl.zeros([D, DV], dtype=tl.float32)
+        b_c = tl.zeros([D, BV], dtype=tl.float32)
+        b_g = tl.zeros([D, BV], dtype=tl.float32)
     for i_c in range(NT_BOUND):
         t = i_c * C + tl.arange(0, C)
         causal, strict, b, a, e, f, dm, ds, gam, last = _paper_decay(i_c, T, lg, C)
         if STORE_STATES:
             base = (i_bh * NT + i_c).to(tl.int64)
             real = i_c < NT
-            tl.store(s_buf + base * D * D + dd, b_s, mask=real)
+            tl.store(s_buf + base * D * D + dd, b_s, mask=real & (i_v == 0))
             tl.store(c_buf + base * D * DV + dv, b_c, mask=real)
             tl.store(g_buf + base * D * DV + dv, b_g, mask=real)
         b_q = _load_tokens(q, i_b, i_h, t, T, H, D).to(tl.float32)
         b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
-        b_v = _load_tokens(v, i_b, i_h, t, T, H, DV).to(tl.float32)
+        v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
+        b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_w = tl.where(causal, b_qk, 0.0)
         b_ks = tl.where(strict, tl.trans(b_qk), 0.0)
@@ -566,7 +570,7 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
             b_o = tl.dot(b_y, b_c, input_precision=PREC)
             b_o -= b[:, None] * tl.dot(b_q, b_g, input_precision=PREC)
             b_o += tl.dot(b_m, b_v, input_precision=PREC)
-            _store_tokens(o, b_o, i_b, i_h, t, T, H, DV)
+            tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
         b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
         b_g = gam * b_g + last * tl.dot(b_ktk, b_c, input_precision=PREC)
         b_g += tl.dot(tl.trans(b_k), tl.dot(b_ks, b_v * f[:, None], input_precision=PREC),
@@ -574,7 +578,8 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
         b_c = gam * b_c + tl.dot(tl.trans(b_q * e[:, None]), b_v, input_precision=PREC)
         b_s = gam * b_s + tl.dot(tl.trans(b_k * e[:, None]), b_k, input_precision=PREC)
     if STORE_FINAL:
-        tl.store(s_final + head * D * D + dd, b_s)
+        if i_v == 0:
+            tl.store(s_final + head * D * D + dd, b_s)
         tl.store(c_final + head * D * DV + dv, b_c)
         tl.store(g_final + head * D * DV + dv, b_g)
 
@@ -582,7 +587,8 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
 @triton.jit
 def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_final,
                           gg_final, gs_init, gc_init, gg_init, dq, dk, dv, T, NT,
-                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+                          H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                          BV: tl.constexpr, C: tl.constexpr,
                           NT_BOUND: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
                           STORE_INIT_GRAD: tl.constexpr, PREC: tl.constexpr):
     """Reverse chunk walk of the paper form for one (batch, head), given each chunk's start
@@ -598,21 +604,27 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
     and the incoming state gradients
         dS0 = Gam dS + Q^T (b^2 dY + b dQS),  dC0 = Gam dC + Y^T dO + g^(n-1) K^T K dG,
         dG0 = Gam dG - (b Q)^T dO.
-    Grid (B*H,)."""
-    i_bh = tl.program_id(0)
+    Every term is a sum over value columns, so a BV-wide slice of them runs on its own:
+    dv, dC, dG of the slice are exact; dq, dk and the carried dS are the slice's parts,
+    written to [DV // BV, ..] fp32 buffers (dq, dk: [.., B, T, H, D]; dS0: [.., B*H, D, D])
+    that the caller sums (slice 0 starts from the final dS). Grid (DV // BV, B*H)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     lg = tl.load(log2g + i_h)
-    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    rd, rv = tl.arange(0, D), i_v * BV + tl.arange(0, BV)
     dd, dvo = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
     head = i_bh.to(tl.int64)
+    part = i_v.to(tl.int64) * tl.num_programs(1)
+    dq += part * T * D  # this slice's [B, T, H, D] part (num_programs(1) = B * H)
+    dk += part * T * D
     if HAS_FINAL_GRAD:
-        b_gs = tl.load(gs_final + head * D * D + dd)
+        b_gs = tl.load(gs_final + head * D * D + dd) * (i_v == 0).to(tl.float32)
         b_gc = tl.load(gc_final + head * D * DV + dvo)
         b_gg = tl.load(gg_final + head * D * DV + dvo)
     else:
         b_gs = tl.zeros([D, D], dtype=tl.float32)
-        b_gc = tl.zeros([D, DV], dtype=tl.float32)
-        b_gg = tl.zeros([D, DV], dtype=tl.float32)
+        b_gc = tl.zeros([D, BV], dtype=tl.float32)
+        b_gg = tl.zeros([D, BV], dtype=tl.float32)
     for j in range(NT_BOUND):
         i_c = NT_BOUND - 1 - j
         real = i_c < NT
@@ -624,8 +636,9 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_g0 = tl.load(g_buf + base * D * DV + dvo, mask=real, other=0.0)
         b_q = _load_tokens(q, i_b, i_h, t, T, H, D).to(tl.float32)
         b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
-        b_v = _load_tokens(v, i_b, i_h, t, T, H, DV).to(tl.float32)
-        b_do = _load_tokens(do, i_b, i_h, t, T, H, DV).to(tl.float32)
+        v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
+        b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        b_do = tl.load(do + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_w = tl.where(causal, b_qk, 0.0)
         b_wd = b_qk * dm
@@ -672,7 +685,7 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
         b_dv += e[:, None] * tl.dot(b_q, b_gc, input_precision=PREC)
         b_dv += f[:, None] * tl.dot(tl.trans(b_ks), b_kdg, input_precision=PREC)
-        _store_tokens(dv, b_dv, i_b, i_h, t, T, H, DV)
+        tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=(t < T)[:, None])
 
         b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
         b_gs = gam * b_gs + tl.dot(tl.trans(b_q), (b * b)[:, None] * b_dy + b[:, None] * b_dqs,
@@ -681,7 +694,7 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_gc += last * tl.dot(b_ktk, b_gg, input_precision=PREC)
         b_gg = gam * b_gg - tl.dot(tl.trans(b_q * b[:, None]), b_do, input_precision=PREC)
     if STORE_INIT_GRAD:
-        tl.store(gs_init + head * D * D + dd, b_gs)
+        tl.store(gs_init + (part + head) * D * D + dd, b_gs)
         tl.store(gc_init + head * D * DV + dvo, b_gc)
         tl.store(gg_init + head * D * DV + dvo, b_gg)
 
