@@ -23,7 +23,7 @@ from hla_bench.registry import Mixer, state_nbytes
 from mixers.layer import MixerLayer
 from mixers.linear_attn import linear_attn_flops
 
-LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4}
+LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4, "output_norm": True}
 
 
 @functools.lru_cache(maxsize=64)
@@ -113,7 +113,7 @@ def fla_entry(name: str, kernel: FlaKernel, description: str, options: dict,
 
     def build_layer(d_model, n_heads, **opts):
         return MixerLayer(d_model, n_heads, build_op(**opts), qk_norm=opts["qk_norm"],
-                          short_conv=opts["short_conv"])
+                          short_conv=opts["short_conv"], output_norm=opts["output_norm"])
 
     def build_decoder(**opts):
         if opts.get("normalize"):
