@@ -282,3 +282,21 @@ def test_triton_step_is_routed():
                                  impl="torch", normalize=True, decay=0.9)
     o_triton, s_triton = hla2_step(q, k, v, state, impl="triton", normalize=True, decay=0.9)
     assert rel_err(o_triton, o_torch) < 1e-4 and state_err(s_triton, s_torch) < 1e-4
+
+
+def test_auto_routes_to_triton_on_cuda_except_the_untimed_paper_decay_kernel(monkeypatch):
+    import importlib
+    from types import SimpleNamespace
+
+    module = importlib.import_module("mixers.hla.hla2")
+    monkeypatch.setattr(module, "_triton_unsupported", lambda *args, **kwargs: None)
+    on_cuda = SimpleNamespace(is_cuda=True)
+    g = torch.tensor([0.9, 0.9])
+
+    def resolve(**options):
+        return module._resolve_impl("auto", "chunk", on_cuda, None, None, masked=True,
+                                    ridge=0.0, **options)
+
+    assert resolve(decay=None, decay_form="paper") == "triton"
+    assert resolve(decay=g, decay_form="masked") == "triton"
+    assert resolve(decay=g, decay_form="paper") == "chunk"
