@@ -13,9 +13,11 @@ import os
 
 import pytest
 import torch
+from triton.runtime import Autotuner
 
 from mixers.hla.hla2 import hla2, hla2_step
 from mixers.hla.hla2 import triton as hla2_triton_module
+from mixers.hla.hla2 import triton_kernels as kern
 from mixers.hla.hla2.triton import hla2_step_triton, hla2_triton, triton_unsupported_reason
 
 RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -483,3 +485,39 @@ def test_paper_decode_step(normalize, shared_kv):
     assert sorted(state) == sorted(ref_state)
     for key in ref_state:
         assert rel(state[key], ref_state[key]) < 1e-4, key
+
+
+TUNED_KERNELS = {"chunk_increments_kernel": kern.INCREMENTS_WARPS,
+                 "chunk_output_kernel": kern.OUTPUT_WARPS,
+                 "chunk_grads_kernel": kern.GRADS_WARPS}
+
+
+@pytest.mark.parametrize("name", sorted(TUNED_KERNELS))
+def test_per_chunk_kernels_autotune_only_natively(name):
+    """Under the interpreter the plain kernel runs (nothing to time); natively the autotuner,
+    whose first config is the fixed launch shape used before tuning (so tuning can only
+    match or beat it)."""
+    kernel, warps = getattr(kern, name), TUNED_KERNELS[name]
+    assert warps[0] == hla2_triton_module.WARPS
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert not isinstance(kernel, Autotuner)
+    else:
+        assert [c.num_warps for c in kernel.configs] == list(warps)
+
+
+def test_autotuned_configs_pruning_and_key_check(monkeypatch):
+    """The native wrapping: one config per warp count at the default num_stages, the given
+    key, only the first config where first_only says so; a key naming no argument is an
+    error (triton.autotune would ignore it)."""
+    plain = kern.chunk_output_kernel
+    if isinstance(plain, Autotuner):
+        plain = plain.fn
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tuned = kern._autotuned((8, 4), ("D", "BV"), first_only=lambda meta: meta["D"] >= 128)(plain)
+    assert isinstance(tuned, Autotuner) and tuned.keys == ["D", "BV"]
+    assert [(c.num_warps, c.num_stages) for c in tuned.configs] == [(8, 3), (4, 3)]
+    tuned.nargs = {}
+    assert [c.num_warps for c in tuned.prune_configs({"D": 64, "BV": 64})] == [8, 4]
+    assert [c.num_warps for c in tuned.prune_configs({"D": 128, "BV": 64})] == [8]
+    with pytest.raises(ValueError, match="BW"):
+        kern._autotuned((8,), ("D", "BW"))(plain)

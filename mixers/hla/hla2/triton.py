@@ -76,7 +76,8 @@ def _precision(dtype) -> str:
 
 
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
-# increments, output and scan kernels free of spills at D = Dv = 64 (little at 128).
+# scan kernels free of spills at D = Dv = 64 (little at 128). The per-chunk kernels
+# (increments, output, dq/dk/dv) pick their warps by autotuning (see triton_kernels.py).
 WARPS, SCAN_ROWS = 8, 16
 # From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
 SPLIT_GRADS_FROM = 128
@@ -213,15 +214,14 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
-    prec, warps = _precision(q.dtype), WARPS
+    prec = _precision(q.dtype)
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
                  PREC=prec)
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
     kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, q, q, lg, ds, x, da, x, ds, xn, an, xn, T, NT, WITH_GRAD=False,
-        num_warps=warps, **shape)
+        q, k, v, q, q, lg, ds, x, da, x, ds, xn, an, xn, T, NT, WITH_GRAD=False, **shape)
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),
@@ -232,7 +232,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     den = q.new_empty(B, T, H, dtype=torch.float32) if normalize else q
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
-        q, k, v, lg, ds, da, an, o, den, eps, T, NT, BV=BV, num_warps=warps, **shape)
+        q, k, v, lg, ds, da, an, o, den, eps, T, NT, BV=BV, **shape)
     return o, den, final
 
 
@@ -241,7 +241,7 @@ def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
     normalize = dden is not None
-    prec, warps = _precision(q.dtype), WARPS
+    prec = _precision(q.dtype)
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
                  PREC=prec)
     lg = q if log2g is None else log2g
@@ -249,8 +249,7 @@ def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
     ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q, 2, 3)
     xn, an, qn = _den_vectors(q, NT, 3, normalize)
     kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, do, dden, lg, ds, x, da, qdo, z, xn, an, qn, T, NT, WITH_GRAD=True,
-        num_warps=warps, **shape)
+        q, k, v, do, dden, lg, ds, x, da, qdo, z, xn, an, qn, T, NT, WITH_GRAD=True, **shape)
     _scan_states((ds, x, da, xn, an), lg, init, None, T, C, shape)
     init_grads = None
     if want_init_grad:
@@ -264,7 +263,7 @@ def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
     for want_qk, want_v in parts:
         kern.chunk_grads_kernel[(NT, B * H)](
             q, k, v, do, dden, lg, ds, da, z, qdo, an, qn, dq, dk, dv, T, NT,
-            WANT_QK=want_qk, WANT_V=want_v, num_warps=warps, **shape)
+            WANT_QK=want_qk, WANT_V=want_v, **shape)
     return dq, dk, dv, init_grads
 
 

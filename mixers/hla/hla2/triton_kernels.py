@@ -28,10 +28,57 @@ segment summaries gives each segment's start state, and the segments then rescan
 parallel from their start states. Loop bounds are compile-time powers of two (the Triton
 interpreter cannot loop over a runtime bound with numpy 2); steps past the runtime count NT
 are masked, so one compile serves every T of the same power-of-two bucket.
+The parallel per-chunk kernels (increments, output, dq/dk/dv) write only their own outputs,
+so the GPU may time them: they are autotuned over warp counts (see _autotuned). The scans
+overwrite their inputs in place and keep the fixed launch shape set by the caller.
 """
+
+import os
 
 import triton
 import triton.language as tl
+
+
+def _autotuned(warps, key, first_only=None):
+    """triton.autotune over num_warps in warps (the first is the fixed launch shape used
+    before tuning, so tuning can only match or beat it), keyed on the compile-time arguments
+    in key (not on T: the first call of each shape picks). first_only(meta) -> True keeps
+    only the first config for those compile-time arguments (where ptxas reports more spills
+    for the others). num_stages stays at its default: these kernels have no loops to
+    pipeline. Under the interpreter (nothing to time) the plain kernel. A key that is not an
+    argument would be ignored silently by triton.autotune, so it is an error here."""
+    def wrap(kernel):
+        unknown = set(key) - set(kernel.arg_names)
+        if unknown:
+            raise ValueError(f"autotune key {sorted(unknown)} names no argument of "
+                             f"{kernel.__name__}")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return kernel
+
+        def prune(configs, named_args, **meta):
+            return configs[:1] if first_only is not None and first_only(meta) else configs
+        configs = [triton.Config({}, num_warps=w) for w in warps]
+        return triton.autotune(configs, key=list(key),
+                               prune_configs_by={"early_config_prune": prune})(kernel)
+    return wrap
+
+
+# Compile-time arguments shared by the per-chunk kernels' autotune keys (dtypes are keyed too).
+_SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
+# Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
+# where 4 spills more. ptxas sm_90a, bf16, chunk 64, registers / spilled bytes, 8 -> 4 warps:
+#   increments D=64: 90-151 -> 92-158, no spills; D=128 forward 140-146 -> 254-255, no
+#     spills; D=128 WITH_GRAD 178-202 / 0 B -> 255 / 48-120 B (kept at 8)
+#   output D=64: 165-174 -> 162-173, D=128: 184-195 -> 188-191, no spills
+#   dq/dk/dv D=64: 255 / 0-112 B -> 255 / 48-136 B (kept at 8); D=128 dq/dk 248-276 B ->
+#     220-288 B (kept at 8); D=128 dv alone 0 B -> 0 B
+# num_stages 1, 2, 3 give the same code; 16 warps cap registers at 128 and spill in the
+# output and dq/dk/dv kernels (neither is offered).
+INCREMENTS_WARPS = OUTPUT_WARPS = GRADS_WARPS = (8, 4)
+
+
+def _large_head(meta):
+    return max(meta["D"], meta["DV"]) >= 128
 
 
 @triton.jit
@@ -92,6 +139,8 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("WITH_GRAD",),
+            first_only=lambda meta: meta["WITH_GRAD"] and _large_head(meta))
 @triton.jit
 def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo_buf, z_buf,
                             xn_buf, an_buf, qn_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
@@ -299,6 +348,7 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
                     tl.store(xqn_init + state * D + rd, b_xqn)
 
 
+@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV",))
 @triton.jit
 def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
@@ -340,6 +390,8 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
 
 
+@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_QK", "WANT_V"),
+            first_only=lambda meta: meta["WANT_QK"])
 @triton.jit
 def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, an_buf,
                        gan_buf, dq, dk, dv, T, NT, H: tl.constexpr, D: tl.constexpr,
