@@ -66,19 +66,19 @@ def _autotuned(warps, key, first_only=None):
 # Compile-time arguments shared by the per-chunk kernels' autotune keys (dtypes are keyed too).
 _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 # Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
-# where 4 spills more. ptxas sm_90a, bf16, chunk 64, registers / spilled bytes, 8 -> 4 warps:
-#   increments D=64: 90-151 -> 92-158, no spills; D=128 forward 140-146 -> 254-255, no
-#     spills; D=128 WITH_GRAD 178-202 / 0 B -> 255 / 48-120 B (kept at 8)
-#   output D=64: 165-174 -> 162-173, D=128: 184-195 -> 188-191, no spills
-#   dq/dk/dv D=64: 255 / 0-112 B -> 255 / 48-136 B (kept at 8); D=128 dq/dk 248-276 B ->
-#     220-288 B (kept at 8); D=128 dv alone 0 B -> 0 B
+# where 4 spills more. ptxas sm_90a, bf16, registers / spilled bytes, 8 -> 4 warps, every
+# decay / normalize / WITH_GRAD flag set:
+#   increments, D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills; D or Dv = 128
+#     (4 warps: 254-255 registers) or chunk 128: 8-768 B spilled in some flag sets with 4
+#     warps, 0 B with 8 in those checked (kept at 8)
+#   output, chunk 64, D, Dv in {64, 128}: 165-199 -> 162-200, no spills; chunk 32 with
+#     normalize (0-116 B -> 16-144 B), 16 (0 -> 12 B) and 128 (4-220 -> 576-860 B) kept at 8
+#   dq/dk/dv: 4 warps spill more in most shapes (D=64 fused 0-112 B -> 48-136 B; D=128 dv
+#     alone at chunk 32 0 B -> 212 B), so 8 only (wrapped for the same launch code).
 # num_stages 1, 2, 3 give the same code; 16 warps cap registers at 128 and spill in the
 # output and dq/dk/dv kernels (neither is offered).
-INCREMENTS_WARPS = OUTPUT_WARPS = GRADS_WARPS = (8, 4)
-
-
-def _large_head(meta):
-    return max(meta["D"], meta["DV"]) >= 128
+INCREMENTS_WARPS = OUTPUT_WARPS = (8, 4)
+GRADS_WARPS = (8,)
 
 
 @triton.jit
@@ -140,7 +140,7 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
 
 
 @_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("WITH_GRAD",),
-            first_only=lambda meta: meta["WITH_GRAD"] and _large_head(meta))
+            first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
 @triton.jit
 def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo_buf, z_buf,
                             xn_buf, an_buf, qn_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
@@ -348,7 +348,7 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
                     tl.store(xqn_init + state * D + rd, b_xqn)
 
 
-@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV",))
+@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV",), first_only=lambda meta: meta["C"] != 64)
 @triton.jit
 def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
@@ -390,8 +390,7 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
 
 
-@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_QK", "WANT_V"),
-            first_only=lambda meta: meta["WANT_QK"])
+@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_QK", "WANT_V"))
 @triton.jit
 def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, an_buf,
                        gan_buf, dq, dk, dv, T, NT, H: tl.constexpr, D: tl.constexpr,
