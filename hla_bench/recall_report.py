@@ -26,9 +26,27 @@ def format_bytes(size: int | None) -> str:
         size /= 1024
 
 
+def _cell_texts(cell: dict | None) -> tuple[str, str, str]:
+    """(accuracy with lr, state size, rich style) of one summary cell."""
+    if cell is None:
+        return "", "", ""
+    if cell["score"] is None:
+        return cell["status"], "-", "red"
+    return (f"{cell['score']:.3f} ({cell['lr']:g})", format_bytes(cell.get("state_bytes")),
+            accuracy_style(cell["score"]))
+
+
+def _widths(by_mixer: dict) -> list[int]:
+    return sorted({int(d) for cells in by_mixer.values() for d in cells})
+
+
+def _cell(cells: dict, width: int) -> dict | None:
+    return cells.get(width) or cells.get(str(width))
+
+
 def setting_table(setting: str, by_mixer: dict) -> Table:
     """Rows: mixers; columns: d_model, each cell the best accuracy over lrs and its lr."""
-    widths = sorted({int(d) for cells in by_mixer.values() for d in cells})
+    widths = _widths(by_mixer)
     table = Table(title=setting)
     table.add_column("mixer")
     for width in widths:
@@ -37,17 +55,22 @@ def setting_table(setting: str, by_mixer: dict) -> Table:
     for mixer, cells in by_mixer.items():
         row = [mixer]
         for width in widths:
-            cell = cells.get(width) or cells.get(str(width))
-            if cell is None:
-                row += ["", ""]
-            elif cell["score"] is None:
-                row += [f"[red]{cell['status']}", "-"]
-            else:
-                style = accuracy_style(cell["score"])
-                row += [f"[{style}]{cell['score']:.3f}[/] ({cell['lr']:g})",
-                        format_bytes(cell.get("state_bytes"))]
+            accuracy, state, style = _cell_texts(_cell(cells, width))
+            row += [f"[{style}]{escape(accuracy)}[/]" if style else accuracy, state]
         table.add_row(*row)
     return table
+
+
+def setting_markdown(setting: str, by_mixer: dict) -> str:
+    """The same table as GitHub markdown: accuracy (best lr) and state size per d_model."""
+    widths = _widths(by_mixer)
+    lines = [f"**{setting}** (test accuracy, best lr in brackets; recurrent state per sequence)",
+             "", "| mixer | " + " | ".join(f"d={w} | state" for w in widths) + " |",
+             "| --- |" + " ---: | ---: |" * len(widths)]
+    for mixer, cells in by_mixer.items():
+        texts = [text for width in widths for text in _cell_texts(_cell(cells, width))[:2]]
+        lines.append(f"| {mixer} | " + " | ".join(texts) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_recall(summary: dict, plots_dir: str | Path) -> list[Path]:
@@ -88,9 +111,10 @@ def plot_recall(summary: dict, plots_dir: str | Path) -> list[Path]:
     return paths
 
 
-def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None) -> list[Path]:
-    """Print one table per task setting; with `plots_dir`, write the PNG plots there and
-    return their paths."""
+def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
+                  markdown: bool = False) -> list[Path]:
+    """Print one table per task setting (GitHub markdown with `markdown`); with `plots_dir`,
+    write the PNG plots there and return their paths."""
     runs = data.get("runs") or []
     summary = summarize(runs)
     env = data.get("environment") or {}
@@ -99,7 +123,11 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                   f"device {config.get('device', '?')}, {data.get('seconds', '?')} s; "
                   f"torch {env.get('torch', '?')}")
     for setting, by_mixer in summary.items():
-        console.print(setting_table(setting, by_mixer))
+        if markdown:
+            console.print(setting_markdown(setting, by_mixer), markup=False, highlight=False,
+                          soft_wrap=True)
+        else:
+            console.print(setting_table(setting, by_mixer))
     failed = [run for run in runs if run.get("status") != "ok"]
     for run in failed:
         where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} [{run['setting']}]"

@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import results as results_io
@@ -55,12 +56,43 @@ def _group_title(points: list[dict[str, Any]], sweep: str, mode: str) -> str:
     return f"{sweep} · {mode} · {dims} · {first['dtype']} on {first['device']}"
 
 
+def bench_cells(points: list[dict[str, Any]], metric: str = "time",
+                baseline: str | None = None) -> tuple[list[str], list[tuple[int, int, list]]]:
+    """(mixer labels, rows): a row is (T, batch, cells), a cell is None (no point), a status
+    label, or (text, is_best); text carries the ratio to `baseline` when given."""
+    field_name, unit, higher_better = METRICS[metric]
+    labels = list(dict.fromkeys(p["mixer"] for p in points))
+    by_row: dict[int, dict[str, dict]] = {}
+    for point in points:
+        by_row.setdefault(point["seq_len"], {})[point["mixer"]] = point
+    rows = []
+    for seq_len in sorted(by_row):
+        row = by_row[seq_len]
+        values = {label: _value(row[label], metric) for label in labels if label in row}
+        present = [v for v in values.values() if v is not None]
+        best = (max if higher_better else min)(present) if present else None
+        base = values.get(baseline) if baseline in labels else None
+        cells: list = []
+        for label in labels:
+            point, value = row.get(label), values.get(label)
+            if point is None:
+                cells.append(None)
+            elif value is None:
+                cells.append(STATUS_LABELS.get(point["status"], point["status"]))
+            else:
+                text = _format_value(metric, value)
+                if base and label != baseline:
+                    text += f" ({value / base:.2f}x)"
+                cells.append((text, value == best and len(present) > 1))
+        rows.append((seq_len, next(iter(row.values()))["batch"], cells))
+    return labels, rows
+
+
 def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
                 baseline: str | None = None) -> Table:
     """Rows: T (with batch); columns: mixer labels; best value per row in bold."""
-    field_name, unit, higher_better = METRICS[metric]
-    labels = list(dict.fromkeys(p["mixer"] for p in points))
-    caption = f"{unit}; best in bold"
+    labels, rows = bench_cells(points, metric, baseline)
+    caption = f"{METRICS[metric][1]}; best in bold"
     if baseline in labels:
         caption += f"; (x) = ratio to {baseline}"
     table = Table(title=title, caption=caption)
@@ -68,31 +100,27 @@ def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
     table.add_column("batch", justify="right")
     for label in labels:
         table.add_column(label, justify="right", overflow="fold")
-    by_row: dict[int, dict[str, dict]] = {}
-    for point in points:
-        by_row.setdefault(point["seq_len"], {})[point["mixer"]] = point
-    for seq_len in sorted(by_row):
-        row = by_row[seq_len]
-        values = {label: _value(row[label], metric) for label in labels if label in row}
-        present = [v for v in values.values() if v is not None]
-        best = (max if higher_better else min)(present) if present else None
-        base = values.get(baseline) if baseline else None
-        batch = next(iter(row.values()))["batch"]
-        cells = []
-        for label in labels:
-            point = row.get(label)
-            value = values.get(label)
-            if point is None:
-                cells.append("")
-            elif value is None:
-                cells.append(f"[dim]{STATUS_LABELS.get(point['status'], point['status'])}[/dim]")
-            else:
-                text = _format_value(metric, value)
-                if base and label != baseline:
-                    text += f" ({value / base:.2f}x)"
-                cells.append(f"[bold]{text}[/bold]" if value == best and len(present) > 1 else text)
-        table.add_row(format_seq_len(seq_len), str(batch), *cells)
+    for seq_len, batch, cells in rows:
+        texts = ["" if cell is None else f"[dim]{cell}[/dim]" if isinstance(cell, str)
+                 else f"[bold]{cell[0]}[/bold]" if cell[1] else cell[0] for cell in cells]
+        table.add_row(format_seq_len(seq_len), str(batch), *texts)
     return table
+
+
+def bench_markdown(points: list[dict[str, Any]], title: str, metric: str = "time",
+                   baseline: str | None = None) -> str:
+    """The same table as GitHub markdown (best in bold), for READMEs and issue notes."""
+    labels, rows = bench_cells(points, metric, baseline)
+    caption = f"{METRICS[metric][1]}, best in bold"
+    if baseline in labels:
+        caption += f", (x) = ratio to {baseline}"
+    lines = [f"**{title}** ({caption})", "", "| T | batch | " + " | ".join(labels) + " |",
+             "|" + " ---: |" * (len(labels) + 2)]
+    for seq_len, batch, cells in rows:
+        texts = ["" if cell is None else cell if isinstance(cell, str)
+                 else f"**{cell[0]}**" if cell[1] else cell[0] for cell in cells]
+        lines.append(f"| {format_seq_len(seq_len)} | {batch} | " + " | ".join(texts) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _failure_notes(points: list[dict[str, Any]]) -> list[str]:
@@ -106,19 +134,30 @@ def _failure_notes(points: list[dict[str, Any]]) -> list[str]:
 
 
 def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] = ("time",),
-                 baseline: str | None = None) -> None:
-    """A table per (sweep, mode) and metric, then the reasons points failed."""
+                 baseline: str | None = None, markdown: bool = False) -> None:
+    """A table per (sweep, mode) and metric, then the reasons points failed; with `markdown`,
+    GitHub markdown tables printed as plain text."""
     env = data.get("environment", {})
-    console.print(f"[bold]bench[/bold] {data.get('created', '')}  host {env.get('hostname')}  "
-                  f"gpu {env.get('gpu') or 'none'}  torch {env.get('torch')}  "
-                  f"commit {str(env.get('git_commit', ''))[:12]}")
+    header = (f"bench {data.get('created', '')}  host {env.get('hostname')}  "
+              f"gpu {env.get('gpu') or 'none'}  torch {env.get('torch')}  "
+              f"commit {str(env.get('git_commit', ''))[:12]}")
+    console.print(header if markdown else f"[bold]bench[/bold]{escape(header[5:])}",
+                  markup=not markdown, highlight=False, soft_wrap=True)
     baselines = {s.get("name"): s.get("baseline") for s in data.get("sweeps", [])}
     for (sweep, mode), points in iter_groups(data["points"]):
         for metric in metrics:
             base = baseline or baselines.get(sweep)
-            console.print(bench_table(points, _group_title(points, sweep, mode), metric, base))
+            title = _group_title(points, sweep, mode)
+            if markdown:
+                console.print(bench_markdown(points, title, metric, base), markup=False,
+                              highlight=False, soft_wrap=True)
+            else:
+                console.print(bench_table(points, title, metric, base))
         for note in _failure_notes(points):
-            console.print(f"  [yellow]{note}[/yellow]", highlight=False)
+            if markdown:
+                console.print(f"- {note}", markup=False, highlight=False, soft_wrap=True)
+            else:
+                console.print(f"  [yellow]{escape(note)}[/yellow]", highlight=False)
 
 
 def _key(point: dict[str, Any]) -> tuple:
@@ -235,8 +274,9 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
 @click.option("--baseline", help="Mixer label to show ratios against.")
 @click.option("--threshold", type=float, default=0.05, show_default=True,
               help="Slowdown fraction counted as a regression with --compare.")
+@click.option("--markdown", is_flag=True, help="Print GitHub markdown tables (for READMEs).")
 def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metric: str,
-           baseline: str | None, threshold: float) -> None:
+           baseline: str | None, threshold: float, markdown: bool) -> None:
     """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots)."""
     console = Console()
     loaded = []
@@ -261,16 +301,19 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
             console.print(f"{sum(r['regression'] for r in rows)} regression(s) in {len(rows)} points")
         return
     for path, kind, data in loaded:
-        console.rule(str(path))
+        if markdown:
+            console.print(f"<!-- {path} -->", markup=False, highlight=False, soft_wrap=True)
+        else:
+            console.rule(str(path))
         plot_dir = Path(plots) / Path(path).stem if plots and len(loaded) > 1 else (
             Path(plots) if plots else None)
         if kind == "bench":
-            render_bench(data, console, (metric,), baseline)
+            render_bench(data, console, (metric,), baseline, markdown)
             if plot_dir is not None:
                 for written in write_plots(data, plot_dir):
                     console.print(f"wrote {written}")
         elif kind == "recall":
-            render_recall(data, console, plots_dir=plot_dir)
+            render_recall(data, console, plots_dir=plot_dir, markdown=markdown)
         else:
             raise click.ClickException(f"{path}: unknown results kind {kind!r} "
                                        "(expected bench or recall)")

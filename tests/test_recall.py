@@ -172,6 +172,11 @@ def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
     report = CliRunner().invoke(main, ["report", str(tmp_path / "recall.yaml")])
     assert report.exit_code == 0, report.output
     assert "test-softmax" in report.output
+    markdown = CliRunner().invoke(main, ["report", str(tmp_path / "recall.yaml"), "--markdown"])
+    assert markdown.exit_code == 0, markdown.output
+    best_lr = max(data["runs"], key=lambda run: run["score"])["lr"]
+    assert "| mixer | d=32 | state |" in markdown.output
+    assert f"| test-softmax | {best:.3f} ({best_lr:g}) |" in markdown.output
 
 
 def test_resume_keeps_finished_runs(tmp_path):

@@ -53,6 +53,25 @@ def test_table_cells_best_and_baseline(synthetic):
     assert [c._cells[0] for c in memory.columns][2:] == ["[bold]1.0 MiB[/bold]"] * 2  # a tie
 
 
+def test_markdown_table(synthetic):
+    text = report.bench_markdown(synthetic["points"], "title", "time", baseline="a")
+    lines = text.splitlines()
+    assert lines[0] == "**title** (median ms, best in bold, (x) = ratio to a)"
+    assert lines[2:] == ["| T | batch | a | b |", "| ---: | ---: | ---: | ---: |",
+                         "| 1k | 1 | 4.000 | **2.000 (0.50x)** |", "| 4k | 1 | 16.0 | OOM |"]
+
+
+def test_report_markdown_command(synthetic, tmp_path):
+    path = tmp_path / "run.yaml"
+    results.save(synthetic, path)
+    rendered = CliRunner().invoke(report.report, [str(path), "--markdown"])
+    assert rendered.exit_code == 0, rendered.output
+    assert "| 1k | 1 | **2.000** | 4.000 |" not in rendered.output  # column order is a, b
+    assert "| 1k | 1 | 4.000 | **2.000** |" in rendered.output
+    assert "- b oom at T=4k: CUDA out of memory" in rendered.output
+    assert "┃" not in rendered.output
+
+
 def test_format_bytes():
     assert [report.format_bytes(v) for v in (512, 2048, 3 * 2 ** 20, 1.5 * 2 ** 30)] == \
         ["512 B", "2.0 KiB", "3.0 MiB", "1.5 GiB"]
@@ -124,7 +143,8 @@ def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     path.write_text("kind: recall\ntasks: []\n")
     seen = []
     monkeypatch.setattr(report, "render_recall",
-                        lambda data, console, plots_dir=None: seen.append((data, console, plots_dir)))
+                        lambda data, console, plots_dir=None, markdown=False:
+                        seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
     assert seen[0][0] == {"kind": "recall", "tasks": []} and isinstance(seen[0][1], Console)
