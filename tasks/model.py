@@ -105,12 +105,33 @@ class TinyLM(nn.Module):
         """Logits `[B, T, vocab]` at every position."""
         return self.hidden(inputs) @ self.embed.weight.T
 
-    def labelled_logits(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def labelled_logits(self, inputs: torch.Tensor, labels: torch.Tensor,
+                        count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits `[N, vocab]` and targets `[N]` at the N labelled positions only: the head
-        (the largest matmul for a big vocabulary) runs where the loss looks."""
-        mask = labels != IGNORE
-        return self.hidden(inputs)[mask] @ self.embed.weight.T, labels[mask]
+        (the largest matmul for a big vocabulary) runs where the loss looks.
 
-    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits, targets = self.labelled_logits(inputs, labels)
+        Given `count` (= N, known on the host), the positions are gathered without a boolean
+        index, which would wait for the GPU every step; same rows, same order."""
+        hidden = self.hidden(inputs).flatten(0, 1)
+        labels = labels.flatten()
+        if count is None:
+            mask = labels != IGNORE
+            return hidden[mask] @ self.embed.weight.T, labels[mask]
+        rows = labelled_rows(labels, count)
+        return hidden[rows] @ self.embed.weight.T, labels[rows]
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor,
+             count: int | None = None) -> torch.Tensor:
+        logits, targets = self.labelled_logits(inputs, labels, count)
         return F.cross_entropy(logits.float(), targets)
+
+
+def labelled_rows(labels: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` labelled entries of flat `labels`, in order, computed on the
+    labels' device: a running count gives each its slot; unlabelled entries go to a spare
+    slot past the end, which is dropped."""
+    labelled = labels != IGNORE
+    slots = torch.where(labelled, labelled.cumsum(0) - 1, count)
+    rows = torch.zeros(count + 1, dtype=torch.long, device=labels.device)
+    rows.scatter_(0, slots, torch.arange(labels.numel(), device=labels.device))
+    return rows[:count]

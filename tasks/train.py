@@ -21,6 +21,7 @@ import torch
 
 import tasks
 from hla_bench import registry
+from tasks import IGNORE
 from tasks.model import TinyLM
 
 STOP_ACCURACY = 0.99
@@ -118,13 +119,16 @@ def train_run(spec: dict, progress: Callable[[dict], None] | None = None) -> dic
     autocast = device.type == "cuda"
     started = time.perf_counter()
 
-    train_x, train_y = (t.to(device) for t in task_data(spec.task, "train", num_train, spec.seed, params))
+    train_x, train_y = task_data(spec.task, "train", num_train, spec.seed, params)
+    labelled_per_example = (train_y != IGNORE).sum(1)  # on the host: no GPU wait per step
+    train_x, train_y = train_x.to(device), train_y.to(device)
     test_x, test_y = (t.to(device) for t in task_data(spec.task, "test", num_test, spec.seed, params))
     torch.manual_seed(spec.seed)
     model = TinyLM(params["vocab_size"], spec.d_model, spec.mixer, n_layers=spec.n_layers,
                    n_heads=spec.n_heads, mlp=spec.mlp, mixer_options=spec.mixer_options,
                    max_len=train_x.shape[1], readout=task.readout).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
+                                  fused=device.type == "cuda")
     steps_per_epoch = math.ceil(num_train / spec.batch_size)
     total = spec.epochs * steps_per_epoch
     warmup = max(1, int(spec.warmup_frac * total))
@@ -136,10 +140,13 @@ def train_run(spec: dict, progress: Callable[[dict], None] | None = None) -> dic
     if progress:
         progress({"event": "start", "total": total})
     while step < total:
-        for batch in torch.randperm(num_train, generator=order).split(spec.batch_size):
-            batch = batch.to(device)
+        permutation = torch.randperm(num_train, generator=order)
+        on_device = permutation.to(device)  # one copy per epoch (a copy syncs the stream)
+        for batch, batch_on_device in zip(permutation.split(spec.batch_size),
+                                          on_device.split(spec.batch_size)):
+            count = int(labelled_per_example[batch].sum())
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model.loss(train_x[batch], train_y[batch])
+                loss = model.loss(train_x[batch_on_device], train_y[batch_on_device], count)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

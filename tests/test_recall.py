@@ -13,7 +13,7 @@ from hla_bench.cli import main
 from hla_bench.recall_report import render_recall
 from mixers.layer import MixerLayer
 from tasks import IGNORE
-from tasks.model import TinyLM
+from tasks.model import TinyLM, labelled_rows
 from tasks.train import (RunSpec, default_workers, run_sweep, state_bytes, summarize,
                          train_run, warmup_cosine)
 
@@ -73,6 +73,15 @@ def test_labelled_logits_give_the_full_logits_loss_and_gradient():
     full_grad = torch.autograd.grad(full, model.embed.weight)[0]
     torch.testing.assert_close(loss, full)
     torch.testing.assert_close(grad, full_grad)
+    counted = model.loss(inputs, labels, count=12)  # the gather path (no boolean index)
+    torch.testing.assert_close(counted, full)
+    torch.testing.assert_close(torch.autograd.grad(counted, model.embed.weight)[0], full_grad)
+
+
+def test_labelled_rows_in_order_and_exact_count():
+    labels = torch.tensor([IGNORE, 3, IGNORE, IGNORE, 7, 1, IGNORE, 2])
+    assert labelled_rows(labels, 4).tolist() == [1, 4, 5, 7]
+    assert labelled_rows(torch.full((5,), IGNORE), 0).tolist() == []
 
 
 def test_positions_only_for_softmax_and_last_state_readout():
