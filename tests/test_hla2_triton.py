@@ -372,8 +372,9 @@ def paper_state(B, H, D, Dv, normalize=False, kv_heads=None, seed=21):
 
 
 def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=False,
-                eps=1e-3):
-    out_tol, grad_tol = TOL[q.dtype]
+                eps=1e-3, grad_tol=None):
+    out_tol, default_grad_tol = TOL[q.dtype]
+    grad_tol = grad_tol or default_grad_tol
     names = ["q", "k", "v"] + ([] if initial_state is None else sorted(initial_state))
     leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
     o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
@@ -393,19 +394,23 @@ def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=
         assert rel(a, b) < grad_tol, name
 
 
-@pytest.mark.parametrize("T, chunk_size, D, Dv, decay, normalize, with_state", [
-    (45, 16, 16, 32, (0.9, 1.0), False, True),   # per-head decay including 1, partial chunk
-    (37, 64, 16, 16, (0.8, 0.95), True, True),   # normalize (m, h), chunk capped
-    (20, 16, 32, 16, (0.6, 0.9), False, False),
-    (2, 16, 16, 16, (0.5, 0.9), True, False)])
-def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_state):
+# The paper form's output is a difference, q^T (S C - G); with normalize and a carried state
+# its fp32 gradients lose digits in any form: on (37, 64, ...) below the PyTorch chunk and
+# serial forms are off by 2.7e-4 and 1.6e-4 against float64, Triton by 1.6e-4 on the H200
+# (2e-5 under the interpreter). That row gets 5e-4; the race fixed in the scans gave 0.25.
+@pytest.mark.parametrize("T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol", [
+    (45, 16, 16, 32, (0.9, 1.0), False, True, None),   # per-head decay including 1, partial chunk
+    (37, 64, 16, 16, (0.8, 0.95), True, True, 5e-4),   # normalize (m, h), chunk capped
+    (20, 16, 32, 16, (0.6, 0.9), False, False, None),
+    (2, 16, 16, 16, (0.5, 0.9), True, False, None)])
+def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol):
     q, k, v = make_inputs(1, T, 2, D, Dv, torch.float32, seed=22)
     if normalize:  # nonnegative features keep the denominator away from zero
         with torch.no_grad():
             q.abs_(), k.abs_()
     state = paper_state(1, 2, D, Dv, normalize) if with_state else None
     check_paper(q, k, v, decay=torch.tensor(decay, device=DEVICE), chunk_size=chunk_size,
-                initial_state=state, normalize=normalize)
+                initial_state=state, normalize=normalize, grad_tol=grad_tol)
 
 
 def test_paper_value_slices(monkeypatch):
