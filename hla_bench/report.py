@@ -223,6 +223,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
     for (sweep, mode), points in iter_groups(data["points"]):
         figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         any_failed = False
+        failing = list(dict.fromkeys(p["mixer"] for p in points if p["status"] != "ok"))
         for ax, metric, ylabel in ((axes[0], "time", "median time (ms)"),
                                    (axes[1], "memory", "peak memory above inputs (MiB)")):
             plotted = False
@@ -238,7 +239,8 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 failed = [p["seq_len"] for p in mine if p["status"] != "ok"]
                 if failed:
                     any_failed = True
-                    ax.plot(failed, [0.03 + 0.03 * index] * len(failed), "x", color=color, markersize=9,
+                    height = 0.03 + 0.03 * failing.index(label)
+                    ax.plot(failed, [height] * len(failed), "x", color=color, markersize=9,
                             transform=ax.get_xaxis_transform(), clip_on=False,
                             label=None if ran else f"{label} (did not run)")
             ax.set_xscale("log", base=2)
