@@ -1,6 +1,7 @@
 """Focused GPU benchmark of the hla2 Triton kernels (masked, no decay).
 
-    python benchmarks/hla2_triton.py [results.yaml] [--budget-s 150]
+    python benchmarks/hla2_triton.py [results.yaml] [--budget-s 150] [--profile]
+                                     [--variants 32,64,128]
     TRITON_INTERPRET=1 python benchmarks/hla2_triton.py out.yaml --check-len 40   # CPU smoke
 
 1. Correctness on random data against a float64 reference (the one-chunk form of spec §4,
@@ -9,6 +10,9 @@
    B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
    PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
    imports; with the peak memory of one forward+backward.
+3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 8k and 64k).
+4. --variants: the Triton op at other chunk sizes, and normalize / masked / paper decay
+   against the chunk form (D = 64, T = 8k and 64k).
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, so it finishes in under 3 minutes on an H200.
 """
@@ -153,6 +157,65 @@ def run_timings(results, deadline):
             del q, k, v
 
 
+def profile_kernels(results, shapes=((65536 // 8192, 8192, 64), (1, 65536, 64))):
+    """CUDA time per kernel of forward+backward of the Triton op (torch.profiler, 5 calls
+    after 3 warm-up calls): where the time of a step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = implementations()["triton"]
+    for B, T, D in shapes:
+        key = f"D={D} T={T}"
+        try:
+            q, k, v = (torch.randn(B, T, HEADS, D, device="cuda", dtype=torch.bfloat16)
+                       .mul_(D ** -0.5).requires_grad_() for _ in range(3))
+            do = torch.randn_like(v)
+            for _ in range(3):
+                torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+                torch.cuda.synchronize()
+            rows = sorted(((e.key, e.device_time_total / 5e3, e.count // 5)
+                           for e in prof.key_averages() if e.device_time_total > 0),
+                          key=lambda row: -row[1])
+            results["profile"][key] = {name: {"ms_per_step": round(ms, 4), "launches": n}
+                                       for name, ms, n in rows}
+            print(f"profile {key}: " + ", ".join(f"{name[:40]} {ms:.3f} ms x{n}"
+                                                 for name, ms, n in rows[:10]))
+        except Exception as exc:  # noqa: BLE001
+            print(f"profile {key}: FAILED {exc!r}")
+            results["profile"][key] = {"error": repr(exc)}
+
+
+def time_variants(results, chunk_sizes):
+    """fwd and fwd+bwd of option sets and chunk sizes at D = 64, T = 8k and 64k: which chunk
+    size to default to, and what normalize and each decay form cost."""
+    from mixers.hla import hla2
+
+    decay = torch.full((HEADS,), 0.99, device="cuda")
+    variants = {f"chunk {c}": dict(chunk_size=c) for c in chunk_sizes}
+    variants.update({"normalize": dict(normalize=True), "masked decay": dict(decay=decay),
+                     "paper decay": dict(decay=decay, decay_form="paper")})
+    for T in (8192, 65536):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(TOKENS // T, T, HEADS, 64, device="cuda", generator=gen,
+                               dtype=torch.bfloat16) / 8 for _ in range(3))
+        for name, options in variants.items():
+            impls = ("triton", "chunk") if "decay" in name or name == "normalize" else ("triton",)
+            for impl in impls:
+                key = f"T={T} {name} {impl}"
+                try:
+                    row = time_one(lambda a, b, c: hla2(a, b, c, impl=impl, **options)[0], q, k, v)
+                    results["variants"][key] = row
+                    print(f"{key:36s} fwd {row['fwd_ms']:8.3f} ms  fwd+bwd "
+                          f"{row['fwd_bwd_ms']:8.3f} ms  peak {row['peak_mib']:8.0f} MiB")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{key}: FAILED {exc!r}")
+                    results["variants"][key] = {"error": repr(exc)}
+                torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("output", nargs="?", default="hla2_triton_bench.yaml",
@@ -163,17 +226,25 @@ def main():
                         help="sequence length of the correctness check")
     parser.add_argument("--check-only", action="store_true",
                         help="correctness only (a CPU smoke run with TRITON_INTERPRET=1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also: CUDA time per kernel of one forward+backward")
+    parser.add_argument("--variants", metavar="CHUNK_SIZES", default=None,
+                        help="also: time chunk sizes (e.g. 32,64,128), normalize and decay forms")
     args = parser.parse_args()
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "tokens": TOKENS, "heads": HEADS, "dtype": "bfloat16", "correctness": {},
-               "timings": {}}
+               "timings": {}, "profile": {}, "variants": {}}
     check_correctness(results, device, args.check_len,
                       HEAD_DIMS if device == "cuda" else (16,))
     if args.check_only or device != "cuda":
         print("timings skipped" + ("" if device == "cuda" else ": they need a CUDA device"))
     else:
+        if args.profile:
+            profile_kernels(results)
+        if args.variants:
+            time_variants(results, [int(c) for c in args.variants.split(",")])
         run_timings(results, start + args.budget_s)
     results["wall_s"] = round(time.time() - start, 1)
     with open(args.output, "w") as f:
