@@ -131,6 +131,19 @@ def time_one(fn, q, k, v):
     return out
 
 
+def time_row(table, key, fn, q, k, v):
+    """time_one into table[key] (or the error), printed as one line."""
+    try:
+        row = time_one(fn, q, k, v)
+        table[key] = row
+        print(f"{key:36s} fwd {row['fwd_ms']:8.3f} ms  fwd+bwd {row['fwd_bwd_ms']:8.3f} ms  "
+              f"peak {row['peak_mib']:8.0f} MiB")
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(f"{key}: FAILED {exc!r}")
+        table[key] = {"error": repr(exc)}
+    torch.cuda.empty_cache()
+
+
 def run_timings(results, deadline):
     impls = implementations()
     for D in HEAD_DIMS:
@@ -145,15 +158,7 @@ def run_timings(results, deadline):
                     print(f"{key}: skipped (time budget spent)")
                     results["timings"][key] = {"skipped": "time budget"}
                     continue
-                try:
-                    row = time_one(fn, q, k, v)
-                    results["timings"][key] = row
-                    print(f"{key:32s} fwd {row['fwd_ms']:8.3f} ms  fwd+bwd "
-                          f"{row['fwd_bwd_ms']:8.3f} ms  peak {row['peak_mib']:8.0f} MiB")
-                except Exception as exc:  # noqa: BLE001
-                    print(f"{key}: FAILED {exc!r}")
-                    results["timings"][key] = {"error": repr(exc)}
-                torch.cuda.empty_cache()
+                time_row(results["timings"], key, fn, q, k, v)
             del q, k, v
 
 
@@ -204,16 +209,9 @@ def time_variants(results, chunk_sizes):
         for name, options in variants.items():
             impls = ("triton", "chunk") if "decay" in name or name == "normalize" else ("triton",)
             for impl in impls:
-                key = f"T={T} {name} {impl}"
-                try:
-                    row = time_one(lambda a, b, c: hla2(a, b, c, impl=impl, **options)[0], q, k, v)
-                    results["variants"][key] = row
-                    print(f"{key:36s} fwd {row['fwd_ms']:8.3f} ms  fwd+bwd "
-                          f"{row['fwd_bwd_ms']:8.3f} ms  peak {row['peak_mib']:8.0f} MiB")
-                except Exception as exc:  # noqa: BLE001
-                    print(f"{key}: FAILED {exc!r}")
-                    results["variants"][key] = {"error": repr(exc)}
-                torch.cuda.empty_cache()
+                time_row(results["variants"], f"T={T} {name} {impl}",
+                         lambda a, b, c, impl=impl, options=options:
+                         hla2(a, b, c, impl=impl, **options)[0], q, k, v)
 
 
 def main():

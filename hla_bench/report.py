@@ -60,7 +60,7 @@ def bench_cells(points: list[dict[str, Any]], metric: str = "time",
                 baseline: str | None = None) -> tuple[list[str], list[tuple[int, int, list]]]:
     """(mixer labels, rows): a row is (T, batch, cells), a cell is None (no point), a status
     label, or (text, is_best); text carries the ratio to `baseline` when given."""
-    field_name, unit, higher_better = METRICS[metric]
+    higher_better = METRICS[metric][2]
     labels = list(dict.fromkeys(p["mixer"] for p in points))
     by_row: dict[int, dict[str, dict]] = {}
     for point in points:
@@ -88,14 +88,18 @@ def bench_cells(points: list[dict[str, Any]], metric: str = "time",
     return labels, rows
 
 
+def _caption(metric: str, labels: list[str], baseline: str | None, sep: str) -> str:
+    parts = [METRICS[metric][1], "best in bold"]
+    if baseline in labels:
+        parts.append(f"(x) = ratio to {baseline}")
+    return sep.join(parts)
+
+
 def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
                 baseline: str | None = None) -> Table:
     """Rows: T (with batch); columns: mixer labels; best value per row in bold."""
     labels, rows = bench_cells(points, metric, baseline)
-    caption = f"{METRICS[metric][1]}; best in bold"
-    if baseline in labels:
-        caption += f"; (x) = ratio to {baseline}"
-    table = Table(title=title, caption=caption)
+    table = Table(title=title, caption=_caption(metric, labels, baseline, "; "))
     table.add_column("T", justify="right")
     table.add_column("batch", justify="right")
     for label in labels:
@@ -111,11 +115,8 @@ def bench_markdown(points: list[dict[str, Any]], title: str, metric: str = "time
                    baseline: str | None = None) -> str:
     """The same table as GitHub markdown (best in bold), for READMEs and issue notes."""
     labels, rows = bench_cells(points, metric, baseline)
-    caption = f"{METRICS[metric][1]}, best in bold"
-    if baseline in labels:
-        caption += f", (x) = ratio to {baseline}"
-    lines = [f"**{title}** ({caption})", "", "| T | batch | " + " | ".join(labels) + " |",
-             "|" + " ---: |" * (len(labels) + 2)]
+    lines = [f"**{title}** ({_caption(metric, labels, baseline, ', ')})", "",
+             "| T | batch | " + " | ".join(labels) + " |", "|" + " ---: |" * (len(labels) + 2)]
     for seq_len, batch, cells in rows:
         texts = ["" if cell is None else cell if isinstance(cell, str)
                  else f"**{cell[0]}**" if cell[1] else cell[0] for cell in cells]
