@@ -80,23 +80,29 @@ def grads(loss, tensors):
 
 def check_against_reference(q, k, v, *, chunk_size, initial_state=None, normalize=False,
                             decay=None, eps=1e-6):
-    out_tol, grad_tol = TOL[q.dtype]
-    names = ["q", "k", "v"] + ([] if initial_state is None else sorted(initial_state))
-    leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
     o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
                            decay_form="masked", chunk_size=chunk_size,
                            initial_state=initial_state, output_final_state=True)
     ref_o, ref_final = reference(q, k, v, initial_state, decay=decay, normalize=normalize,
                                  eps=eps)
+    assert_matches(q, k, v, initial_state, (o, final), (ref_o, ref_final), *TOL[q.dtype])
+
+
+def assert_matches(q, k, v, initial_state, got, want, out_tol, grad_tol):
+    """Outputs, final states (fp32) and the gradients of every input and initial state of
+    a Triton result `got` = (o, final) agree with the float64 reference `want`."""
+    (o, final), (ref_o, ref_final) = got, want
+    names = ["q", "k", "v"] + ([] if initial_state is None else sorted(initial_state))
+    leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
     assert o.dtype == q.dtype and o.shape == v.shape
     assert sorted(final) == sorted(ref_final)
     assert rel(o, ref_o) < out_tol
     for key in ref_final:
         assert final[key].dtype == torch.float32
         assert rel(final[key], ref_final[key]) < out_tol, key
-    got = grads(weighted_loss(o, final), leaves)
-    want = grads(weighted_loss(ref_o, ref_final), leaves)
-    for name, a, b in zip(names, got, want):
+    got_grads = grads(weighted_loss(o, final), leaves)
+    want_grads = grads(weighted_loss(ref_o, ref_final), leaves)
+    for name, a, b in zip(names, got_grads, want_grads):
         assert rel(a, b) < grad_tol, name
 
 
@@ -374,24 +380,13 @@ def paper_state(B, H, D, Dv, normalize=False, kv_heads=None, seed=21):
 def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=False,
                 eps=1e-3, grad_tol=None):
     out_tol, default_grad_tol = TOL[q.dtype]
-    grad_tol = grad_tol or default_grad_tol
-    names = ["q", "k", "v"] + ([] if initial_state is None else sorted(initial_state))
-    leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
     o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
                            decay_form="paper", chunk_size=chunk_size,
                            initial_state=initial_state, output_final_state=True)
     ref_o, ref_final = paper_reference(q, k, v, initial_state, decay=decay,
                                        normalize=normalize, eps=eps)
-    assert o.dtype == q.dtype and o.shape == v.shape
-    assert sorted(final) == sorted(ref_final)
-    assert rel(o, ref_o) < out_tol
-    for key in ref_final:
-        assert final[key].dtype == torch.float32
-        assert rel(final[key], ref_final[key]) < out_tol, key
-    got = grads(weighted_loss(o, final), leaves)
-    want = grads(weighted_loss(ref_o, ref_final), leaves)
-    for name, a, b in zip(names, got, want):
-        assert rel(a, b) < grad_tol, name
+    assert_matches(q, k, v, initial_state, (o, final), (ref_o, ref_final), out_tol,
+                   grad_tol or default_grad_tol)
 
 
 # The paper form's output is a difference, q^T (S C - G); with normalize and a carried state
