@@ -133,6 +133,17 @@ def test_split_sequence_continues_from_state(opts, impl):
 
 
 @pytest.mark.parametrize("opts", CONTINUATION_OPTIONS)
+@pytest.mark.parametrize("impl", ["serial", "scan", "chunk"])
+def test_empty_sequence_hands_the_state_through(opts, impl):
+    q, k, v = make_inputs(9)
+    _, state = hla2(q, k, v, impl=impl, output_final_state=True, **opts)
+    o, final = hla2(q[:, :0], k[:, :0], v[:, :0], impl=impl, initial_state=state,
+                    output_final_state=True, **opts)
+    assert o.shape == (q.shape[0], 0, H, DV)
+    assert sorted(final) == sorted(state) and state_err(final, state) == 0
+
+
+@pytest.mark.parametrize("opts", CONTINUATION_OPTIONS)
 @pytest.mark.parametrize("kv_heads", [H, 1])
 def test_prefill_then_steps_equals_one_call(opts, kv_heads):
     opts = one_decay_if_shared(opts, kv_heads)

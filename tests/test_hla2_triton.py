@@ -187,8 +187,8 @@ def test_initial_state_continues_the_sequence():
 def test_empty_sequence_returns_the_initial_state():
     q, k, v = make_inputs(1, 0, 2, 16, 32, torch.float32)
     state = {key: x.detach() for key, x in random_state(1, 2, 16, 32).items()}
-    o, final = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None, decay_form="masked",
-                           chunk_size=16, initial_state=state, output_final_state=True)
+    o, final = hla2(q, k, v, impl="triton", chunk_size=16, initial_state=state,
+                    output_final_state=True)
     assert o.shape == (1, 0, 2, 32)
     assert all(torch.equal(final[key], state[key]) for key in state)
 

@@ -111,6 +111,9 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
         ridge=ridge, decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
+    if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
+        final = unpack(packed, form, normalize, ridge) if output_final_state else None
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), final
     if impl == "triton":
         from mixers.hla.hla2.triton import hla2_triton
         return hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=g, decay_form=decay_form,

@@ -147,8 +147,6 @@ def hla2_chunk(q, k, v, *, form, normalize, eps, ridge, g, packed, chunk_size,
     B, T, H, _ = q.shape
     q, k, v = compute_inputs(q, k, v, packed, normalize)
     dtype = q.dtype
-    if T == 0:
-        return q.new_zeros(B, 0, H, v.shape[-1] - int(normalize)), packed
     chunk = min(chunk_size, T)
     log_g = None if g is None else g.log().view(-1, 1, 1, 1)
     dec = _Decay(log_g, chunk, dtype, q.device)

@@ -63,8 +63,6 @@ def hla2_scan(q, k, v, *, form, normalize, eps, ridge, g, packed, chunk_size,
     B, T, H, _ = q.shape
     q, k, v = compute_inputs(q, k, v, packed, normalize)
     dtype = q.dtype
-    if T == 0:
-        return q.new_zeros(B, 0, H, v.shape[-1] - int(normalize)), packed
     chunk = min(chunk_size, T)
     log_g = torch.zeros(1, dtype=dtype, device=q.device) if g is None else g.log()
     log_g = log_g.view(-1, 1, 1, 1, 1)

@@ -449,23 +449,6 @@ def _chunk(chunk_size: int, dtype) -> int:
     return min(chunk, 32) if dtype == torch.float32 else chunk
 
 
-def _empty_sequence(q, k, v, normalize, paper, initial_state, output_final_state):
-    """T = 0: no output rows; the final state is the initial one (or zeros)."""
-    B, _, H, D = q.shape
-    o = q.new_empty(B, 0, H, v.shape[-1])
-    if not output_final_state:
-        return o, None
-    if initial_state is not None:
-        return o, {key: x.float().clone() for key, x in initial_state.items()}
-    twins = {"C": "m", "G": "h"} if paper else {"A": "a"}
-    final = {"S": q.new_zeros(B, k.shape[2], D, D, dtype=torch.float32)}
-    for key, twin in twins.items():
-        final[key] = q.new_zeros(B, H, D, v.shape[-1], dtype=torch.float32)
-        if normalize:
-            final[twin] = q.new_zeros(B, H, D, dtype=torch.float32)
-    return o, final
-
-
 def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="masked",
                 chunk_size=64, initial_state=None, output_final_state=False):
     """Masked hla2 with the Triton kernels: (o [B, T, H, Dv], final state dict or None).
@@ -478,8 +461,6 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
         raise ValueError(reason)
     B, T, H, D = q.shape
     paper = decay is not None and decay_form == "paper"
-    if T == 0:
-        return _empty_sequence(q, k, v, normalize, paper, initial_state, output_final_state)
     C = _chunk(chunk_size, q.dtype)
     shared_kv = k.shape[2] == 1 and H > 1
     if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
