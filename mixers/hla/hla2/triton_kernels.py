@@ -208,6 +208,24 @@ def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo
 
 
 @triton.jit
+def _start_rows(dd_ptr, dv_ptr, vec_ptr, state, sd, sv, rr, LOAD: tl.constexpr,
+                NORMALIZE: tl.constexpr, BD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr):
+    """A scan program's carried rows at its start: the [BD, D] and [BD, DV] blocks and the
+    [BD] normalize vector of entry `state`, loaded (LOAD) or zero."""
+    if LOAD:
+        b_dd = tl.load(dd_ptr + state * D * D + sd)
+        b_dv = tl.load(dv_ptr + state * D * DV + sv)
+    else:
+        b_dd = tl.zeros([BD, D], dtype=tl.float32)
+        b_dv = tl.zeros([BD, DV], dtype=tl.float32)
+    if LOAD and NORMALIZE:
+        b_vec = tl.load(vec_ptr + state * D + rr)
+    else:
+        b_vec = tl.zeros([BD], dtype=tl.float32)
+    return b_dd, b_dv, b_vec
+
+
+@triton.jit
 def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_init, an_init,
                       s_final, a_final, an_final, xp_final, xpn_final, T, NT,
                       SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -231,16 +249,8 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_in
     sd, sv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
     xv = _mat_offsets(rd, rv, DV)
     state = (i_bh * tl.num_programs(1) + i_s).to(tl.int64)
-    if HAS_INIT:
-        b_s = tl.load(s_init + state * D * D + sd)
-        b_a = tl.load(a_init + state * D * DV + sv)
-    else:
-        b_s = tl.zeros([BD, D], dtype=tl.float32)
-        b_a = tl.zeros([BD, DV], dtype=tl.float32)
-    if HAS_INIT and NORMALIZE:
-        b_an = tl.load(an_init + state * D + rr)
-    else:
-        b_an = tl.zeros([BD], dtype=tl.float32)
+    b_s, b_a, b_an = _start_rows(s_init, a_init, an_init, state, sd, sv, rr, HAS_INIT,
+                                 NORMALIZE, BD, D, DV)
     b_xp = tl.zeros([D, DV], dtype=tl.float32)
     b_xpn = tl.zeros([D], dtype=tl.float32)
     b_gamma = 1.0
@@ -306,16 +316,8 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
     sd, sv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
     xv = _mat_offsets(rd, rv, DV)
     state = (i_bh * tl.num_programs(1) + i_s).to(tl.int64)
-    if HAS_FINAL_GRAD:
-        b_gs = tl.load(gs_final + state * D * D + sd)
-        b_ga = tl.load(ga_final + state * D * DV + sv)
-    else:
-        b_gs = tl.zeros([BD, D], dtype=tl.float32)
-        b_ga = tl.zeros([BD, DV], dtype=tl.float32)
-    if HAS_FINAL_GRAD and NORMALIZE:
-        b_gan = tl.load(gan_final + state * D + rr)
-    else:
-        b_gan = tl.zeros([BD], dtype=tl.float32)
+    b_gs, b_ga, b_gan = _start_rows(gs_final, ga_final, gan_final, state, sd, sv, rr,
+                                    HAS_FINAL_GRAD, NORMALIZE, BD, D, DV)
     b_xq = tl.zeros([D, DV], dtype=tl.float32)
     b_xqn = tl.zeros([D], dtype=tl.float32)
     b_gamma2 = 1.0
