@@ -153,7 +153,7 @@ def test_cuda_config_without_cuda_exit_2(runner):
 def test_shipped_configs_parse_and_name_registered_mixers():
     from hla_bench.sweeps import load_config
 
-    for name in ("cpu-smoke.yaml", "h200.yaml"):
+    for name in ("cpu-smoke.yaml", "h200.yaml", "h200-kernels.yaml"):
         _, sweeps = load_config(bench.CONFIG_DIR / name)
         for sweep in sweeps:
             sweep.check_mixers()

@@ -1,19 +1,20 @@
 """Fused Triton forms of masked hla2 (spec §4): a differentiable chunked op and a decode step.
 
 Forward, 3 launches: chunk increments (grid NT x B*H), state scan (grid D/16 x B*H, a loop
-over the NT chunks), output (grid Dv/64 x NT x B*H). Backward, 4-5 launches: increments plus
-the gradient terms Q^T dO and Q^T P Q, the state scan again (the carried states are
-recomputed, not saved: only q, k, v and the initial state are kept for backward), a reverse
-scan of the state gradients, and dq/dk/dv (one launch, two from head dim 128). When its
-D/16 x B*H programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels:
+over the NT chunks), output (grid Dv/64 x NT x B*H). Backward, 3-4 launches: the gradient
+terms Q^T dO and Q^T P Q per chunk, a reverse scan of the state gradients, and dq/dk/dv (one
+launch, two from head dim 128). The backward reads each chunk's start states and X from the
+forward, which keeps them (recomputing them cost an increments launch and a state scan, a
+seventh of a fwd+bwd at 8k tokens per sequence on the H200; keeping them does not raise the
+peak of one fwd+bwd, see the memory line below). When its D/16 x B*H programs cannot fill the
+GPU (B = 1 at 64k tokens), a scan runs in two levels:
 segments of chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan
 chains the summaries, and the segments rescan from their start states (see _segments).
-Per-chunk buffers ([D, D] and [D, Dv] per chunk and head, bf16 for bf16 inputs) live only
-inside one pass: 3 in forward, 5 in backward (normalize adds 2 or 3 fp32 [D] vectors per
-chunk, and a [B, T, H] fp32 denominator saved for backward); segment summaries are fp32 and
-small. Scan
-loop bounds are powers of two (masked past the chunk count), so a sweep over T compiles
-them once per power-of-two bucket (see triton_kernels.py, which also holds the math).
+Memory: per-chunk [D, D] and [D, Dv] buffers per head, bf16 for bf16 inputs (as many
+elements per token as q when C = D): the forward's 3 (states S, A and X) are kept for
+backward, which adds 2 (normalize adds fp32 [D] vectors per chunk, and a [B, T, H] fp32
+denominator); segment summaries are fp32 and small. Scan loop bounds are powers of two
+(masked past the chunk count), so a sweep over T compiles them once per power-of-two bucket (see triton_kernels.py, which also holds the math).
 
 decay_form="paper" (spec §4.3: S, C and G = g G + k k^T C_prev) runs its own, simpler
 kernels (see triton_kernels.py): one program per (batch, head) walks the chunks in order with
@@ -75,12 +76,11 @@ def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _paper_precision(dtype) -> str:
-    """The paper-form kernels multiply fp32 operands (states, decayed products) whose terms
-    cancel (o = Y C0 - b Q G0 + M V): tf32 rounding (2^-11) of such operands cost 4e-2 of
-    relative error with normalize in bf16 on the H200, so half inputs use 3xTF32 (fp32-like
-    products on tensor cores) and fp32 inputs plain fp32."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+# decay_form="paper": its kernels multiply fp32 operands (states, decayed products) whose
+# terms cancel (o = Y C0 - b Q G0 + M V), in plain fp32 (no tensor cores). On the H200, TF32
+# cost 4.2e-2 of relative error with normalize in bf16, and 3xTF32 ran into an illegal memory
+# access at head dim 64 (Triton 3.6's fp32 wgmma; head dims 16 and 32 had passed).
+PAPER_PREC = "ieee"
 
 
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
@@ -219,6 +219,8 @@ def _den_vectors(q, NT, n, normalize):
 
 
 def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
+    """(o, den, final, chunk states): chunk states = (S, X, A, Xn, An), each chunk's start
+    states S, A (An: the denominator column of A) and its X (Xn), kept for backward."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
@@ -228,8 +230,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
-    kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, q, q, lg, ds, x, da, x, ds, xn, an, xn, T, NT, WITH_GRAD=False, **shape)
+    kern.chunk_increments_kernel[(NT, B * H)](q, k, v, lg, ds, x, da, xn, an, T, NT, **shape)
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),
@@ -241,10 +242,11 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
         q, k, v, lg, ds, da, an, o, den, eps, T, NT, BV=BV, **shape)
-    return o, den, final
+    return o, den, final, (ds, x, da, xn, an)
 
 
-def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
+def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
+    """dq, dk, dv (and the initial-state gradients) from the forward's chunk states."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = triton.cdiv(T, C)
@@ -254,23 +256,21 @@ def _backward(q, k, v, log2g, init, do, dden, final_grads, C, want_init_grad):
                  PREC=prec)
     lg = q if log2g is None else log2g
     dden = q if dden is None else dden
-    ds, z, x, da, qdo = _chunk_buffers(B, H, NT, D, DV, q, 2, 3)
-    xn, an, qn = _den_vectors(q, NT, 3, normalize)
-    kern.chunk_increments_kernel[(NT, B * H)](
-        q, k, v, do, dden, lg, ds, x, da, qdo, z, xn, an, qn, T, NT, WITH_GRAD=True, **shape)
-    _scan_states((ds, x, da, xn, an), lg, init, None, T, C, shape)
+    s, x, a, xn, an = states
+    z, qdo = _chunk_buffers(B, H, NT, D, DV, q, 1, 1)
+    qn, = _den_vectors(q, NT, 1, normalize)
+    kern.chunk_grad_terms_kernel[(NT, B * H)](q, v, do, dden, lg, qdo, z, qn, T, NT, **shape)
     init_grads = None
     if want_init_grad:
         init_grads = (q.new_empty(B, H, D, D, dtype=torch.float32),
                       q.new_empty(B, H, D, DV, dtype=torch.float32),
                       q.new_empty(B, H, D, dtype=torch.float32) if normalize else q)
     _scan_grads((qdo, z, x, qn, xn), lg, final_grads, init_grads, T, C, shape)
-    del x, xn  # only the scans read X; freeing it lowers the peak of the last launches
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]
     for want_qk, want_v in parts:
         kern.chunk_grads_kernel[(NT, B * H)](
-            q, k, v, do, dden, lg, ds, da, z, qdo, an, qn, dq, dk, dv, T, NT,
+            q, k, v, do, dden, lg, s, a, z, qdo, an, qn, dq, dk, dv, T, NT,
             WANT_QK=want_qk, WANT_V=want_v, **shape)
     return dq, dk, dv, init_grads
 
@@ -297,29 +297,28 @@ class _HLA2Masked(torch.autograd.Function):
         init = None
         if s0 is not None:
             init = (s0, a0, an0 if normalize else q)
-        o, den, final = _forward(q, k, v, log2g, init, chunk_size, want_final, normalize, eps)
-        if normalize:
-            ctx.save_for_backward(q, k, v, s0, a0, an0, log2g, o, den)
-        else:
-            ctx.save_for_backward(q, k, v, s0, a0, an0, log2g)
+        o, den, final, states = _forward(q, k, v, log2g, init, chunk_size, want_final,
+                                         normalize, eps)
+        saved = (o, den) if normalize else ()
+        ctx.save_for_backward(q, k, v, log2g, *states, *saved)
         ctx.chunk_size, ctx.normalize, ctx.eps = chunk_size, normalize, eps
         s1, a1, an1 = (None, None, None) if final is None else final
         return o, s1, a1, an1 if normalize else None
 
     @staticmethod
     def backward(ctx, do, gs1, ga1, gan1):
-        q, k, v, s0, a0, an0, log2g, *saved = ctx.saved_tensors
+        q, k, v, log2g, *states = ctx.saved_tensors
+        states, saved = states[:5], states[5:]
         D, DV = q.shape[-1], v.shape[-1]
-        init = None if s0 is None else (s0, a0, an0 if ctx.normalize else q)
         dden = None
         if ctx.normalize:  # o = n / (den + eps): dn = do / (den + eps), dden = -(do . o) / ..
             o, den = saved
             scale = 1.0 / (den + ctx.eps)
             dden = (-(do.float() * o.float()).sum(-1) * scale).contiguous()
             do = (do.float() * scale.unsqueeze(-1)).to(q.dtype)
-        want_init_grad = s0 is not None and any(ctx.needs_input_grad[3:6])
+        want_init_grad = any(ctx.needs_input_grad[3:6])
         final_grads = _final_grads(q, D, DV, ctx.normalize, (gs1, ga1, gan1))
-        dq, dk, dv, init_grads = _backward(q, k, v, log2g, init, do.contiguous(), dden,
+        dq, dk, dv, init_grads = _backward(q, k, v, log2g, states, do.contiguous(), dden,
                                            final_grads, ctx.chunk_size, want_init_grad)
         gs0, ga0, gan0 = (None, None, None) if init_grads is None else init_grads
         gan0 = gan0 if ctx.normalize and init_grads is not None else None
@@ -346,7 +345,7 @@ def _paper_forward(q, k, v, log2g, init, C, want_final, want_out, want_states):
         q, k, v, log2g, *(init or (q, q, q)), o, *(final or (q, q, q)), *(states or (q, q, q)),
         T, NT, H=H, D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(NT), HAS_INIT=init is not None,
         STORE_OUT=want_out, STORE_FINAL=want_final, STORE_STATES=want_states,
-        PREC=_paper_precision(q.dtype), num_warps=WARPS)
+        PREC=PAPER_PREC, num_warps=WARPS)
     return (o if want_out else None), final, states
 
 
@@ -392,7 +391,7 @@ class _HLA2Paper(torch.autograd.Function):
             *(init_grads or (q, q, q)), dq_parts, dk_parts, dv, T, triton.cdiv(T, C), H=H,
             D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(triton.cdiv(T, C)),
             HAS_FINAL_GRAD=final_grads is not None, STORE_INIT_GRAD=want_init_grad,
-            PREC=_paper_precision(q.dtype), num_warps=WARPS)
+            PREC=PAPER_PREC, num_warps=WARPS)
         dq, dk = dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype)
         if init_grads is not None:
             init_grads = (init_grads[0].sum(0),) + init_grads[1:]

@@ -28,9 +28,10 @@ segment summaries gives each segment's start state, and the segments then rescan
 parallel from their start states. Loop bounds are compile-time powers of two (the Triton
 interpreter cannot loop over a runtime bound with numpy 2); steps past the runtime count NT
 are masked, so one compile serves every T of the same power-of-two bucket.
-The parallel per-chunk kernels (increments, output, dq/dk/dv) write only their own outputs,
-so the GPU may time them: they are autotuned over warp counts (see _autotuned). The scans
-overwrite their inputs in place and keep the fixed launch shape set by the caller.
+The parallel per-chunk kernels (increments, output, gradient terms, dq/dk/dv) write only
+their own outputs, so the GPU may time them: they are autotuned over warp counts (see
+_autotuned). The scans overwrite their inputs in place and keep the fixed launch shape set by
+the caller.
 """
 
 import os
@@ -67,10 +68,11 @@ def _autotuned(warps, key, first_only=None):
 _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 # Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
 # where 4 spills more. ptxas sm_90a, bf16, registers / spilled bytes, 8 -> 4 warps, every
-# decay / normalize / WITH_GRAD flag set:
-#   increments, D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills; D or Dv = 128
-#     (4 warps: 254-255 registers) or chunk 128: 8-768 B spilled in some flag sets with 4
-#     warps, 0 B with 8 in those checked (kept at 8)
+# decay / normalize flag set:
+#   increments and gradient terms (measured as one kernel; the two kernels that split its
+#     work keep its choices), D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills;
+#     D or Dv = 128 (4 warps: 254-255 registers) or chunk 128: 8-768 B spilled in some flag
+#     sets with 4 warps, 0 B with 8 in those checked (kept at 8)
 #   output, chunk 64, D, Dv in {64, 128}: 165-199 -> 162-200, no spills; chunk 32 with
 #     normalize (0-116 B -> 16-144 B), 16 (0 -> 12 B) and 128 (4-220 -> 576-860 B) kept at 8
 #   dq/dk/dv: 4 warps spill more in most shapes (D=64 fused 0-112 B -> 48-136 B; D=128 dv
@@ -149,18 +151,16 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("WITH_GRAD",),
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY,
             first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
 @triton.jit
-def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo_buf, z_buf,
-                            xn_buf, an_buf, qn_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
-                            DV: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
-                            WITH_GRAD: tl.constexpr, NORMALIZE: tl.constexpr,
-                            PREC: tl.constexpr):
-    """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V; with WITH_GRAD also
-    Q^T b^2 dO and Z = Q^T (b * P) Q, P = Dm * (dO V^T). NORMALIZE adds the denominator as
-    a ones value column with output gradient dden: its X, dA and Q^T b^2 dden columns go to
-    the [B*H, NT, D] vectors xn, an, qn, and P gains Dm * (dden 1^T). Grid (NT, B*H)."""
+def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
+                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                            C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                            NORMALIZE: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V. NORMALIZE adds the
+    denominator as a ones value column: its X and dA columns go to the [B*H, NT, D] vectors
+    xn, an. Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
@@ -189,22 +189,45 @@ def chunk_increments_kernel(q, k, v, do, dden, log2g, ds_buf, x_buf, da_buf, qdo
         tl.store(xn_buf + base * D + rd, _col(b_xn))
         b_wte = tl.dot(tl.trans(b_w), b_e16, input_precision=PREC).to(dt)
         tl.store(an_buf + base * D + rd, _col(tl.dot(tl.trans(b_ke), b_wte, input_precision=PREC)))
-    if WITH_GRAD:
-        b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
-        b_qb2 = (b_q * (b * b)[:, None]).to(dt)
-        b_qdo = tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC)
-        tl.store(qdo_buf + base * D * DV + dv, b_qdo.to(qdo_buf.dtype.element_ty))
-        b_pv = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
-        if NORMALIZE:
-            b_dden = _load_den(dden, i_b, i_h, t, T, H)
-            b_pv += b_dden[:, None]
-            b_dden16 = (b_dden[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
-            tl.store(qn_buf + base * D + rd,
-                     _col(tl.dot(tl.trans(b_qb2), b_dden16, input_precision=PREC)))
-        b_pb = b_pv * dm * b[:, None]
-        b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
-        b_z = tl.dot(tl.trans(b_q), b_pq, input_precision=PREC)
-        tl.store(z_buf + base * D * D + dd, b_z.to(z_buf.dtype.element_ty))
+
+
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY,
+            first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
+@triton.jit
+def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT,
+                            H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                            C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                            NORMALIZE: tl.constexpr, PREC: tl.constexpr):
+    """Per chunk, the increments of the reverse state-gradient scan: Q^T b^2 dO and
+    Z = Q^T (b * P) Q, P = Dm * (dO V^T). NORMALIZE adds the ones value column with output
+    gradient dden: its Q^T b^2 dden column goes to the [B*H, NT, D] vector qn, and P gains
+    Dm * (dden 1^T). Grid (NT, B*H)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    t = i_c * C + tl.arange(0, C)
+    causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
+    b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
+    b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
+    b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
+    dt = b_q.dtype
+    base = (i_bh * NT + i_c).to(tl.int64)
+    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+
+    b_qb2 = (b_q * (b * b)[:, None]).to(dt)
+    b_qdo = tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC)
+    tl.store(qdo_buf + base * D * DV + dv, b_qdo.to(qdo_buf.dtype.element_ty))
+    b_pv = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
+    if NORMALIZE:
+        b_dden = _load_den(dden, i_b, i_h, t, T, H)
+        b_pv += b_dden[:, None]
+        b_dden16 = (b_dden[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
+        tl.store(qn_buf + base * D + rd,
+                 _col(tl.dot(tl.trans(b_qb2), b_dden16, input_precision=PREC)))
+    b_pb = b_pv * dm * b[:, None]
+    b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
+    b_z = tl.dot(tl.trans(b_q), b_pq, input_precision=PREC)
+    tl.store(z_buf + base * D * D + dd, b_z.to(z_buf.dtype.element_ty))
 
 
 @triton.jit
