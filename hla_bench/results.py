@@ -65,11 +65,14 @@ def _package_version(name: str) -> str | None:
 
 
 def git_commit() -> str:
-    """The checkout's commit (with `+dirty` when it has changes); without a git checkout (a
-    copied tree on a benchmark machine) the HLA_BENCH_GIT_COMMIT variable, else `unknown`."""
+    """HLA_BENCH_GIT_COMMIT when set (a copied tree on a benchmark machine, whose git
+    metadata, if any, need not match the tree), else the checkout's commit (with `+dirty`
+    when it has changes), else `unknown`."""
+    if os.environ.get("HLA_BENCH_GIT_COMMIT"):
+        return os.environ["HLA_BENCH_GIT_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():
-        return os.environ.get("HLA_BENCH_GIT_COMMIT", "unknown")
+        return "unknown"
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()

@@ -41,6 +41,14 @@ def test_environment_fields():
     assert {"triton", "flash-linear-attention", "mamba-ssm", "flash-attn"} <= set(env["packages"])
 
 
+def test_git_commit_prefers_the_variable(monkeypatch):
+    """A benchmark machine's copied tree may carry stale git metadata: the variable wins."""
+    monkeypatch.setenv("HLA_BENCH_GIT_COMMIT", "abc1234")
+    assert results.git_commit() == "abc1234"
+    monkeypatch.delenv("HLA_BENCH_GIT_COMMIT")
+    assert results.git_commit() != "abc1234"
+
+
 def test_round_trip(bench_data, tmp_path):
     path = results.save(bench_data, tmp_path / "sub" / "r.yaml")
     loaded = results.load(path)
