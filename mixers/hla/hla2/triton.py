@@ -27,10 +27,11 @@ chunks: correct and simple, not tuned or timed on a GPU yet.
 
 Supported: masked hla2, no decay, decay_form="masked" or "paper" (per-head decay),
 normalize (masked form: the denominator is a ones value column carried as [D] vectors next
-to A in the same launches), initial_state with gradients,
-output_final_state, any T, Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs,
-multi-query (k, v with one head: broadcast to the query heads, S returned once).
-Not supported (the dispatcher falls back): masked=False, ridge != 0.
+to A in the same launches), initial_state with gradients, output_final_state, any T,
+Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs, multi-query (k, v with one head:
+broadcast to the query heads, S returned once).
+Not supported (the dispatcher falls back): masked=False, ridge != 0, the paper decay form
+above head dim 64 (PAPER_MAX_HEAD_DIM).
 fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exceeds 65504
 (long sequences of large keys); prefer bf16.
 """
@@ -69,6 +70,10 @@ def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> s
     if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
         return (f"the Triton kernels need head dims in {HEAD_DIMS}, got D={q.shape[-1]}, "
                 f"Dv={v.shape[-1]}")
+    if decay is not None and decay_form == "paper" and q.shape[-1] > PAPER_MAX_HEAD_DIM:
+        return (f"the paper decay form's Triton kernels need head dim <= {PAPER_MAX_HEAD_DIM} "
+                f"(at 128 they ask for 346 KiB of shared memory, the H200 has 227), "
+                f"got D={q.shape[-1]}")
     return None
 
 
@@ -81,6 +86,9 @@ def _precision(dtype) -> str:
 # cost 4.2e-2 of relative error with normalize in bf16, and 3xTF32 ran into an illegal memory
 # access at head dim 64 (Triton 3.6's fp32 wgmma; head dims 16 and 32 had passed).
 PAPER_PREC = "ieee"
+# decay_form="paper": the largest head dim whose kernels fit an H100/H200's shared memory in
+# plain fp32 (checked natively at 64; 128 failed to launch).
+PAPER_MAX_HEAD_DIM = 64
 
 
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
