@@ -545,6 +545,7 @@ def test_paper_decode_step(normalize, shared_kv):
 
 
 TUNED_KERNELS = {"chunk_increments_kernel": kern.INCREMENTS_WARPS,
+                 "chunk_grad_terms_kernel": kern.INCREMENTS_WARPS,
                  "chunk_output_kernel": kern.OUTPUT_WARPS,
                  "chunk_grads_kernel": kern.GRADS_WARPS}
 
@@ -560,6 +561,8 @@ def test_per_chunk_kernels_autotune_only_natively(name):
         assert not isinstance(kernel, Autotuner)
     else:
         assert [c.num_warps for c in kernel.configs] == list(warps)
+        # kernels tuned over several warp counts retune per launch-size class
+        assert ("SIZE_CLASS" in kernel.keys) == (len(warps) > 1)
 
 
 def test_autotuned_configs_pruning_and_key_check(monkeypatch):

@@ -148,6 +148,11 @@ def _segments(NT, row_programs, resident):
     return best
 
 
+def _size_class(programs: int) -> int:
+    """The autotune bucket of a launch of `programs` programs (see triton_kernels._SHAPE_KEY)."""
+    return programs.bit_length()
+
+
 def _loop_bound(n):
     """The scans loop to a power of two (masked past n): one compile per bucket, not per T."""
     return triton.next_power_of_2(n)
@@ -239,7 +244,8 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
-    kern.chunk_increments_kernel[(NT, B * H)](q, k, v, lg, ds, x, da, xn, an, T, NT, **shape)
+    kern.chunk_increments_kernel[(NT, B * H)](q, k, v, lg, ds, x, da, xn, an, T, NT,
+                                               _size_class(NT * B * H), **shape)
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),
@@ -250,7 +256,8 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     den = q.new_empty(B, T, H, dtype=torch.float32) if normalize else q
     BV = min(DV, 64)
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
-        q, k, v, lg, ds, da, an, o, den, eps, T, NT, BV=BV, **shape)
+        q, k, v, lg, ds, da, an, o, den, eps, T, NT, _size_class(DV // BV * NT * B * H), BV=BV,
+        **shape)
     return o, den, final, (ds, x, da, xn, an)
 
 
@@ -268,7 +275,8 @@ def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
     s, x, a, xn, an = states
     z, qdo = _chunk_buffers(B, H, NT, D, DV, q, 1, 1)
     qn, = _den_vectors(q, NT, 1, normalize)
-    kern.chunk_grad_terms_kernel[(NT, B * H)](q, v, do, dden, lg, qdo, z, qn, T, NT, **shape)
+    kern.chunk_grad_terms_kernel[(NT, B * H)](q, v, do, dden, lg, qdo, z, qn, T, NT,
+                                               _size_class(NT * B * H), **shape)
     init_grads = None
     if want_init_grad:
         init_grads = (q.new_empty(B, H, D, D, dtype=torch.float32),

@@ -42,8 +42,8 @@ import triton.language as tl
 
 def _autotuned(warps, key, first_only=None):
     """triton.autotune over num_warps in warps (the first is the fixed launch shape used
-    before tuning, so tuning can only match or beat it), keyed on the compile-time arguments
-    in key (not on T: the first call of each shape picks). first_only(meta) -> True keeps
+    before tuning, so tuning can only match or beat it), keyed on the arguments in key (see
+    _SHAPE_KEY: the first call of each key picks). first_only(meta) -> True keeps
     only the first config for those compile-time arguments (where ptxas reports more spills
     for the others). num_stages stays at its default: these kernels have no loops to
     pipeline. Under the interpreter (nothing to time) the plain kernel. A key that is not an
@@ -65,6 +65,12 @@ def _autotuned(warps, key, first_only=None):
 
 
 # Compile-time arguments shared by the per-chunk kernels' autotune keys (dtypes are keyed too).
+# The kernels tuned over two warp counts also key on SIZE_CLASS, the bit length of the
+# launch's program count (an argument the kernel body does not read): the best warp count of
+# a 40-program call is not that of a 16k-program one, and without it whichever call came
+# first (a test, a short sequence) chose for every size: the likely reason why on the H200 a
+# sweep run after the tests measured hla2-triton's forward 15-30% slower than one run before
+# them (results/2026-12-02-h200-kernels.yaml vs -sweep-full.yaml).
 _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 # Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
 # where 4 spills more. ptxas sm_90a, bf16, registers / spilled bytes, 8 -> 4 warps, every
@@ -151,10 +157,11 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY,
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
             first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
-@triton.jit
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
+                            SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             C: tl.constexpr, HAS_DECAY: tl.constexpr,
                             NORMALIZE: tl.constexpr, PREC: tl.constexpr):
@@ -191,10 +198,10 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
         tl.store(an_buf + base * D + rd, _col(tl.dot(tl.trans(b_ke), b_wte, input_precision=PREC)))
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY,
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
             first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
-@triton.jit
-def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT,
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
+def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             C: tl.constexpr, HAS_DECAY: tl.constexpr,
                             NORMALIZE: tl.constexpr, PREC: tl.constexpr):
@@ -387,9 +394,10 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
                     tl.store(xqn_init + state * D + rd, b_xqn)
 
 
-@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV",), first_only=lambda meta: meta["C"] != 64)
-@triton.jit
-def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT,
+@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "SIZE_CLASS"),
+            first_only=lambda meta: meta["C"] != 64)
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
+def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT, SIZE_CLASS,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                         BV: tl.constexpr, HAS_DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
                         PREC: tl.constexpr):
