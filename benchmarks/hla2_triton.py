@@ -11,15 +11,17 @@
    PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
    imports; with the peak memory of one forward+backward.
 3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 8k and 64k).
-4. --variants: the Triton op at other chunk sizes, and normalize / masked / paper decay
-   against the chunk form (D = 64, T = 8k and 64k).
+4. --variants: the Triton op at other chunk sizes and launch shapes (dq/dk and dv in two
+   launches, the scans' num_stages), and normalize / masked / paper decay against the chunk
+   form (D = 64, T = 8k and 64k).
 Every failure is printed and the script goes on; it stops timing new rows once the time
-budget is spent, so it finishes in under 3 minutes on an H200.
+budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import traceback
 
@@ -193,25 +195,46 @@ def profile_kernels(results, shapes=((65536 // 8192, 8192, 64), (1, 65536, 64)))
             results["profile"][key] = {"error": repr(exc)}
 
 
+@contextlib.contextmanager
+def patched(module, **values):
+    """Module constants set to values inside the block (launch-shape variants)."""
+    old = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
+
+
 def time_variants(results, chunk_sizes):
-    """fwd and fwd+bwd of option sets and chunk sizes at D = 64, T = 8k and 64k: which chunk
-    size to default to, and what normalize and each decay form cost."""
+    """fwd and fwd+bwd of option sets, chunk sizes and launch shapes at D = 64, T = 8k and
+    64k: which chunk size and launch shapes to default to, and what normalize and each decay
+    form cost."""
     from mixers.hla import hla2
+    from mixers.hla.hla2 import triton as hla2_triton_module
 
     decay = torch.full((HEADS,), 0.99, device="cuda")
-    variants = {f"chunk {c}": dict(chunk_size=c) for c in chunk_sizes}
-    variants.update({"normalize": dict(normalize=True), "masked decay": dict(decay=decay),
-                     "paper decay": dict(decay=decay, decay_form="paper")})
+    variants = {f"chunk {c}": (dict(chunk_size=c), {}) for c in chunk_sizes}
+    variants.update({
+        "normalize": (dict(normalize=True), {}), "masked decay": (dict(decay=decay), {}),
+        "paper decay": (dict(decay=decay, decay_form="paper"), {}),
+        "dq/dk and dv in two launches": ({}, dict(SPLIT_GRADS_FROM=64)),
+        **{f"scans num_stages {n}": ({}, dict(SCAN_STAGES=n)) for n in (1, 2)}})
     for T in (8192, 65536):
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(TOKENS // T, T, HEADS, 64, device="cuda", generator=gen,
                                dtype=torch.bfloat16) / 8 for _ in range(3))
-        for name, options in variants.items():
+        for name, (options, constants) in variants.items():
+            if name == "paper decay" and T > 8192:
+                continue  # its kernels walk the chunks one by one: 8k says enough
             impls = ("triton", "chunk") if "decay" in name or name == "normalize" else ("triton",)
             for impl in impls:
-                time_row(results["variants"], f"T={T} {name} {impl}",
-                         lambda a, b, c, impl=impl, options=options:
-                         hla2(a, b, c, impl=impl, **options)[0], q, k, v)
+                with patched(hla2_triton_module, **constants):
+                    time_row(results["variants"], f"T={T} {name} {impl}",
+                             lambda a, b, c, impl=impl, options=options:
+                             hla2(a, b, c, impl=impl, **options)[0], q, k, v)
 
 
 def main():
@@ -234,19 +257,25 @@ def main():
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "tokens": TOKENS, "heads": HEADS, "dtype": "bfloat16", "correctness": {},
                "timings": {}, "profile": {}, "variants": {}}
+    def save():
+        results["wall_s"] = round(time.time() - start, 1)
+        with open(args.output, "w") as f:
+            yaml.safe_dump(results, f, sort_keys=False)
+
     check_correctness(results, device, args.check_len,
                       HEAD_DIMS if device == "cuda" else (16,))
+    save()
     if args.check_only or device != "cuda":
         print("timings skipped" + ("" if device == "cuda" else ": they need a CUDA device"))
     else:
         if args.profile:
             profile_kernels(results)
+            save()
         if args.variants:
             time_variants(results, [int(c) for c in args.variants.split(",")])
+            save()
         run_timings(results, start + args.budget_s)
-    results["wall_s"] = round(time.time() - start, 1)
-    with open(args.output, "w") as f:
-        yaml.safe_dump(results, f, sort_keys=False)
+    save()
     print(f"wrote {args.output} ({results['wall_s']} s)")
 
 

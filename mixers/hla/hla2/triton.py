@@ -96,6 +96,9 @@ PAPER_MAX_HEAD_DIM = 64
 # scan kernels free of spills at D = Dv = 64 (little at 128). The per-chunk kernels
 # (increments, output, dq/dk/dv) pick their warps by autotuning (see triton_kernels.py).
 WARPS, SCAN_ROWS = 8, 16
+# The scans' num_stages (Triton's default on CUDA; the chunk loop's loads do not depend on the
+# carried state, so software pipelining may overlap them with the previous step's matmul).
+SCAN_STAGES = 3
 # From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
 SPLIT_GRADS_FROM = 128
 # decay_form="paper": chunk size of its sequential walk (one program per head holds every
@@ -167,7 +170,8 @@ def _summaries(buf, NSEG, *cols):
 
 def _scan_launch(shape):
     """Launch options of the scans (which take the step length CL instead of C)."""
-    return dict(num_warps=WARPS, BD=SCAN_ROWS, **{k: v for k, v in shape.items() if k != "C"})
+    return dict(num_warps=WARPS, num_stages=SCAN_STAGES, BD=SCAN_ROWS,
+                **{k: v for k, v in shape.items() if k != "C"})
 
 
 def _scan_states(inc, lg, init, final, T, C, shape):
