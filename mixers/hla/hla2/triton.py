@@ -84,8 +84,9 @@ def _precision(dtype) -> str:
 
 # decay_form="paper": its kernels multiply fp32 operands (states, decayed products) whose
 # terms cancel (o = Y C0 - b Q G0 + M V), in plain fp32 (no tensor cores). On the H200, TF32
-# cost 4.2e-2 of relative error with normalize in bf16, and 3xTF32 ran into an illegal memory
-# access at head dim 64 (Triton 3.6's fp32 wgmma; head dims 16 and 32 had passed).
+# cost 4.2e-2 of relative error with normalize in bf16, and 3xTF32 (fp32 products on tensor
+# cores) ran into an illegal memory access at head dim 64 with Triton 3.6, where 16 and 32
+# passed (results/2026-12-02-h200-triton-tests-v2.yaml).
 PAPER_PREC = "ieee"
 # decay_form="paper": the largest head dim whose kernels fit an H100/H200's shared memory in
 # plain fp32 (checked natively at 64; 128 failed to launch).
