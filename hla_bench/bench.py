@@ -174,11 +174,14 @@ def with_output_options(command):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--point-timeout-s", type=click.FloatRange(min=0, min_open=True),
+              help="Record a point that runs longer as a timeout and go on.")
 @with_output_options
 def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int | None,
           decode_batch: int | None, heads: int, head_dim: int, value_dim: int | None, dtype: str,
-          modes: str, device: str, repeats: int, warmup: int, out: str | None, as_json: bool,
-          as_yaml: bool, baseline: str | None, resume: bool) -> None:
+          modes: str, device: str, repeats: int, warmup: int, point_timeout_s: float | None,
+          out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
+          resume: bool) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
@@ -189,6 +192,7 @@ def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int |
             "tokens_per_batch": tokens_per_batch, "decode_batch": decode_batch, "heads": heads,
             "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype, "device": device,
             "warmup": warmup, "repeats": repeats, "baseline": baseline,
+            "point_timeout_s": point_timeout_s,
         }
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:

@@ -24,7 +24,8 @@ METRICS = {
     "memory": ("peak_memory_bytes", "peak memory above inputs", False),
     "tflops": ("tflops", "TFLOP/s", True),
 }
-STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsupported": "—"}
+STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsupported": "—",
+                 "timeout": "timeout"}
 
 
 def _format_value(metric: str, value: float) -> str:

@@ -2,8 +2,9 @@
 
 A sweep crosses mixers x modes x sequence lengths at fixed heads / head_dim / dtype. Each
 point is a plain dict (see `hla_bench.results` for the schema). Mixers are reached only
-through `hla_bench.registry`; a failure at one point (OOM, an exception, a missing package)
-is recorded as that point's status and the sweep goes on.
+through `hla_bench.registry`; a failure at one point (OOM, an exception, a missing package,
+running past the sweep's point_timeout_s) is recorded as that point's status and the sweep
+goes on.
 
 Timing: `warmup` untimed calls, then `repeats` timed calls; CUDA events on a GPU,
 `time.perf_counter` on the CPU (CPU ops are synchronous). Median and 20th/80th percentiles.
@@ -20,11 +21,14 @@ Peak memory above the inputs:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import gc
 import math
 import re
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +40,7 @@ import yaml
 from hla_bench import registry
 
 MODES = ("fwd", "fwdbwd", "decode")
-STATUSES = ("ok", "oom", "error", "unavailable", "unsupported")
+STATUSES = ("ok", "oom", "error", "unavailable", "unsupported", "timeout")
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -175,6 +179,7 @@ class SweepConfig:
     warmup: int = 3
     repeats: int = 10
     baseline: str | None = None
+    point_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.mixers:
@@ -200,6 +205,11 @@ class SweepConfig:
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"sweep {self.name!r}: warmup must be a non-negative integer")
+        timeout = self.point_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"sweep {self.name!r}: point_timeout_s must be a positive number "
+                             f"of seconds, got {timeout!r}")
         self.dtype = dtype_name(self.dtype)
         if self.baseline is not None and self.baseline not in labels:
             raise ValueError(f"sweep {self.name!r}: baseline {self.baseline!r} is not one of "
@@ -492,6 +502,33 @@ def empty_record(point: Point) -> dict[str, Any]:
     }
 
 
+class PointTimeout(Exception):
+    """A point ran past its sweep's point_timeout_s."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise PointTimeout in this thread once `seconds` have passed (checked between Python
+    steps, so a long kernel or autotuning loop ends at its next one). No limit when seconds is
+    None, off the main thread, or where SIGALRM does not exist."""
+    if (seconds is None or not hasattr(signal, "SIGALRM")
+            or threading.current_thread() is not threading.main_thread()):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PointTimeout(f"stopped after {seconds:g} s (the sweep's point_timeout_s); a "
+                           "first call that autotunes kernels can take minutes")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = None) -> dict[str, Any]:
     """Measure one point; every failure becomes the record's status and reason.
 
@@ -512,11 +549,14 @@ def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = Non
                 "reason": f"skipped: out of memory at T={format_seq_len(oom_at[key])}"}
     failed = False
     try:
-        _measure(point, mixer, options, record)
+        with time_limit(point.sweep.point_timeout_s):
+            _measure(point, mixer, options, record)
     except Exception as error:  # every failure is a result; the sweep goes on
         failed = True
         message = f"{type(error).__name__}: {error}".strip()
-        if is_oom(error):
+        if isinstance(error, PointTimeout):
+            status, message = "timeout", str(error)
+        elif is_oom(error):
             status = "oom"
             if oom_at is not None:
                 oom_at[key] = min(point.seq_len, oom_at.get(key, point.seq_len))
@@ -535,7 +575,7 @@ def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = Non
 # What identifies a point across runs: a resumed sweep keeps a record with the same key.
 POINT_KEY = ("sweep", "mixer", "name", "options", "mode", "seq_len", "batch", "heads",
              "head_dim", "value_dim", "dtype", "device")
-# Statuses a resumed sweep keeps; an error is measured again.
+# Statuses a resumed sweep keeps; an error or a timeout is measured again.
 KEPT_STATUSES = ("ok", "oom", "unavailable", "unsupported")
 
 

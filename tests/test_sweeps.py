@@ -3,6 +3,8 @@
 `fake_mixers` is also used by the other harness tests (imported from this module).
 """
 
+import time
+
 import pytest
 import torch
 
@@ -40,6 +42,14 @@ def _raising(error):
     return build
 
 
+def _slow_op(**options):
+    def op(q, k, v, initial_state=None, output_final_state=False):
+        for _ in range(100):  # 5 s in short Python steps, as an autotuning loop would take
+            time.sleep(0.05)
+        return v, None
+    return op
+
+
 FAKES = [
     registry.Mixer("fake-fast", "fake", "elementwise stand-in", _fast_op,
                    build_decoder=lambda **o: _FastDecoder(), options={"scale": 1.0},
@@ -53,6 +63,7 @@ FAKES = [
                    forms=("op",)),
     registry.Mixer("fake-broken", "fake", "raises", _raising(ValueError("broken on purpose")),
                    forms=("op",)),
+    registry.Mixer("fake-slow", "fake", "takes 5 s a call", _slow_op, forms=("op",)),
     registry.Mixer("fake-missing", "fake", "needs a package that is not here", _fast_op,
                    options={"scale": 1.0}, requires=("no_such_package_for_hla_bench",)),
 ]
@@ -195,6 +206,24 @@ def test_runner_records_every_status_and_goes_on(fake_mixers):
             assert ok["tflops"] == pytest.approx(ok["flops"] / (ok["median_ms"] / 1e3) / 1e12)
             assert ok["peak_memory_bytes"] is None or ok["peak_memory_bytes"] >= 0
     assert by["fast2", "decode", 16]["state_bytes"] == 2 * 2 * 8 * 8 * 4
+
+
+def test_point_timeout_is_a_result_and_the_sweep_goes_on(fake_mixers):
+    sweep = tiny_sweep(["fake-slow", "fake-fast"], warmup=0, repeats=1, point_timeout_s=0.3)
+    start = time.perf_counter()
+    by = {(p["mixer"], p["seq_len"]): p for p in run_sweeps([sweep])}
+    assert time.perf_counter() - start < 3
+    slow = by["fake-slow", 16]
+    assert slow["status"] == "timeout" and slow["median_ms"] is None
+    assert "stopped after 0.3 s" in slow["reason"] and "point_timeout_s" in slow["reason"]
+    assert by["fake-slow", 32]["status"] == "timeout"  # tried again: not a size limit
+    assert by["fake-fast", 16]["status"] == by["fake-fast", 32]["status"] == "ok"
+
+
+@pytest.mark.parametrize("bad", [0, -1, "soon", True])
+def test_point_timeout_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match="point_timeout_s must be a positive number"):
+        tiny_sweep(["fake-fast"], point_timeout_s=bad)
 
 
 def test_fwdbwd_runs_backward(fake_mixers, monkeypatch):
