@@ -157,8 +157,13 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-            first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
+# The tuning of the increments and gradient-terms kernels (the two halves of one former kernel).
+_increments_tuned = _autotuned(
+    INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
+    first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
+
+
+@_increments_tuned
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
@@ -198,8 +203,7 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
         tl.store(an_buf + base * D + rd, _col(tl.dot(tl.trans(b_ke), b_wte, input_precision=PREC)))
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-            first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
+@_increments_tuned
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
