@@ -10,10 +10,10 @@
    B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
    PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
    imports; with the peak memory of one forward+backward.
-3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 8k and 64k).
+3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 8k, 32k and 64k).
 4. --variants: the Triton op at other chunk sizes and launch shapes (dq/dk and dv in two
-   launches, the scans' num_stages), and normalize / masked / paper decay against the chunk
-   form (D = 64, T = 8k and 64k).
+   launches, scans planned for 4 resident programs per SM), and normalize / masked / paper
+   decay against the chunk form (D = 64; launch shapes at T = 8k, 32k and 64k, the rest at 8k).
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
 """
@@ -164,7 +164,7 @@ def run_timings(results, deadline):
             del q, k, v
 
 
-def profile_kernels(results, shapes=((65536 // 8192, 8192, 64), (1, 65536, 64))):
+def profile_kernels(results, shapes=((8, 8192, 64), (2, 32768, 64), (1, 65536, 64))):
     """CUDA time per kernel of forward+backward of the Triton op (torch.profiler, 5 calls
     after 3 warm-up calls): where the time of a step goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -221,14 +221,15 @@ def time_variants(results, chunk_sizes):
         "normalize": (dict(normalize=True), {}), "masked decay": (dict(decay=decay), {}),
         "paper decay": (dict(decay=decay, decay_form="paper"), {}),
         "dq/dk and dv in two launches": ({}, dict(SPLIT_GRADS_FROM=64)),
-        **{f"scans num_stages {n}": ({}, dict(SCAN_STAGES=n)) for n in (1, 2)}})
-    for T in (8192, 65536):
+        "scans assume 4 programs per SM": ({}, dict(_resident_programs=lambda device, D: 4 * 132))})
+    for T in (8192, 32768, 65536):
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(TOKENS // T, T, HEADS, 64, device="cuda", generator=gen,
                                dtype=torch.bfloat16) / 8 for _ in range(3))
         for name, (options, constants) in variants.items():
-            if name == "paper decay" and T > 8192:
-                continue  # its kernels walk the chunks one by one: 8k says enough
+            if T > 8192 and ("decay" in name or name == "normalize" or name.startswith("chunk ")
+                             and name != "chunk 64"):
+                continue  # options and chunk sizes: 8k says enough
             impls = ("triton", "chunk") if "decay" in name or name == "normalize" else ("triton",)
             for impl in impls:
                 with patched(hla2_triton_module, **constants):

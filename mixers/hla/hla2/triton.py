@@ -94,12 +94,10 @@ PAPER_MAX_HEAD_DIM = 64
 
 
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
-# scan kernels free of spills at D = Dv = 64 (little at 128). The per-chunk kernels
+# scan kernels free of spills at D = Dv = 64 (little at 128); with their next step's inputs
+# loaded ahead they use 116-126 registers there (166 with normalize), so 2 programs fit an SM. The per-chunk kernels
 # (increments, output, dq/dk/dv) pick their warps by autotuning (see triton_kernels.py).
 WARPS, SCAN_ROWS = 8, 16
-# The scans' num_stages (Triton's default on CUDA; the chunk loop's loads do not depend on the
-# carried state, so software pipelining may overlap them with the previous step's matmul).
-SCAN_STAGES = 3
 # From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
 SPLIT_GRADS_FROM = 128
 # decay_form="paper": chunk size of its sequential walk (one program per head holds every
@@ -171,7 +169,7 @@ def _summaries(buf, NSEG, *cols):
 
 def _scan_launch(shape):
     """Launch options of the scans (which take the step length CL instead of C)."""
-    return dict(num_warps=WARPS, num_stages=SCAN_STAGES, BD=SCAN_ROWS,
+    return dict(num_warps=WARPS, BD=SCAN_ROWS,
                 **{k: v for k, v in shape.items() if k != "C"})
 
 

@@ -260,6 +260,26 @@ def _start_rows(dd_ptr, dv_ptr, vec_ptr, state, sd, sv, rr, LOAD: tl.constexpr,
 
 
 @triton.jit
+def _step_loads(dd_buf, dv_buf, x_buf, vec_buf, xvec_buf, i_bh, NT, i_c, real, sd, sv, xv, rr,
+                rd, D: tl.constexpr, DV: tl.constexpr, NORMALIZE: tl.constexpr):
+    """A scan step's inputs at chunk i_c, as stored (zeros where not real): the [BD, D] and
+    [BD, DV] row blocks, the whole [D, DV] X, and the normalize vectors' rows and X column.
+    The scans load them one step ahead: no load depends on the carried state, so the next
+    step's memory latency overlaps this step's work."""
+    base = (i_bh * NT + i_c).to(tl.int64)
+    b_dd = tl.load(dd_buf + base * D * D + sd, mask=real, other=0.0)
+    b_dv = tl.load(dv_buf + base * D * DV + sv, mask=real, other=0.0)
+    b_x = tl.load(x_buf + base * D * DV + xv, mask=real, other=0.0)
+    if NORMALIZE:
+        b_vec = tl.load(vec_buf + base * D + rr, mask=real, other=0.0)
+        b_xvec = tl.load(xvec_buf + base * D + rd, mask=real, other=0.0)
+    else:
+        b_vec = tl.zeros(rr.shape, dtype=tl.float32)
+        b_xvec = tl.zeros(rd.shape, dtype=tl.float32)
+    return b_dd, b_dv, b_x, b_vec, b_xvec
+
+
+@triton.jit
 def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_init, an_init,
                       s_final, a_final, an_final, xp_final, xpn_final, T, NT,
                       SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -288,24 +308,24 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_in
     b_xp = tl.zeros([D, DV], dtype=tl.float32)
     b_xpn = tl.zeros([D], dtype=tl.float32)
     b_gamma = 1.0
+    n_ds, n_da, n_x, n_dan, n_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf, i_bh, NT,
+                                               i_s * SEG, i_s * SEG < NT, sd, sv, xv, rr, rd,
+                                               D, DV, NORMALIZE)
     for j in range(SEG):
         i_c = i_s * SEG + j
         real = i_c < NT  # steps past NT load zeros and leave the state as it is
+        b_ds, b_da, b_x, b_dan, b_xn = n_ds, n_da, n_x, n_dan, n_xn
         base = (i_bh * NT + i_c).to(tl.int64)
-        p_s, p_a = ds_buf + base * D * D + sd, da_buf + base * D * DV + sv
-        b_ds = tl.load(p_s, mask=real, other=0.0).to(tl.float32)
-        b_da = tl.load(p_a, mask=real, other=0.0).to(tl.float32)
-        b_x = tl.load(x_buf + base * D * DV + xv, mask=real, other=0.0)
-        p_an = an_buf + base * D + rr
-        if NORMALIZE:
-            b_dan = tl.load(p_an, mask=real, other=0.0)
-            b_xn = tl.load(xn_buf + base * D + rd, mask=real, other=0.0)
         if not SUMMARY:
             _overwrite_barrier()
-            tl.store(p_s, b_s.to(ds_buf.dtype.element_ty), mask=real)
-            tl.store(p_a, b_a.to(da_buf.dtype.element_ty), mask=real)
+            tl.store(ds_buf + base * D * D + sd, b_s.to(ds_buf.dtype.element_ty), mask=real)
+            tl.store(da_buf + base * D * DV + sv, b_a.to(da_buf.dtype.element_ty), mask=real)
             if NORMALIZE:
-                tl.store(p_an, b_an, mask=real)
+                tl.store(an_buf + base * D + rr, b_an, mask=real)
+        # the next step's loads, after this step's in-place stores (a barrier orders those)
+        n_ds, n_da, n_x, n_dan, n_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf, i_bh,
+                                                   NT, i_c + 1, (j + 1 < SEG) & (i_c + 1 < NT),
+                                                   sd, sv, xv, rr, rd, D, DV, NORMALIZE)
         gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
         if NORMALIZE:
             if SUMMARY:
@@ -314,8 +334,9 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_in
         if SUMMARY:
             b_xp = gamma * gamma * b_xp + b_gamma * b_x.to(tl.float32)
             b_gamma = b_gamma * gamma
-        b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC) + b_da
-        b_s = gamma * b_s + b_ds
+        b_a = gamma * gamma * b_a + tl.dot(b_s.to(b_x.dtype), b_x, input_precision=PREC)
+        b_a += b_da.to(tl.float32)
+        b_s = gamma * b_s + b_ds.to(tl.float32)
     if STORE_FINAL:
         tl.store(s_final + state * D * D + sd, b_s)
         tl.store(a_final + state * D * DV + sv, b_a)
@@ -355,24 +376,25 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
     b_xq = tl.zeros([D, DV], dtype=tl.float32)
     b_xqn = tl.zeros([D], dtype=tl.float32)
     b_gamma2 = 1.0
+    last = i_s * SEG + SEG - 1
+    n_z, n_qdo, n_x, n_qn, n_xn = _step_loads(z_buf, qdo_buf, x_buf, qn_buf, xn_buf, i_bh, NT,
+                                              last, last < NT, sd, sv, xv, rr, rd, D, DV,
+                                              NORMALIZE)
     for j in range(SEG):
-        i_c = i_s * SEG + SEG - 1 - j
+        i_c = last - j
         real = i_c < NT  # steps past NT load zeros and leave the gradients as they are
+        b_z, b_qdo, b_x, b_qn, b_xn = n_z, n_qdo, n_x, n_qn, n_xn
         base = (i_bh * NT + i_c).to(tl.int64)
-        p_z, p_qdo = z_buf + base * D * D + sd, qdo_buf + base * D * DV + sv
-        b_z = tl.load(p_z, mask=real, other=0.0).to(tl.float32)
-        b_qdo = tl.load(p_qdo, mask=real, other=0.0).to(tl.float32)
-        b_x = tl.load(x_buf + base * D * DV + xv, mask=real, other=0.0)
-        p_qn = qn_buf + base * D + rr
-        if NORMALIZE:
-            b_qn = tl.load(p_qn, mask=real, other=0.0)
-            b_xn = tl.load(xn_buf + base * D + rd, mask=real, other=0.0)
         if not SUMMARY:
             _overwrite_barrier()
-            tl.store(p_z, b_gs.to(z_buf.dtype.element_ty), mask=real)
-            tl.store(p_qdo, b_ga.to(qdo_buf.dtype.element_ty), mask=real)
+            tl.store(z_buf + base * D * D + sd, b_gs.to(z_buf.dtype.element_ty), mask=real)
+            tl.store(qdo_buf + base * D * DV + sv, b_ga.to(qdo_buf.dtype.element_ty), mask=real)
             if NORMALIZE:
-                tl.store(p_qn, b_gan, mask=real)
+                tl.store(qn_buf + base * D + rr, b_gan, mask=real)
+        # the next step's loads, after this step's in-place stores (a barrier orders those)
+        n_z, n_qdo, n_x, n_qn, n_xn = _step_loads(z_buf, qdo_buf, x_buf, qn_buf, xn_buf, i_bh,
+                                                  NT, i_c - 1, (j + 1 < SEG) & (i_c - 1 < NT),
+                                                  sd, sv, xv, rr, rd, D, DV, NORMALIZE)
         gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
         if NORMALIZE:
             if SUMMARY:
@@ -380,12 +402,12 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
         if SUMMARY:
             b_xq = gamma * b_xq + b_gamma2 * b_x.to(tl.float32)
             b_gamma2 = b_gamma2 * gamma * gamma
-        b_gs = gamma * b_gs + b_z + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
-                                           input_precision=PREC)
+        b_gs = gamma * b_gs + b_z.to(tl.float32) + tl.dot(b_ga.to(b_x.dtype), tl.trans(b_x),
+                                                          input_precision=PREC)
         if NORMALIZE:
             b_gs += b_gan[:, None] * b_xn[None, :]
             b_gan = gamma * gamma * b_gan + b_qn
-        b_ga = gamma * gamma * b_ga + b_qdo
+        b_ga = gamma * gamma * b_ga + b_qdo.to(tl.float32)
     if STORE_INIT_GRAD:
         tl.store(gs_init + state * D * D + sd, b_gs)
         tl.store(ga_init + state * D * DV + sv, b_ga)
