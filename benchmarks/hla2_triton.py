@@ -1,7 +1,7 @@
 """Focused GPU benchmark of the hla2 Triton kernels (masked, no decay).
 
     python benchmarks/hla2_triton.py [results.yaml] [--budget-s 150] [--profile]
-                                     [--variants 32,64,128]
+                                     [--variants 32,64,128 [--variants-vs-chunk]]
     TRITON_INTERPRET=1 python benchmarks/hla2_triton.py out.yaml --check-len 40   # CPU smoke
 
 1. Correctness on random data against a float64 reference (the one-chunk form of spec §4,
@@ -10,10 +10,11 @@
    B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
    PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
    imports; with the peak memory of one forward+backward.
-3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 8k, 32k and 64k).
+3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 2k, 8k, 32k, 64k).
 4. --variants: the Triton op at other chunk sizes and launch shapes (dq/dk and dv in two
-   launches, scans planned for 4 resident programs per SM), and normalize / masked / paper
-   decay against the chunk form (D = 64; launch shapes at T = 8k, 32k and 64k, the rest at 8k).
+   launches, scans planned for 4 resident programs per SM) at T = 8k, 32k and 64k, and with
+   normalize / masked decay at 8k (--variants-vs-chunk: also the PyTorch chunk form of
+   those, and the paper decay form), D = 64.
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
 """
@@ -164,7 +165,8 @@ def run_timings(results, deadline):
             del q, k, v
 
 
-def profile_kernels(results, shapes=((8, 8192, 64), (2, 32768, 64), (1, 65536, 64))):
+def profile_kernels(results, shapes=((32, 2048, 64), (8, 8192, 64), (2, 32768, 64),
+                                    (1, 65536, 64))):
     """CUDA time per kernel of forward+backward of the Triton op (torch.profiler, 5 calls
     after 3 warm-up calls): where the time of a step goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -208,10 +210,11 @@ def patched(module, **values):
             setattr(module, name, value)
 
 
-def time_variants(results, chunk_sizes):
-    """fwd and fwd+bwd of option sets, chunk sizes and launch shapes at D = 64, T = 8k and
-    64k: which chunk size and launch shapes to default to, and what normalize and each decay
-    form cost."""
+def time_variants(results, chunk_sizes, with_chunk_form):
+    """fwd and fwd+bwd of chunk sizes, launch shapes and option sets at D = 64: which chunk
+    size and launch shapes to default to (T = 8k, 32k, 64k), and what normalize and each decay
+    form cost (8k; against the PyTorch chunk form and with the paper decay form only when
+    with_chunk_form: those rows take most of the time)."""
     from mixers.hla import hla2
     from mixers.hla.hla2 import triton as hla2_triton_module
 
@@ -227,10 +230,12 @@ def time_variants(results, chunk_sizes):
         q, k, v = (torch.randn(TOKENS // T, T, HEADS, 64, device="cuda", generator=gen,
                                dtype=torch.bfloat16) / 8 for _ in range(3))
         for name, (options, constants) in variants.items():
-            if T > 8192 and ("decay" in name or name == "normalize" or name.startswith("chunk ")
-                             and name != "chunk 64"):
+            is_option = "decay" in name or name == "normalize"
+            if T > 8192 and (is_option or name.startswith("chunk ") and name != "chunk 64"):
                 continue  # options and chunk sizes: 8k says enough
-            impls = ("triton", "chunk") if "decay" in name or name == "normalize" else ("triton",)
+            if name == "paper decay" and not with_chunk_form:
+                continue  # its kernels walk the chunks one by one (slow to time)
+            impls = ("triton", "chunk") if is_option and with_chunk_form else ("triton",)
             for impl in impls:
                 with patched(hla2_triton_module, **constants):
                     time_row(results["variants"], f"T={T} {name} {impl}",
@@ -251,7 +256,11 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also: CUDA time per kernel of one forward+backward")
     parser.add_argument("--variants", metavar="CHUNK_SIZES", default=None,
-                        help="also: time chunk sizes (e.g. 32,64,128), normalize and decay forms")
+                        help="also: time chunk sizes (e.g. 32,64,128), launch shapes, "
+                             "normalize and decay forms")
+    parser.add_argument("--variants-vs-chunk", action="store_true",
+                        help="with --variants: also time the options' PyTorch chunk form and the "
+                             "paper decay form")
     args = parser.parse_args()
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -273,7 +282,8 @@ def main():
             profile_kernels(results)
             save()
         if args.variants:
-            time_variants(results, [int(c) for c in args.variants.split(",")])
+            time_variants(results, [int(c) for c in args.variants.split(",") if c],
+                          args.variants_vs_chunk)
             save()
         run_timings(results, start + args.budget_s)
     save()

@@ -264,6 +264,22 @@ def test_normalize_runs_in_the_same_launches(monkeypatch):
                                 "state_scan_kernel"]
 
 
+def test_inference_skips_the_autograd_node(monkeypatch):
+    """Without gradients the forward runs directly (no autograd node, no kept chunk states);
+    with them it goes through the autograd function, and both give the same output."""
+    calls = []
+    apply = hla2_triton_module._HLA2Masked.apply
+    monkeypatch.setattr(hla2_triton_module._HLA2Masked, "apply",
+                        lambda *args: calls.append(1) or apply(*args))
+    q, k, v = make_inputs(1, 20, 2, 16, 16, torch.float32)
+    with torch.no_grad():
+        o_inference, _ = hla2_triton(q, k, v, chunk_size=16)
+    assert calls == []
+    o_train, _ = hla2_triton(q, k, v, chunk_size=16)
+    assert calls == [1] and o_train.requires_grad
+    assert torch.equal(o_inference, o_train.detach())
+
+
 def test_half_precision_matches_reference():
     q, k, v = make_inputs(1, 40, 2, 16, 16, HALF, seed=6)
     check_against_reference(q, k, v, chunk_size=16)

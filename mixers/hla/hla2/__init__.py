@@ -78,8 +78,8 @@ def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
 
 
 def _prepare(q, k, v, state, state_name, *, masked, normalize, eps, ridge, decay, decay_form):
-    """Validate the options; return (form, decay [H] | None, checked state | None, packed
-    start state, decay for the torch forms: [1] under multi-query)."""
+    """Validate the options; return (form, decay [H] | None, checked state | None, decay for
+    the torch forms: [1] under multi-query)."""
     B, _, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
     check_choice("decay_form", decay_form, DECAY_FORMS)
     _check_scalars(eps, ridge)
@@ -88,12 +88,20 @@ def _prepare(q, k, v, state, state_name, *, masked, normalize, eps, ridge, decay
     form = operator_form(masked, g, decay_form)
     shapes = state_shapes(form, normalize, ridge, B, H, kv_heads, D, Dv)
     state = _check_state(state, shapes, dtype, q.device, state_name)
-    packed = zero_packed(form, normalize, ridge, B, H, kv_heads, D, Dv, dtype, q.device) \
-        if state is None else pack(state, form, normalize, ridge)
     g = None if g is None else g.to(dtype)
     # multi-query decay is uniform (checked), and one value keeps the shared S at one head
     g_torch = g[:1] if g is not None and kv_heads == 1 else g
-    return form, g, state, packed, g_torch
+    return form, g, state, g_torch
+
+
+def _start_packed(state, form, q, k, v, *, normalize, ridge) -> dict:
+    """The torch forms' packed start state: the checked state, or zeros. Built only where a
+    torch form runs (the Triton path takes the state as it is, and zeros would cost launches)."""
+    if state is not None:
+        return pack(state, form, normalize, ridge)
+    B, _, H, D = q.shape
+    return zero_packed(form, normalize, ridge, B, H, k.shape[2], D, v.shape[-1],
+                       compute_dtype(q.dtype), q.device)
 
 
 def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None,
@@ -106,19 +114,20 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     """
     check_choice("impl", impl, IMPLS)
     check_chunk_size(chunk_size)
-    form, g, state, packed, g_torch = _prepare(
+    form, g, state, g_torch = _prepare(
         q, k, v, initial_state, "initial_state", masked=masked, normalize=normalize, eps=eps,
         ridge=ridge, decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
-    if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
-        final = unpack(packed, form, normalize, ridge) if output_final_state else None
-        return q.new_zeros(*q.shape[:3], v.shape[-1]), final
-    if impl == "triton":
+    if impl == "triton" and q.shape[1] > 0:
         from mixers.hla.hla2.triton import hla2_triton
         return hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=g, decay_form=decay_form,
                            chunk_size=chunk_size, initial_state=state,
                            output_final_state=output_final_state)
+    packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
+    if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
+        final = unpack(packed, form, normalize, ridge) if output_final_state else None
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), final
 
     kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g_torch, packed=packed)
     if impl != "serial":
@@ -138,7 +147,7 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
             raise ValueError(f"{name} must have shape [B, H, D], got {got}")
     check_choice("impl", impl, STEP_IMPLS)
     q, k, v = q_t.unsqueeze(1), k_t.unsqueeze(1), v_t.unsqueeze(1)
-    form, g, state, packed, g_torch = _prepare(
+    form, g, state, g_torch = _prepare(
         q, k, v, state, "state", masked=masked, normalize=normalize, eps=eps, ridge=ridge,
         decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "torch", q, k, v, masked=masked, ridge=ridge,
@@ -147,6 +156,7 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
         from mixers.hla.hla2.triton import hla2_step_triton
         return hla2_step_triton(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,
                                 decay_form=decay_form)
+    packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
 
     dtype = packed["S"].dtype
     v_in = with_ones(v_t.to(dtype)) if normalize else v_t.to(dtype)

@@ -43,13 +43,22 @@ import functools
 import os
 
 import torch
-import triton
-
 from mixers.hla.hla2 import triton_kernels as kern
 
 HEAD_DIMS = (16, 32, 64, 128)
 CHUNK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Host-side integer helpers: triton.cdiv and triton.next_power_of_2 are jit functions whose
+# Python calls cost microseconds each, and the launch path makes about twenty of them.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _interpreted() -> bool:
@@ -141,8 +150,8 @@ def _segments(NT, row_programs, resident):
     best, best_cost = (NT, 1), waves(row_programs) * NT
     n_seg = 2
     while n_seg <= NT // 2:
-        seg = triton.next_power_of_2(triton.cdiv(NT, n_seg))  # few compiles over T
-        used = triton.cdiv(NT, seg)
+        seg = _pow2(_cdiv(NT, n_seg))  # few compiles over T
+        used = _cdiv(NT, seg)
         cost = 2 * waves(row_programs * used) * seg + used
         if cost < best_cost:
             best, best_cost = (seg, used), cost
@@ -157,7 +166,7 @@ def _size_class(programs: int) -> int:
 
 def _loop_bound(n):
     """The scans loop to a power of two (masked past n): one compile per bucket, not per T."""
-    return triton.next_power_of_2(n)
+    return _pow2(n)
 
 
 def _summaries(buf, NSEG, *cols):
@@ -240,7 +249,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     states S, A (An: the denominator column of A) and its X (Xn), kept for backward."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
-    NT = triton.cdiv(T, C)
+    NT = _cdiv(T, C)
     prec = _precision(q.dtype)
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
                  PREC=prec)
@@ -268,7 +277,7 @@ def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
     """dq, dk, dv (and the initial-state gradients) from the forward's chunk states."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
-    NT = triton.cdiv(T, C)
+    NT = _cdiv(T, C)
     normalize = dden is not None
     prec = _precision(q.dtype)
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
@@ -307,6 +316,16 @@ def _final_grads(q, D, DV, normalize, grads):
     return out if normalize else out[:2] + (q,)
 
 
+def _masked_forward(q, k, v, s0, a0, an0, log2g, chunk_size, want_final, normalize, eps):
+    """((o, S1, A1, a1), den, chunk states) of _HLA2Masked's forward; None for the final
+    states not asked for (a1 without normalize)."""
+    init = None if s0 is None else (s0, a0, an0 if normalize else q)
+    o, den, final, states = _forward(q, k, v, log2g, init, chunk_size, want_final, normalize,
+                                     eps)
+    s1, a1, an1 = (None, None, None) if final is None else final
+    return (o, s1, a1, an1 if normalize else None), den, states
+
+
 class _HLA2Masked(torch.autograd.Function):
     """(q, k, v, S0, A0, a0) -> (o, S1, A1, a1) for masked hla2 with optional per-head decay
     (given as log2 g, not differentiated); a0, a1: the denominator state with normalize,
@@ -314,16 +333,12 @@ class _HLA2Masked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, s0, a0, an0, log2g, chunk_size, want_final, normalize, eps):
-        init = None
-        if s0 is not None:
-            init = (s0, a0, an0 if normalize else q)
-        o, den, final, states = _forward(q, k, v, log2g, init, chunk_size, want_final,
-                                         normalize, eps)
-        saved = (o, den) if normalize else ()
+        outputs, den, states = _masked_forward(q, k, v, s0, a0, an0, log2g, chunk_size,
+                                               want_final, normalize, eps)
+        saved = (outputs[0], den) if normalize else ()
         ctx.save_for_backward(q, k, v, log2g, *states, *saved)
         ctx.chunk_size, ctx.normalize, ctx.eps = chunk_size, normalize, eps
-        s1, a1, an1 = (None, None, None) if final is None else final
-        return o, s1, a1, an1 if normalize else None
+        return outputs
 
     @staticmethod
     def backward(ctx, do, gs1, ga1, gan1):
@@ -350,7 +365,7 @@ def _paper_forward(q, k, v, log2g, init, C, want_final, want_out, want_states):
     None)."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
-    NT = triton.cdiv(T, C)
+    NT = _cdiv(T, C)
     f32 = dict(dtype=torch.float32, device=q.device)
     o = torch.empty_like(v) if want_out else q
     final = states = None
@@ -408,8 +423,8 @@ class _HLA2Paper(torch.autograd.Function):
         dv = torch.empty_like(v)
         kern.paper_backward_kernel[(n_slices, B * H)](
             q, k, v, do.contiguous(), log2g, *states, *(final_grads or (q, q, q)),
-            *(init_grads or (q, q, q)), dq_parts, dk_parts, dv, T, triton.cdiv(T, C), H=H,
-            D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(triton.cdiv(T, C)),
+            *(init_grads or (q, q, q)), dq_parts, dk_parts, dv, T, _cdiv(T, C), H=H,
+            D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(_cdiv(T, C)),
             HAS_FINAL_GRAD=final_grads is not None, STORE_INIT_GRAD=want_init_grad,
             PREC=PAPER_PREC, num_warps=WARPS)
         dq, dk = dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype)
@@ -441,7 +456,7 @@ def _hla2_paper(q, k, v, *, normalize, eps, decay, C, initial_state, output_fina
     """hla2_triton for decay_form="paper" (q, k, v contiguous with H heads each)."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
-    width = triton.next_power_of_2(DV + 1) if normalize else DV
+    width = _pow2(DV + 1) if normalize else DV
     v_in = _paper_values(v, normalize, width)
     s0 = c0 = g0 = None
     if initial_state is not None:
@@ -499,8 +514,12 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
         if normalize:
             an0 = initial_state["a"].float().contiguous()
     log2g = None if decay is None else torch.log2(decay.float()).contiguous()
-    o, s1, a1, an1 = _HLA2Masked.apply(q, k, v, s0, a0, an0, log2g, C, output_final_state,
-                                       normalize, float(eps))
+    args = (q, k, v, s0, a0, an0, log2g, C, output_final_state, normalize, float(eps))
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                       for x in (q, k, v, s0, a0, an0)):
+        o, s1, a1, an1 = _HLA2Masked.apply(*args)
+    else:  # inference: no autograd node, and the chunk states are not kept
+        o, s1, a1, an1 = _masked_forward(*args)[0]
     final = None
     if output_final_state:
         final = {"S": s1[:, :1].contiguous() if shared_kv else s1, "A": a1}
@@ -559,7 +578,7 @@ def _paper_step(q_t, k_t, v_t, state, *, normalize, eps, decay):
     are replaced by their new values in the state dict."""
     B, H, D = q_t.shape
     DV = v_t.shape[-1]
-    width = triton.next_power_of_2(DV + 1) if normalize else DV
+    width = _pow2(DV + 1) if normalize else DV
     if state is None:
         state = {"S": q_t.new_zeros(B, k_t.shape[1], D, D, dtype=torch.float32)}
         for key, twin in (("C", "m"), ("G", "h")):
