@@ -12,7 +12,8 @@
    imports; with the peak memory of one forward+backward.
 3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 2k, 8k, 32k, 64k).
 4. --variants: the Triton op at other chunk sizes and launch shapes (dq/dk and dv in two
-   launches, scans planned for 4 resident programs per SM) at T = 8k, 32k and 64k, and with
+   launches, scans planned for 4 resident programs per SM, scans in 32-row blocks) at
+   T = 8k, 32k and 64k, and with
    normalize / masked decay at 8k (--variants-vs-chunk: also the PyTorch chunk form of
    those, and the paper decay form), D = 64.
 Every failure is printed and the script goes on; it stops timing new rows once the time
@@ -224,7 +225,8 @@ def time_variants(results, chunk_sizes, with_chunk_form):
         "normalize": (dict(normalize=True), {}), "masked decay": (dict(decay=decay), {}),
         "paper decay": (dict(decay=decay, decay_form="paper"), {}),
         "dq/dk and dv in two launches": ({}, dict(SPLIT_GRADS_FROM=64)),
-        "scans assume 4 programs per SM": ({}, dict(_resident_programs=lambda device, D: 4 * 132))})
+        "scans assume 4 programs per SM": ({}, dict(_resident_programs=lambda device, D: 4 * 132)),
+        "scans in blocks of 32 rows": ({}, dict(SCAN_ROWS=32))})
     for T in (8192, 32768, 65536):
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(TOKENS // T, T, HEADS, 64, device="cuda", generator=gen,
