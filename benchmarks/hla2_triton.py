@@ -13,9 +13,8 @@
 3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 2k, 8k, 32k, 64k).
 4. --variants: the Triton op at other chunk sizes and launch shapes (dq/dk and dv in two
    launches, scans planned for 4 resident programs per SM, scans in 32-row blocks) at
-   T = 8k, 32k and 64k, and with
-   normalize / masked decay at 8k (--variants-vs-chunk: also the PyTorch chunk form of
-   those, and the paper decay form), D = 64.
+   T = 8k, 32k and 64k, and with normalize / masked decay at 8k (--variants-vs-chunk: also
+   the PyTorch chunk form of those, and the paper decay form), D = 64.
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
 """
