@@ -29,6 +29,8 @@ import traceback
 import torch
 import yaml
 
+from hla_bench.results import git_commit
+
 TOKENS, HEADS = 65536, 16
 SEQ_LENS = (2048, 8192, 32768, 65536)
 HEAD_DIMS = (64, 128)
@@ -266,6 +268,7 @@ def main():
     start = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "git_commit": git_commit(),
                "tokens": TOKENS, "heads": HEADS, "dtype": "bfloat16", "correctness": {},
                "timings": {}, "profile": {}, "variants": {}}
     def save():
