@@ -300,7 +300,7 @@ def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
     for want_qk, want_v in parts:
         kern.chunk_grads_kernel[(NT, B * H)](
             q, k, v, do, dden, lg, s, a, z, qdo, an, qn, dq, dk, dv, T, NT,
-            WANT_QK=want_qk, WANT_V=want_v, **shape)
+            _size_class(NT * B * H), WANT_QK=want_qk, WANT_V=want_v, **shape)
     return dq, dk, dv, init_grads
 
 

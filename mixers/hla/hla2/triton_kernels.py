@@ -73,7 +73,7 @@ def _autotuned(warps, key, first_only=None):
 # them (results/2026-12-02-h200-kernels.yaml vs -sweep-full.yaml).
 _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 # Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
-# where 4 spills more. ptxas sm_90a, bf16, registers / spilled bytes, 8 -> 4 warps, every
+# where 4 spills more (dq/dk/dv: where 4 spills most, or is unchecked). ptxas sm_90a, bf16, registers / spilled bytes, 8 -> 4 warps, every
 # decay / normalize flag set:
 #   increments and gradient terms (measured as one kernel; the two kernels that split its
 #     work keep its choices), D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills;
@@ -81,12 +81,14 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 #     sets with 4 warps, 0 B with 8 in those checked (kept at 8)
 #   output, chunk 64, D, Dv in {64, 128}: 165-199 -> 162-200, no spills; chunk 32 with
 #     normalize (0-116 B -> 16-144 B), 16 (0 -> 12 B) and 128 (4-220 -> 576-860 B) kept at 8
-#   dq/dk/dv: 4 warps spill more in most shapes (D=64 fused 0-112 B -> 48-136 B; D=128 dv
-#     alone at chunk 32 0 B -> 212 B), so 8 only (wrapped for the same launch code).
+#   dq/dk/dv, chunk 64: 255 registers either way; 8 warps spill 0-332 B at D = Dv = 64 (one
+#     program per SM: 255 x 256 threads fill the register file, so no other program hides
+#     its latency), 4 warps spill more (28-1124 B) but two programs fit an SM (90 KB of
+#     shared memory each). Which wins is the GPU's call: tuned at chunk 64 with D, Dv <= 64;
+#     at 128 4 warps spill 0.9-2.5 KB, and other chunk sizes are unchecked (kept at 8).
 # num_stages 1, 2, 3 give the same code; 16 warps cap registers at 128 and spill in the
 # output and dq/dk/dv kernels (neither is offered).
-INCREMENTS_WARPS = OUTPUT_WARPS = (8, 4)
-GRADS_WARPS = (8,)
+INCREMENTS_WARPS = OUTPUT_WARPS = GRADS_WARPS = (8, 4)
 
 
 @triton.jit
@@ -463,10 +465,11 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
 
 
-@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_QK", "WANT_V"))
-@triton.jit
+@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_QK", "WANT_V", "SIZE_CLASS"),
+            first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] != 64)
+@triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, an_buf,
-                       gan_buf, dq, dk, dv, T, NT, H: tl.constexpr, D: tl.constexpr,
+                       gan_buf, dq, dk, dv, T, NT, SIZE_CLASS, H: tl.constexpr, D: tl.constexpr,
                        DV: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
                        NORMALIZE: tl.constexpr, PREC: tl.constexpr, WANT_QK: tl.constexpr,
                        WANT_V: tl.constexpr):
