@@ -226,7 +226,8 @@ def time_variants(results, chunk_sizes, with_chunk_form):
         "normalize": (dict(normalize=True), {}), "masked decay": (dict(decay=decay), {}),
         "paper decay": (dict(decay=decay, decay_form="paper"), {}),
         "dq/dk and dv in two launches": ({}, dict(SPLIT_GRADS_FROM=64)),
-        "scans assume 4 programs per SM": ({}, dict(_resident_programs=lambda device, D: 4 * 132)),
+        "scans assume 4 programs per SM": ({}, dict(_resident_programs=lambda device, D: 4 * (
+            torch.cuda.get_device_properties(device).multi_processor_count))),
         "scans in blocks of 32 rows": ({}, dict(SCAN_ROWS=32))})
     for T in (8192, 32768, 65536):
         gen = torch.Generator(device="cuda").manual_seed(0)

@@ -43,6 +43,7 @@ import functools
 import os
 
 import torch
+
 from mixers.hla.hla2 import triton_kernels as kern
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -104,8 +105,9 @@ PAPER_MAX_HEAD_DIM = 64
 
 # Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
 # scan kernels free of spills at D = Dv = 64 (little at 128); with their next step's inputs
-# loaded ahead they use 116-126 registers there (166 with normalize), so 2 programs fit an SM. The per-chunk kernels
-# (increments, output, dq/dk/dv) pick their warps by autotuning (see triton_kernels.py).
+# loaded ahead they use 116-126 registers there (166 with normalize), so 2 programs fit an
+# SM. The per-chunk kernels (increments, output, dq/dk/dv) pick their warps by autotuning
+# (see triton_kernels.py).
 WARPS, SCAN_ROWS = 8, 16
 # From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
 SPLIT_GRADS_FROM = 128

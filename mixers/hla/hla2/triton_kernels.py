@@ -73,8 +73,8 @@ def _autotuned(warps, key, first_only=None):
 # them (results/2026-12-02-h200-kernels.yaml vs -sweep-full.yaml).
 _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 # Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
-# where 4 spills more (dq/dk/dv: where 4 spills most, or is unchecked). ptxas sm_90a, bf16, registers / spilled bytes, 8 -> 4 warps, every
-# decay / normalize flag set:
+# where 4 spills more (dq/dk/dv: where 4 spills most, or is unchecked). ptxas sm_90a, bf16,
+# registers / spilled bytes, 8 -> 4 warps, every decay / normalize flag set:
 #   increments and gradient terms (measured as one kernel; the two kernels that split its
 #     work keep its choices), D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills;
 #     D or Dv = 128 (4 warps: 254-255 registers) or chunk 128: 8-768 B spilled in some flag
