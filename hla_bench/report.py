@@ -54,6 +54,8 @@ def _group_title(points: list[dict[str, Any]], sweep: str, mode: str) -> str:
     dims = f"H={first['heads']} D={first['head_dim']}"
     if first["value_dim"] != first["head_dim"]:
         dims += f" Dv={first['value_dim']}"
+    if mode == "decode":  # times are per token; runs of decode_steps tokens were timed
+        mode += f" (per token, runs of {first.get('decode_steps') or 1})"
     return f"{sweep} · {mode} · {dims} · {first['dtype']} on {first['device']}"
 
 

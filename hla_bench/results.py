@@ -46,6 +46,11 @@ POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "p80_ms": (_NUM, True), "tokens_per_s": (_NUM, True), "peak_memory_bytes": (_INT, True),
     "state_bytes": (_INT, True), "flops": (_NUM, True), "tflops": (_NUM, True),
 }
+# Checked when present: files written before a field existed stay readable. decode_steps is
+# the tokens per timed decode call (absent: 1).
+OPTIONAL_POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "decode_steps": (_INT, True),
+}
 TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "kind": (_STR, False), "schema_version": (_INT, False), "created": (_STR, False),
     "config": (_MAP, False), "sweeps": ((list,), False), "environment": (_MAP, False),
@@ -127,11 +132,13 @@ def make_results(config: Mapping[str, Any], sweeps: list[Mapping[str, Any]],
     }
 
 
-def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, ...], bool]]) -> None:
+def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, ...], bool]],
+                  optional: Mapping[str, tuple[tuple[type, ...], bool]] | None = None) -> None:
     if not isinstance(data, dict):
         raise ResultsSchemaError(f"{where or 'results'}: expected a mapping, got {type(data).__name__}")
     prefix = f"{where}." if where else ""
-    for name, (types, nullable) in fields.items():
+    present = {name: spec for name, spec in (optional or {}).items() if name in data}
+    for name, (types, nullable) in {**fields, **present}.items():
         if name not in data:
             raise ResultsSchemaError(f"{prefix}{name}: missing field")
         value = data[name]
@@ -152,7 +159,7 @@ def validate(data: Any) -> dict[str, Any]:
                                  f"got {data['schema_version']!r}")
     for index, point in enumerate(data["points"]):
         where = f"points[{index}]"
-        _check_fields(where, point, POINT_FIELDS)
+        _check_fields(where, point, POINT_FIELDS, OPTIONAL_POINT_FIELDS)
         if point["status"] not in STATUSES:
             raise ResultsSchemaError(f"{where}.status: expected one of {', '.join(STATUSES)}, "
                                      f"got {point['status']!r}")

@@ -161,6 +161,9 @@ class SweepConfig:
     Batch: `batch` fixed, or `tokens_per_batch` N giving batch = max(1, N // T) so the
     tokens per batch stay fixed across T. `decode_batch`, when set, replaces that rule for
     decode points (one token per sequence, so a fixed batch is the natural choice).
+    `decode_steps`: consecutive tokens per timed decode call, each call starting again at
+    context T; decode times are per token (a run of tokens, as in generation, averages out
+    the per-call synchronisation that would otherwise dominate a step of a few microseconds).
     `value_dim` None means `head_dim`. `dtype`/`device` `auto`: bf16 on CUDA, fp32 on CPU.
     """
 
@@ -171,6 +174,7 @@ class SweepConfig:
     batch: int | None = None
     tokens_per_batch: int | None = None
     decode_batch: int | None = None
+    decode_steps: int = 8
     heads: int = 16
     head_dim: int = 64
     value_dim: int | None = None
@@ -199,7 +203,7 @@ class SweepConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
-        for key in ("heads", "head_dim", "repeats"):
+        for key in ("heads", "head_dim", "repeats", "decode_steps"):
             value = getattr(self, key)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
@@ -451,11 +455,16 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
         q, k, v = _qkv((batch, heads), head_dim, value_dim, device, dtype, generator)
 
         def call() -> Any:
-            """Every timed step starts at context T: a shallow copy keeps the state's tensors
-            but not its bookkeeping (a KV cache's length would otherwise grow by one per
-            repeat, and cuDNN plans anew for every new length)."""
+            """`decode_steps` tokens from context T: a shallow copy keeps the state's tensors
+            but not its bookkeeping, so every call sees the same lengths (a KV cache would
+            otherwise grow with each repeat, and cuDNN plans anew for every new length)."""
+            current = copy.copy(state)
             with torch.no_grad():
-                return decoder.step(q, k, v, copy.copy(state))
+                for _ in range(sweep.decode_steps):
+                    out, current = decoder.step(q, k, v, current)
+            return out
+        calls_per_timing = sweep.decode_steps
+        record["decode_steps"] = sweep.decode_steps
         tokens = batch
     else:
         op = mixer.op(**options)
@@ -474,11 +483,13 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
                 with torch.no_grad():
                     return op(q, k, v)
         tokens = batch * point.seq_len
+        calls_per_timing = 1
 
     for _ in range(sweep.warmup):
         call()
     record["peak_memory_bytes"] = peak_memory_bytes(call, device)
-    times = time_calls(call, warmup=0, repeats=sweep.repeats, device=device)
+    times = [t / calls_per_timing for t in
+             time_calls(call, warmup=0, repeats=sweep.repeats, device=device)]
     record.update(summarize_times(times))
     seconds = record["median_ms"] / 1e3
     record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
@@ -499,6 +510,7 @@ def empty_record(point: Point) -> dict[str, Any]:
         "status": "ok", "reason": None, "repeats": sweep.repeats, "warmup": sweep.warmup,
         "median_ms": None, "p20_ms": None, "p80_ms": None, "tokens_per_s": None,
         "peak_memory_bytes": None, "state_bytes": None, "flops": None, "tflops": None,
+        "decode_steps": None,
     }
 
 

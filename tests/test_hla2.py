@@ -266,7 +266,8 @@ def test_state_bytes_and_flops():
     fwd = hla2_flops(1, 128, 1, 64, 64, chunk_size=64)
     assert fwd == 2 * 2 * 12 * 64 ** 3  # two chunks of twelve 64^3 products
     assert hla2_flops(1, 128, 1, 64, 64, mode="fwdbwd") == 3 * fwd
-    assert hla2_flops(2, 10, 3, 4, 5, mode="decode") == 2 * 2 * 10 * 3 * (2 * 16 + 2 * 20)
+    assert hla2_flops(2, 10, 3, 4, 5, mode="decode") == 2 * 2 * 3 * (2 * 16 + 2 * 20)
+    assert hla2_flops(2, 10, 3, 4, 5, mode="decode") == hla2_flops(2, 10_000, 3, 4, 5, mode="decode")
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),

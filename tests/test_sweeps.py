@@ -239,8 +239,9 @@ def test_fwdbwd_runs_backward(fake_mixers, monkeypatch):
     assert grads and set(grads) == {torch.Size([2, 16, 2, 8])}
 
 
-def test_decode_steps_all_start_at_context_t(monkeypatch):
-    """A KV cache grows by one token per step: every timed step must still see context T."""
+def test_decode_calls_run_decode_steps_tokens_from_context_t(monkeypatch):
+    """A KV cache grows by one token per step: every timed call must still start at context T
+    and run `decode_steps` consecutive tokens."""
     from mixers.attention import KVCacheDecoder
 
     lengths = []
@@ -251,9 +252,29 @@ def test_decode_steps_all_start_at_context_t(monkeypatch):
         return step(self, q, k, v, state)
 
     monkeypatch.setattr(KVCacheDecoder, "step", spy)
-    records = run_sweeps([tiny_sweep(["sdpa:backend=math"], modes=["decode"], seq_lens=[16])])
-    assert records[0]["status"] == "ok"
-    assert len(lengths) >= 4 and set(lengths) == {16}
+    records = run_sweeps([tiny_sweep(["sdpa:backend=math"], modes=["decode"], seq_lens=[16],
+                                     decode_steps=3)])
+    assert records[0]["status"] == "ok" and records[0]["decode_steps"] == 3
+    assert len(lengths) >= 12 and lengths == [16, 17, 18] * (len(lengths) // 3)
+
+
+def test_decode_times_are_per_token(fake_mixers, monkeypatch):
+    def fixed_times(fn, *, warmup, repeats, device):
+        fn()
+        return [6.0] * repeats
+
+    monkeypatch.setattr("hla_bench.sweeps.time_calls", fixed_times)
+    sweep = tiny_sweep(["fake-fast"], modes=["fwd", "decode"], seq_lens=[16], decode_steps=4)
+    by = {p["mode"]: p for p in run_sweeps([sweep])}
+    assert by["fwd"]["median_ms"] == 6.0 and by["fwd"]["decode_steps"] is None
+    assert by["decode"]["median_ms"] == by["decode"]["p80_ms"] == 1.5
+    assert by["decode"]["tokens_per_s"] == pytest.approx(2 / 1.5e-3)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5])
+def test_decode_steps_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="decode_steps must be a positive integer"):
+        tiny_sweep(["fake-fast"], decode_steps=bad)
 
 
 def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):

@@ -177,13 +177,13 @@ def hla2_flops(batch, seq_len, heads, head_dim, value_dim, chunk_size=64, mode="
     (P*L) Wd^T (c^3), its product with V (c^2 e); state terms K^T K (c d^2), Wd^T V and K^T of
     it (c^2 e + c d e), Q^T V (c d e), S0 (Q^T V) (d^2 e); carried read-out Q A0 (c d e),
     Q S0 (c d^2), (Q S0) Q^T (c^2 d) and its product with V (c^2 e). mode "fwdbwd" counts the
-    backward as twice the forward (3x); "decode" counts seq_len single-token steps
+    backward as twice the forward (3x); "decode" is one token step at any context
     (k k^T, S q: d^2 each; (S q) v^T, q^T A: d e each).
     """
     check_choice("mode", mode, ("fwd", "fwdbwd", "decode"))
     c, d, e = chunk_size, head_dim, value_dim
     if mode == "decode":
-        return 2.0 * batch * heads * seq_len * (2 * d * d + 2 * d * e)
+        return 2.0 * batch * heads * (2 * d * d + 2 * d * e)
     per_chunk = 2 * c * c * d + c ** 3 + 3 * c * c * e + 2 * c * d * d + 3 * c * d * e + d * d * e
     fwd = 2.0 * batch * heads * math.ceil(seq_len / c) * per_chunk
     return 3 * fwd if mode == "fwdbwd" else fwd
