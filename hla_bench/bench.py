@@ -168,6 +168,8 @@ def with_output_options(command):
 @click.option("--decode-batch", type=click.IntRange(min=1), help="Batch for decode points.")
 @click.option("--decode-steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Consecutive tokens per timed decode call (times are per token).")
+@click.option("--decode-graph", is_flag=True,
+              help="Replay each decode run as a CUDA graph (times the GPU work, not the host).")
 @click.option("--heads", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--head-dim", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--value-dim", type=click.IntRange(min=1), help="Default: head dim.")
@@ -180,7 +182,8 @@ def with_output_options(command):
               help="Record a point that runs longer as a timeout and go on.")
 @with_output_options
 def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int | None,
-          decode_batch: int | None, decode_steps: int, heads: int, head_dim: int, value_dim: int | None, dtype: str,
+          decode_batch: int | None, decode_steps: int, decode_graph: bool,
+          heads: int, head_dim: int, value_dim: int | None, dtype: str,
           modes: str, device: str, repeats: int, warmup: int, point_timeout_s: float | None,
           out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
           resume: bool) -> None:
@@ -192,7 +195,7 @@ def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int |
             "name": "bench", "mixers": [_spec_dict(s) for s in specs],
             "seq_lens": parse_seq_lens(seq_lens), "modes": modes.split(","), "batch": batch,
             "tokens_per_batch": tokens_per_batch, "decode_batch": decode_batch,
-            "decode_steps": decode_steps, "heads": heads,
+            "decode_steps": decode_steps, "decode_graph": decode_graph, "heads": heads,
             "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype, "device": device,
             "warmup": warmup, "repeats": repeats, "baseline": baseline,
             "point_timeout_s": point_timeout_s,

@@ -55,7 +55,8 @@ def _group_title(points: list[dict[str, Any]], sweep: str, mode: str) -> str:
     if first["value_dim"] != first["head_dim"]:
         dims += f" Dv={first['value_dim']}"
     if mode == "decode":  # times are per token; runs of decode_steps tokens were timed
-        mode += f" (per token, runs of {first.get('decode_steps') or 1})"
+        graph = ", CUDA graph" if first.get("decode_graph") else ""
+        mode += f" (per token, runs of {first.get('decode_steps') or 1}{graph})"
     return f"{sweep} · {mode} · {dims} · {first['dtype']} on {first['device']}"
 
 

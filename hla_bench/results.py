@@ -34,7 +34,7 @@ KIND = "bench"
 OPTIONAL_PACKAGES = ("triton", "flash-linear-attention", "mamba-ssm", "flash-attn",
                      "causal-conv1d", "numpy")
 
-_INT, _NUM, _STR, _MAP = (int,), (int, float), (str,), (dict,)
+_INT, _NUM, _STR, _MAP, _BOOL = (int,), (int, float), (str,), (dict,), (bool,)
 # field -> (accepted types, may be null)
 POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "sweep": (_STR, False), "mixer": (_STR, False), "name": (_STR, False),
@@ -47,9 +47,9 @@ POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "state_bytes": (_INT, True), "flops": (_NUM, True), "tflops": (_NUM, True),
 }
 # Checked when present: files written before a field existed stay readable. decode_steps is
-# the tokens per timed decode call (absent: 1).
+# the tokens per timed decode call (absent: 1); decode_graph, whether it replayed a CUDA graph.
 OPTIONAL_POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "decode_steps": (_INT, True),
+    "decode_steps": (_INT, True), "decode_graph": (_BOOL, True),
 }
 TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "kind": (_STR, False), "schema_version": (_INT, False), "created": (_STR, False),
@@ -144,7 +144,7 @@ def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, 
         value = data[name]
         if value is None and nullable:
             continue
-        if isinstance(value, bool) or not isinstance(value, types):
+        if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
             expected = " or ".join(t.__name__ for t in types) + (" or null" if nullable else "")
             raise ResultsSchemaError(f"{prefix}{name}: expected {expected}, got {value!r}")
 

@@ -164,6 +164,8 @@ class SweepConfig:
     `decode_steps`: consecutive tokens per timed decode call, each call starting again at
     context T; decode times are per token (a run of tokens, as in generation, averages out
     the per-call synchronisation that would otherwise dominate a step of a few microseconds).
+    `decode_graph` (CUDA only): capture that run once as a CUDA graph and time its replays,
+    as a serving loop does to take the host out of small steps; it then times the GPU work.
     `value_dim` None means `head_dim`. `dtype`/`device` `auto`: bf16 on CUDA, fp32 on CPU.
     """
 
@@ -175,6 +177,7 @@ class SweepConfig:
     tokens_per_batch: int | None = None
     decode_batch: int | None = None
     decode_steps: int = 8
+    decode_graph: bool = False
     heads: int = 16
     head_dim: int = 64
     value_dim: int | None = None
@@ -207,6 +210,9 @@ class SweepConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
+        if not isinstance(self.decode_graph, bool):
+            raise ValueError(f"sweep {self.name!r}: decode_graph must be true or false, "
+                             f"got {self.decode_graph!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"sweep {self.name!r}: warmup must be a non-negative integer")
         timeout = self.point_timeout_s
@@ -347,6 +353,20 @@ def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int, device: str,
     return times
 
 
+def cuda_graph_replay(fn: Callable[[], Any]) -> Callable[[], None]:
+    """Capture one call of `fn` (already warmed up, so nothing compiles or autotunes during
+    capture) as a CUDA graph; return its replay. A step that cannot be captured raises
+    NotImplementedError, which the runner records as unsupported."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as error:
+        raise NotImplementedError(f"the decode run cannot be captured as a CUDA graph: "
+                                  f"{type(error).__name__}: {error}") from error
+    return graph.replay
+
+
 def _proc_status_kib(field_name: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field_name + ":"):
@@ -464,7 +484,7 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
                     out, current = decoder.step(q, k, v, current)
             return out
         calls_per_timing = sweep.decode_steps
-        record["decode_steps"] = sweep.decode_steps
+        record["decode_steps"], record["decode_graph"] = sweep.decode_steps, sweep.decode_graph
         tokens = batch
     else:
         op = mixer.op(**options)
@@ -487,6 +507,8 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
 
     for _ in range(sweep.warmup):
         call()
+    if point.mode == "decode" and sweep.decode_graph:
+        call = cuda_graph_replay(call)
     record["peak_memory_bytes"] = peak_memory_bytes(call, device)
     times = [t / calls_per_timing for t in
              time_calls(call, warmup=0, repeats=sweep.repeats, device=device)]
@@ -510,7 +532,7 @@ def empty_record(point: Point) -> dict[str, Any]:
         "status": "ok", "reason": None, "repeats": sweep.repeats, "warmup": sweep.warmup,
         "median_ms": None, "p20_ms": None, "p80_ms": None, "tokens_per_s": None,
         "peak_memory_bytes": None, "state_bytes": None, "flops": None, "tflops": None,
-        "decode_steps": None,
+        "decode_steps": None, "decode_graph": None,
     }
 
 
@@ -556,6 +578,8 @@ def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = Non
         return {**record, "status": "unavailable", "reason": unavailable}
     if point.mode == "decode" and mixer.build_decoder is None:
         return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}
+    if point.mode == "decode" and point.sweep.decode_graph and not record["device"].startswith("cuda"):
+        return {**record, "status": "unsupported", "reason": "decode_graph needs a CUDA device"}
     if oom_at is not None and key in oom_at and point.seq_len > oom_at[key]:
         return {**record, "status": "oom",
                 "reason": f"skipped: out of memory at T={format_seq_len(oom_at[key])}"}

@@ -68,11 +68,22 @@ def test_round_trip(bench_data, tmp_path):
     (lambda d: d["points"][0].update(median_ms=None), r"^points\[0\]\.median_ms: required"),
     (lambda d: d["points"][2].pop("mode"), r"^points\[2\]\.mode: missing field"),
     (lambda d: d["points"][0].update(batch=True), r"^points\[0\]\.batch: expected int"),
+    (lambda d: d["points"][4].update(decode_graph=1), r"^points\[4\]\.decode_graph: expected bool"),
+    (lambda d: d["points"][4].update(decode_steps=2.5), r"^points\[4\]\.decode_steps: expected int"),
 ])
 def test_schema_errors_name_the_field(bench_data, edit, message):
     edit(bench_data)
     with pytest.raises(results.ResultsSchemaError, match=message):
         results.validate(bench_data)
+
+
+def test_files_without_the_decode_fields_still_load(bench_data):
+    """decode_steps and decode_graph came later: older results files lack them."""
+    decode = bench_data["points"][4]
+    assert decode["mode"] == "decode" and decode["decode_steps"] == 8 and decode["decode_graph"] is False
+    for point in bench_data["points"]:
+        del point["decode_steps"], point["decode_graph"]
+    results.validate(bench_data)
 
 
 def test_load_names_the_file(bench_data, tmp_path):

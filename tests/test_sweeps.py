@@ -277,6 +277,30 @@ def test_decode_steps_must_be_a_positive_integer(bad):
         tiny_sweep(["fake-fast"], decode_steps=bad)
 
 
+def test_decode_graph_needs_cuda_and_a_flag(fake_mixers):
+    sweep = tiny_sweep(["fake-fast"], modes=["fwd", "decode"], seq_lens=[16], decode_graph=True)
+    by = {p["mode"]: p for p in run_sweeps([sweep])}
+    assert by["fwd"]["status"] == "ok"
+    assert by["decode"]["status"] == "unsupported"
+    assert by["decode"]["reason"] == "decode_graph needs a CUDA device"
+    with pytest.raises(ValueError, match="decode_graph must be true or false"):
+        tiny_sweep(["fake-fast"], decode_graph="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_runs_the_captured_work_and_refuses_host_syncs():
+    from hla_bench.sweeps import cuda_graph_replay
+
+    x = torch.zeros(4, device="cuda")
+    replay = cuda_graph_replay(lambda: x.add_(1))
+    replay()
+    replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4  # capture itself runs nothing
+    with pytest.raises(NotImplementedError, match="cannot be captured as a CUDA graph"):
+        cuda_graph_replay(lambda: x.sum().item())
+
+
 def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):
     from hla_bench.sweeps import peak_memory_bytes
 
