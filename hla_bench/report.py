@@ -23,13 +23,19 @@ METRICS = {
     "time": ("median_ms", "median ms", False),
     "memory": ("peak_memory_bytes", "peak memory above inputs", False),
     "tflops": ("tflops", "TFLOP/s", True),
+    "state": ("state_bytes", "state held (KV cache or fixed state)", False),
 }
 STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsupported": "—",
                  "timeout": "timeout"}
 
 
+def _format_ratio(ratio: float) -> str:
+    """Two decimals, or two significant digits below 0.1 (a 200x gap is not `0.00x`)."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
 def _format_value(metric: str, value: float) -> str:
-    if metric == "memory":
+    if metric in ("memory", "state"):
         return format_bytes(value)
     if metric == "tflops":
         return f"{value:.3g}"
@@ -86,7 +92,7 @@ def bench_cells(points: list[dict[str, Any]], metric: str = "time",
             else:
                 text = _format_value(metric, value)
                 if base and label != baseline:
-                    text += f" ({value / base:.2f}x)"
+                    text += f" ({_format_ratio(value / base)})"
                 cells.append((text, value == best and len(present) > 1))
         rows.append((seq_len, next(iter(row.values()))["batch"], cells))
     return labels, rows
@@ -211,7 +217,8 @@ def comparison_table(rows: list[dict[str, Any]], old_name: str, new_name: str,
 
 
 def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """One PNG per (sweep, mode): time vs T and peak memory vs T, log-log, a line per mixer.
+    """One PNG per (sweep, mode): time vs T and peak memory vs T (for decode: the state held,
+    as decode steps allocate next to nothing), log-log, a line per mixer.
 
     Points that did not run are drawn as an `x` near the bottom edge at their T (staggered
     by mixer so they do not hide each other).
@@ -229,14 +236,15 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
         figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         any_failed = False
         failing = list(dict.fromkeys(p["mixer"] for p in points if p["status"] != "ok"))
-        for ax, metric, ylabel in ((axes[0], "time", "median time (ms)"),
-                                   (axes[1], "memory", "peak memory above inputs (MiB)")):
+        memory = (("state", "state held: KV cache or fixed state (MiB)") if mode == "decode"
+                  else ("memory", "peak memory above inputs (MiB)"))
+        for ax, metric, ylabel in ((axes[0], "time", "median time (ms)"), (axes[1], *memory)):
             plotted = False
             for index, label in enumerate(dict.fromkeys(p["mixer"] for p in points)):
                 color = f"C{index % 10}"
                 mine = sorted((p for p in points if p["mixer"] == label), key=lambda p: p["seq_len"])
                 ran = [(p["seq_len"], _value(p, metric)) for p in mine if _value(p, metric)]
-                if metric == "memory":
+                if metric != "time":
                     ran = [(t, v / 2 ** 20) for t, v in ran]
                 if ran:
                     plotted = True

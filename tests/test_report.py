@@ -53,6 +53,27 @@ def test_table_cells_best_and_baseline(synthetic):
     assert [c._cells[0] for c in memory.columns][2:] == ["[bold]1.0 MiB[/bold]"] * 2  # a tie
 
 
+def test_small_ratios_keep_two_significant_digits():
+    points = [_point("a", 1024, 1.0), _point("b", 1024, 0.0047), _point("c", 1024, 0.25)]
+    _, [(_, _, cells)] = report.bench_cells(points, "time", baseline="a")
+    assert [cell[0] for cell in cells[1:]] == ["0.005 (0.0047x)", "0.250 (0.25x)"]
+
+
+def test_decode_plots_show_the_state_held(synthetic, tmp_path, monkeypatch):
+    """Decode steps allocate next to nothing: their right panel is the state (KV cache or
+    fixed), not the peak memory."""
+    import matplotlib.axes
+
+    labels = []
+    original = matplotlib.axes.Axes.set_ylabel
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel",
+                        lambda self, text, *a, **k: labels.append(text) or original(self, text, *a, **k))
+    decode = _point("a", 1024, 5.0, mode="decode", memory=0)
+    decode["state_bytes"] = 8 * 2 ** 20
+    report.write_plots(_data([decode]), tmp_path)
+    assert labels == ["median time (ms)", "state held: KV cache or fixed state (MiB)"]
+
+
 def test_markdown_table(synthetic):
     text = report.bench_markdown(synthetic["points"], "title", "time", baseline="a")
     lines = text.splitlines()
