@@ -477,12 +477,17 @@ def _hla2_paper(q, k, v, *, normalize, eps, decay, C, initial_state, output_fina
     return o, final
 
 
-def _chunk(chunk_size: int, dtype) -> int:
+def _chunk(chunk_size: int, dtype, head_dim: int, backward: bool) -> int:
     """The kernels need a power-of-two chunk in [16, 128]; other sizes run with 64 (the
     result does not depend on the chunk size). fp32 inputs (exact, non-tensor-core dots)
-    use at most 32, which keeps the D = 128 backward within the shared memory of an H100/H200."""
+    use at most 32, which keeps the D = 128 backward within the shared memory of an H100/H200;
+    for the same reason a backward at head dim (D or Dv) 128 uses at most 64 (chunk 128 asks
+    for 320 KiB there, the H200 has 227), while a forward alone keeps 128 (2.87 vs 3.62 ms
+    at chunk 64, results/2026-12-02-h200-d128-chunks.yaml)."""
     chunk = chunk_size if chunk_size in CHUNK_SIZES else 64
-    return min(chunk, 32) if dtype == torch.float32 else chunk
+    if dtype == torch.float32:
+        return min(chunk, 32)
+    return min(chunk, 64) if backward and head_dim >= 128 else chunk
 
 
 def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="masked",
@@ -497,7 +502,9 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
         raise ValueError(reason)
     B, T, H, D = q.shape
     paper = decay is not None and decay_form == "paper"
-    C = _chunk(chunk_size, q.dtype)
+    backward = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, *(initial_state or {}).values()))
+    C = _chunk(chunk_size, q.dtype, max(D, v.shape[-1]), backward)
     shared_kv = k.shape[2] == 1 and H > 1
     if shared_kv:  # multi-query: every head runs on the shared k, v (and shared S)
         k, v = k.expand(B, T, H, D), v.expand(B, T, H, v.shape[-1])
@@ -517,8 +524,7 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
             an0 = initial_state["a"].float().contiguous()
     log2g = None if decay is None else torch.log2(decay.float()).contiguous()
     args = (q, k, v, s0, a0, an0, log2g, C, output_final_state, normalize, float(eps))
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                       for x in (q, k, v, s0, a0, an0)):
+    if backward:
         o, s1, a1, an1 = _HLA2Masked.apply(*args)
     else:  # inference: no autograd node, and the chunk states are not kept
         o, s1, a1, an1 = _masked_forward(*args)[0]
