@@ -640,7 +640,7 @@ torch.cuda.synchronize()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a native launch sequence")
-@pytest.mark.xfail(strict=True, reason="illegal memory access on the H200 at 3c406b7 (see "
+@pytest.mark.xfail(strict=True, reason="illegal memory access on the H200 at abc970f (see "
                    "results/2026-12-02-h200-triton-tests-v4.yaml); not yet found")
 def test_normalize_at_8k_then_64k_in_one_process():
     """normalize at 8k tokens (B = 8), then at 64k in one sequence (two-level scans), timed
