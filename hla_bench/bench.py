@@ -213,9 +213,11 @@ def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
 @click.command()
 @click.argument("config_path", metavar="[CONFIG]", required=False,
                 type=click.Path(exists=True, dir_okay=False))
+@click.option("--sweep", "only", multiple=True, metavar="NAME",
+              help="Run only this sweep of the config (repeatable; default: all).")
 @with_output_options
-def run(config_path: str | None, out: str | None, as_json: bool, as_yaml: bool,
-        baseline: str | None, resume: bool) -> None:
+def run(config_path: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
+        as_yaml: bool, baseline: str | None, resume: bool) -> None:
     """Run the sweeps of a config file (default: configs/cpu-smoke.yaml)."""
     output_format = _output_format(as_json, as_yaml)
     path = Path(config_path) if config_path else DEFAULT_CONFIG
@@ -225,6 +227,13 @@ def run(config_path: str | None, out: str | None, as_json: bool, as_yaml: bool,
         raise click.UsageError(f"{path}: {error}") from None
     except OSError as error:
         raise click.UsageError(f"cannot read {path}: {error}") from None
+    names = [s.name for s in sweeps]
+    unknown = [name for name in only if name not in names]
+    if unknown:
+        raise click.UsageError(f"--sweep {unknown[0]!r} is not a sweep of {path.name} "
+                               f"({', '.join(names)})")
+    if only:
+        sweeps = [s for s in sweeps if s.name in only]
     labels = {spec.label for sweep in sweeps for spec in sweep.mixers}
     if baseline is not None and baseline not in labels:
         raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of {path.name} "

@@ -117,6 +117,22 @@ def test_run_config_with_two_sweeps(runner, fake_mixers, tmp_path):
     assert all(p["status"] == "ok" for p in data["points"] if p["mixer"] == "fast")
 
 
+def test_run_selected_sweeps(runner, fake_mixers, tmp_path):
+    """--sweep runs the named sweeps of a config only; an unknown name is a usage error."""
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump({
+        "heads": 2, "device": "cpu", "warmup": 0, "repeats": 2, "seq_lens": ["64"],
+        "batch": 1, "modes": ["fwd"], "mixers": ["fake-fast"],
+        "sweeps": [{"name": "d8", "head_dim": 8}, {"name": "d16", "head_dim": 16}]}))
+    out = tmp_path / "out.yaml"
+    result = runner.invoke(main, ["run", str(config), "--sweep", "d16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "1 sweep(s), 1 points" in result.output
+    assert [p["sweep"] for p in results.load(out)["points"]] == ["d16"]
+    result = runner.invoke(main, ["run", str(config), "--sweep", "d32"])
+    assert result.exit_code == 2 and "--sweep 'd32' is not a sweep of two.yaml (d8, d16)" in result.output
+
+
 def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp_path,
                                                         monkeypatch):
     """A sweep cut short is continued from its results file: kept points are not measured

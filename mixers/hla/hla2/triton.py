@@ -109,8 +109,19 @@ PAPER_MAX_HEAD_DIM = 64
 # SM. The per-chunk kernels (increments, output, dq/dk/dv) pick their warps by autotuning
 # (see triton_kernels.py).
 WARPS, SCAN_ROWS = 8, 16
-# From this head dim on, dq/dk and dv are computed by two launches (fewer register spills).
-SPLIT_GRADS_FROM = 128
+# Scans with programs to spare take wider row blocks: each program loads the whole [D, Dv] X
+# at every step, so fewer, wider programs move less. (rows, waves) of the state scan and of
+# the gradient scan: the rows they take once a one-level scan in SCAN_ROWS-row blocks would
+# need that many waves. On the H200 (results/2026-12-02-h200-scan-variants.yaml), D = 128,
+# 8k x 8: state scan 1.40 -> 1.00 ms with 32 rows, gradient scan 1.02 -> 0.75 ms with 64;
+# D = 64, 8k x 8 (2 waves): state 0.289 -> 0.205 ms with 32 rows, gradients 0.199 -> 0.218
+# with 64 (kept at 16), 2k x 32 (8 waves): gradients 0.199 -> 0.172 with 64; 64k x 1 (under
+# a wave): wider blocks were slower (D = 128: 1.42 -> 1.86 and 1.87 ms).
+WIDE_SCAN = ((32, 1), (64, 4))
+# From this head dim on, dq, dk and dv are computed by the launches in SPLIT_GRADS (each
+# string names the gradients of one launch): fewer register spills. Three launches (q, k, v)
+# were slower at D = 128 (4.08 vs 3.37 ms at 8k x 8: more recomputed).
+SPLIT_GRADS_FROM, SPLIT_GRADS = 128, ("qk", "v")
 # decay_form="paper": chunk size of its sequential walk (one program per head holds every
 # state and chunk temporary: smaller chunks keep the registers in bounds).
 # ptxas sm_90a, bf16, 8 warps, chunk 16, 32 value columns per program: D = 64 forward 0 B
@@ -119,6 +130,11 @@ PAPER_CHUNK = 16
 # decay_form="paper": value columns per program (C, G, O columns are independent; backward
 # sums the per-slice parts of dq, dk and dS0).
 PAPER_BV = 32
+# Value columns per program of the output kernel, 16-bit and fp32 inputs: each program
+# recomputes the chunk's [C, C] mixing matrix, so wider slices repeat less work (H200,
+# D = Dv = 128, bf16: 0.875 -> 0.667 ms at 8k x 8 with 128 instead of 64,
+# results/2026-12-02-h200-scan-variants.yaml); fp32 operands take twice the shared memory.
+OUTPUT_BV = {2: 128, 4: 64}
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -178,10 +194,22 @@ def _summaries(buf, NSEG, *cols):
             for c in cols]
 
 
-def _scan_launch(shape):
+def _scan_plan(NT, D, BH, device, wide):
+    """(rows per program, chunks per segment, segment count) of a scan over NT chunks:
+    wide = (rows, waves) from WIDE_SCAN, taken when SCAN_ROWS-row programs would need that
+    many waves, else SCAN_ROWS rows and, where those programs cannot fill the GPU, two
+    levels (see _segments)."""
+    resident = _resident_programs(device, D)
+    programs = D // SCAN_ROWS * BH
+    wide_rows, waves = wide
+    if programs >= waves * resident:
+        return min(wide_rows, D), NT, 1
+    return (SCAN_ROWS, *_segments(NT, programs, resident))
+
+
+def _scan_launch(shape, rows):
     """Launch options of the scans (which take the step length CL instead of C)."""
-    return dict(num_warps=WARPS, BD=SCAN_ROWS,
-                **{k: v for k, v in shape.items() if k != "C"})
+    return dict(num_warps=WARPS, BD=rows, **{k: v for k, v in shape.items() if k != "C"})
 
 
 def _scan_states(inc, lg, init, final, T, C, shape):
@@ -191,12 +219,12 @@ def _scan_states(inc, lg, init, final, T, C, shape):
     segment summaries, a scan over them, a rescan per segment."""
     ds, x, da, xn, an = inc
     BH, NT, D, DV = da.shape
-    SEG, NSEG = _segments(NT, D // SCAN_ROWS * BH, _resident_programs(da.device, D))
-    launch = _scan_launch(shape)
+    rows, SEG, NSEG = _scan_plan(NT, D, BH, da.device, WIDE_SCAN[0])
+    launch = _scan_launch(shape, rows)
 
     def scan(n_seg, bufs, init, final, xp, n, seg, cl, summary):
         in_place = (bufs[0], bufs[2], bufs[4])
-        kern.state_scan_kernel[(D // SCAN_ROWS, n_seg, BH)](
+        kern.state_scan_kernel[(D // rows, n_seg, BH)](
             *bufs, lg, *(init or in_place), *(final or in_place), *(xp or bufs[1:4:2]), T, n,
             SEG=seg, CL=cl, HAS_INIT=init is not None, STORE_FINAL=final is not None,
             SUMMARY=summary, **launch)
@@ -218,12 +246,12 @@ def _scan_grads(inc, lg, final, init, T, C, shape):
     given."""
     qdo, z, x, qn, xn = inc
     BH, NT, D, DV = qdo.shape
-    SEG, NSEG = _segments(NT, D // SCAN_ROWS * BH, _resident_programs(qdo.device, D))
-    launch = _scan_launch(shape)
+    rows, SEG, NSEG = _scan_plan(NT, D, BH, qdo.device, WIDE_SCAN[1])
+    launch = _scan_launch(shape, rows)
 
     def scan(n_seg, bufs, final, init, xq, n, seg, cl, summary):
         in_place = (bufs[1], bufs[0], bufs[3])
-        kern.grad_scan_kernel[(D // SCAN_ROWS, n_seg, BH)](
+        kern.grad_scan_kernel[(D // rows, n_seg, BH)](
             *bufs, lg, *(final or in_place), *(init or in_place), *(xq or bufs[2::2]), T, n,
             SEG=seg, CL=cl, HAS_FINAL_GRAD=final is not None,
             STORE_INIT_GRAD=init is not None, SUMMARY=summary, **launch)
@@ -268,7 +296,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     _scan_states((ds, x, da, xn, an), lg, init, final, T, C, shape)
     o = torch.empty_like(v, dtype=q.dtype)
     den = q.new_empty(B, T, H, dtype=torch.float32) if normalize else q
-    BV = min(DV, 64)
+    BV = min(DV, OUTPUT_BV[q.element_size()])
     kern.chunk_output_kernel[(DV // BV, NT, B * H)](
         q, k, v, lg, ds, da, an, o, den, eps, T, NT, _size_class(DV // BV * NT * B * H), BV=BV,
         **shape)
@@ -298,11 +326,11 @@ def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
                       q.new_empty(B, H, D, dtype=torch.float32) if normalize else q)
     _scan_grads((qdo, z, x, qn, xn), lg, final_grads, init_grads, T, C, shape)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    parts = [(True, False), (False, True)] if max(D, DV) >= SPLIT_GRADS_FROM else [(True, True)]
-    for want_qk, want_v in parts:
+    for part in SPLIT_GRADS if max(D, DV) >= SPLIT_GRADS_FROM else ("qkv",):
         kern.chunk_grads_kernel[(NT, B * H)](
             q, k, v, do, dden, lg, s, a, z, qdo, an, qn, dq, dk, dv, T, NT,
-            _size_class(NT * B * H), WANT_QK=want_qk, WANT_V=want_v, **shape)
+            _size_class(NT * B * H), WANT_Q="q" in part, WANT_K="k" in part,
+            WANT_V="v" in part, **shape)
     return dq, dk, dv, init_grads
 
 

@@ -159,13 +159,22 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-# The tuning of the increments and gradient-terms kernels (the two halves of one former kernel).
-_increments_tuned = _autotuned(
-    INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-    first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
+def grad_terms_at_first_warps_only(meta) -> bool:
+    """The gradient-terms kernel keeps 8 warps where 4 spill (see INCREMENTS_WARPS)."""
+    return max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64
 
 
-@_increments_tuned
+def increments_at_first_warps_only(meta) -> bool:
+    """As the gradient-terms kernel, and with NORMALIZE too: on the H200 (Triton 3.6) its
+    4-warp build with normalize read shared memory out of bounds (compute-sanitizer: a
+    512-byte read at a shared address past 227 KiB) in a 64k forward that followed a 64k
+    backward, an illegal memory access without the sanitizer; at 8 warps the same sequence
+    ran clean (results/2026-12-02-h200-normalize-fault.yaml)."""
+    return grad_terms_at_first_warps_only(meta) or bool(meta["NORMALIZE"])
+
+
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
+            first_only=increments_at_first_warps_only)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
@@ -205,7 +214,8 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
         tl.store(an_buf + base * D + rd, _col(tl.dot(tl.trans(b_ke), b_wte, input_precision=PREC)))
 
 
-@_increments_tuned
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
+            first_only=grad_terms_at_first_warps_only)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -465,14 +475,14 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
 
 
-@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_QK", "WANT_V", "SIZE_CLASS"),
+@_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_Q", "WANT_K", "WANT_V", "SIZE_CLASS"),
             first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] != 64)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, an_buf,
                        gan_buf, dq, dk, dv, T, NT, SIZE_CLASS, H: tl.constexpr, D: tl.constexpr,
                        DV: tl.constexpr, C: tl.constexpr, HAS_DECAY: tl.constexpr,
-                       NORMALIZE: tl.constexpr, PREC: tl.constexpr, WANT_QK: tl.constexpr,
-                       WANT_V: tl.constexpr):
+                       NORMALIZE: tl.constexpr, PREC: tl.constexpr, WANT_Q: tl.constexpr,
+                       WANT_K: tl.constexpr, WANT_V: tl.constexpr):
     """Local gradients of one chunk given its carried state (S0, A0) and the gradients
     (gS, gA) w.r.t. its outgoing state. With P = Dm * (dO V^T), Pb = b * P,
     M = Dm * (b Q S0 Q^T + Wd W^T), and Gr the gradient w.r.t. Q K^T:
@@ -480,8 +490,8 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         dV = M^T dO + G E Q S0 gA + E W E K gA
         dQ = b^2 dO A0^T + ((Pb + Pb^T) Q + G E V gA^T) S0 + Gr K
         dK = Gr^T Q + E W^T E V gA^T + E K (gS + gS^T)
-    (S0 symmetric, as every state built from k k^T is). WANT_QK / WANT_V select dq, dk and
-    dv, so large head dims can split the work over two launches (register pressure).
+    (S0 symmetric, as every state built from k k^T is). WANT_Q / WANT_K / WANT_V select dq,
+    dk and dv, so large head dims can split the work over launches (register pressure).
     NORMALIZE adds the ones value column to dq and dk (output gradient dden, states a0 and
     gan from the [B*H, NT, D] vectors an_buf, gan_buf). Grid (NT, B*H)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -502,7 +512,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
     b_wd = (b_qk * dm).to(dt)
     b_ga = tl.load(ga_buf + base * D * DV + dvo).to(dt)
     b_kga = tl.dot((b_k * e[:, None]).to(dt), b_ga, input_precision=PREC).to(dt)
-    if WANT_QK:
+    if WANT_Q or WANT_K:
         b_p = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
         if NORMALIZE:  # small vectors are reloaded where used (fewer live registers)
             b_p += _load_den(dden, i_b, i_h, t, T, H)[:, None]
@@ -516,7 +526,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_gr += tl.where(causal, tl.dot(tl.trans(b_p.to(dt)), b_wd, input_precision=PREC)
                          + b_vkga, 0.0)
         b_gr = b_gr.to(dt)
-
+    if WANT_K:
         b_gs = tl.load(gs_buf + base * D * D + dd).to(tl.float32)
         b_gs = (b_gs + tl.trans(b_gs)).to(dt)
         b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
@@ -529,7 +539,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
             b_kgs += b_wte[:, None] * tl.load(gan_buf + base * D + rd)[None, :]
         b_dk += b_kgs * e[:, None]
         _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
-
+    if WANT_Q:
         b_pb = b_p * b[:, None]
         b_r = tl.dot((b_pb + tl.trans(b_pb)).to(dt), b_q, input_precision=PREC)
         b_r += gamma * tl.dot(b_ve, tl.trans(b_ga), input_precision=PREC)
