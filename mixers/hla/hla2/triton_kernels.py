@@ -206,12 +206,14 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
     b_da = tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC)
     tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
-    if NORMALIZE:  # V = 1 at real tokens, so E V = e: dots on 16 equal columns of e
-        b_e16 = (e[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
-        b_xn = gamma * tl.dot(tl.trans(b_q), b_e16, input_precision=PREC)
-        tl.store(xn_buf + base * D + rd, _col(b_xn))
-        b_wte = tl.dot(tl.trans(b_w), b_e16, input_precision=PREC).to(dt)
-        tl.store(an_buf + base * D + rd, _col(tl.dot(tl.trans(b_ke), b_wte, input_precision=PREC)))
+    if NORMALIZE:  # V = 1 at real tokens, so E V = e: matrix-vector products as fp32 sums
+        # (dots on 16 equal columns of e, as the other kernels do, read shared memory out
+        # of bounds here on the H200 with Triton 3.6: see increments_at_first_warps_only)
+        b_xn = gamma * tl.sum(b_q.to(tl.float32) * e[:, None], axis=0)
+        tl.store(xn_buf + base * D + rd, b_xn)
+        b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
+        tl.store(an_buf + base * D + rd,
+                 tl.sum(b_ke.to(tl.float32) * b_wte[:, None], axis=0))
 
 
 @_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
