@@ -209,16 +209,6 @@ def test_scan_plan():
     assert plan(128, 16, 4096, cpu, grads)[0] == 16  # never wider than the head dim
 
 
-def test_increments_kernel_keeps_8_warps_with_normalize():
-    """Its 4-warp build with normalize read shared memory out of bounds on the H200: only the
-    first config (8 warps) is offered then; without normalize at D = 64 both are."""
-    meta = dict(D=64, DV=64, C=64, NORMALIZE=False)
-    assert not kern.increments_at_first_warps_only(meta)
-    assert kern.increments_at_first_warps_only({**meta, "NORMALIZE": True})
-    assert not kern.grad_terms_at_first_warps_only({**meta, "NORMALIZE": True})
-    assert kern.INCREMENTS_WARPS[0] == 8
-
-
 def test_segment_choice():
     """One level when the row-block programs already fill the device (B = 8 at 8k tokens),
     segments when they do not (B = 1 at 64k); segments always cover every chunk."""
@@ -679,9 +669,9 @@ for T in (8192, 65536):
 def test_normalize_at_8k_then_64k_in_one_process():
     """normalize at 8k tokens (B = 8), then at 64k (two-level scans), fwd+bwd three times
     each in one process: with the increments kernel autotuned to 4 warps at 8k, the second
-    64k forward hit an illegal memory access in that launch (see
-    increments_at_first_warps_only). A subprocess keeps a poisoned CUDA context out of the
-    other tests."""
+    64k forward hit an illegal memory access in that launch (its normalize vectors, since
+    computed as sums; see chunk_increments_kernel). A subprocess keeps a poisoned CUDA
+    context out of the other tests."""
     import subprocess
     import sys
     from pathlib import Path

@@ -159,22 +159,14 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-def grad_terms_at_first_warps_only(meta) -> bool:
-    """The gradient-terms kernel keeps 8 warps where 4 spill (see INCREMENTS_WARPS)."""
+def _increments_at_first_warps_only(meta) -> bool:
+    """The increments and gradient-terms kernels keep 8 warps where 4 spill (see
+    INCREMENTS_WARPS)."""
     return max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64
 
 
-def increments_at_first_warps_only(meta) -> bool:
-    """As the gradient-terms kernel, and with NORMALIZE too: on the H200 (Triton 3.6) its
-    4-warp build with normalize read shared memory out of bounds (compute-sanitizer: a
-    512-byte read at a shared address past 227 KiB) in a 64k forward that followed a 64k
-    backward, an illegal memory access without the sanitizer; at 8 warps the same sequence
-    ran clean (results/2026-12-02-h200-normalize-fault.yaml)."""
-    return grad_terms_at_first_warps_only(meta) or bool(meta["NORMALIZE"])
-
-
 @_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-            first_only=increments_at_first_warps_only)
+            first_only=_increments_at_first_warps_only)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
@@ -208,7 +200,9 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
     tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
     if NORMALIZE:  # V = 1 at real tokens, so E V = e: matrix-vector products as fp32 sums
         # (dots on 16 equal columns of e, as the other kernels do, read shared memory out
-        # of bounds here on the H200 with Triton 3.6: see increments_at_first_warps_only)
+        # of bounds here on the H200 with Triton 3.6 -- compute-sanitizer: 512-byte reads
+        # past 227 KiB; an illegal memory access without it -- at 4 warps, D = 64 and at
+        # 8 warps, D = 128; results/2026-12-02-h200-normalize-fault.yaml)
         b_xn = gamma * tl.sum(b_q.to(tl.float32) * e[:, None], axis=0)
         tl.store(xn_buf + base * D + rd, b_xn)
         b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
@@ -217,7 +211,7 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
 
 
 @_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-            first_only=grad_terms_at_first_warps_only)
+            first_only=_increments_at_first_warps_only)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
