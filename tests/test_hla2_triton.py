@@ -334,6 +334,23 @@ def test_bf16_head_dim_128_chunk_128():
     assert rel(o, reference(q, k, v, None, decay=None, normalize=False, eps=1e-6)[0]) < TOL[q.dtype][0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_128_wide_scans_cuda(dtype):
+    """Enough heads at D = 128 that both scans take their wide row blocks on the GPU itself
+    (80 heads: 640 sixteen-row programs, over 4 waves of an H200), with normalize and decay:
+    fp32 operands need the most shared memory there."""
+    B, H = 5, 16
+    rows = [hla2_triton_module._scan_plan(2, 128, B * H, torch.device("cuda"), wide)[0]
+            for wide in hla2_triton_module.WIDE_SCAN]
+    assert rows == [32, 64]
+    q, k, v = make_inputs(B, 70, H, 128, 128, dtype, seed=9)
+    with torch.no_grad():  # nonnegative q, k keep the denominator away from zero
+        q.abs_(), k.abs_()
+    check_against_reference(q, k, v, chunk_size=64, normalize=True, eps=1e-3,
+                            decay=torch.full((H,), 0.95, device=DEVICE))
+
+
 def test_chunk_choice():
     chunk = hla2_triton_module._chunk
     assert chunk(128, torch.bfloat16, 128, backward=True) == 64
