@@ -15,8 +15,9 @@ computed for all chunks in parallel; a scan over chunks turns them into the carr
 backward pass mirrors this with a reverse scan of the state gradients. Padded positions of
 the last chunk have zero q, k, v and do not decay the state (n counts real tokens only).
 Normalize (NORMALIZE) is the same form on a ones value column (E V = e): its X, dA and A
-columns are [D] vectors carried next to the matrices in the same kernels (the reductions run
-as dots on 16 equal columns, see _col), and the output kernel divides by it.
+columns are [D] vectors carried next to the matrices in the same kernels (the increments
+kernel sums them in fp32, the other kernels run their reductions as dots on 16 equal
+columns, see _col), and the output kernel divides by it.
 
 Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
@@ -159,14 +160,13 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-def _increments_at_first_warps_only(meta) -> bool:
-    """The increments and gradient-terms kernels keep 8 warps where 4 spill (see
-    INCREMENTS_WARPS)."""
-    return max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64
+# The tuning of the increments and gradient-terms kernels (the two halves of one former kernel).
+_increments_tuned = _autotuned(
+    INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
+    first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-            first_only=_increments_at_first_warps_only)
+@_increments_tuned
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
@@ -210,8 +210,7 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
                  tl.sum(b_ke.to(tl.float32) * b_wte[:, None], axis=0))
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-            first_only=_increments_at_first_warps_only)
+@_increments_tuned
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
