@@ -192,6 +192,19 @@ def test_wide_scan_rows(monkeypatch, normalize, decay):
                             initial_state=random_state(1, 2, 64, 32, normalize))
 
 
+@pytest.mark.parametrize("normalize, decay", [(False, None), (True, [0.9, 0.75])])
+def test_increments_and_grad_terms_in_row_blocks(monkeypatch, normalize, decay):
+    """The increments and gradient-terms kernels split the state rows over programs (each
+    recomputes the chunk's mixed values); force 16-row blocks at D = 64 (Dv = 32), outputs
+    and gradients against float64, with initial states."""
+    monkeypatch.setattr(hla2_triton_module, "INCREMENTS_ROWS", 16)
+    monkeypatch.setattr(hla2_triton_module, "GRAD_TERMS_ROWS", 16)
+    q, k, v = make_inputs(2, 45, 2, 64, 32, torch.float32, seed=23)
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    check_against_reference(q, k, v, chunk_size=16, normalize=normalize, eps=1e-3, decay=g,
+                            initial_state=random_state(2, 2, 64, 32, normalize))
+
+
 def test_scan_plan():
     """Wide row blocks in one level when the 16-row programs would take enough waves (state
     scan 1, gradient scan 4), 16-row blocks (and segments where they cannot fill the GPU)

@@ -136,6 +136,10 @@ PAPER_BV = 32
 # D = Dv = 128, bf16: 0.875 -> 0.667 ms at 8k x 8 with 128 instead of 64,
 # results/2026-12-02-h200-scan-variants.yaml); fp32 operands take twice the shared memory.
 OUTPUT_BV = {2: 128, 4: 64}
+# State rows per program of the increments and gradient-terms kernels (at most D): each row
+# block recomputes the chunk's [C, Dv] mixed values, so smaller blocks trade repeated work
+# for more, smaller programs.
+INCREMENTS_ROWS = GRAD_TERMS_ROWS = 128
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -287,8 +291,10 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
-    kern.chunk_increments_kernel[(NT, B * H)](q, k, v, lg, ds, x, da, xn, an, T, NT,
-                                               _size_class(NT * B * H), **shape)
+    rows = min(D, INCREMENTS_ROWS)
+    kern.chunk_increments_kernel[(D // rows, NT, B * H)](
+        q, k, v, lg, ds, x, da, xn, an, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
+        **shape)
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),
@@ -318,8 +324,10 @@ def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
     s, x, a, xn, an = states
     z, qdo = _chunk_buffers(B, H, NT, D, DV, q, 1, 1)
     qn, = _den_vectors(q, NT, 1, normalize)
-    kern.chunk_grad_terms_kernel[(NT, B * H)](q, v, do, dden, lg, qdo, z, qn, T, NT,
-                                               _size_class(NT * B * H), **shape)
+    rows = min(D, GRAD_TERMS_ROWS)
+    kern.chunk_grad_terms_kernel[(D // rows, NT, B * H)](
+        q, v, do, dden, lg, qdo, z, qn, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
+        **shape)
     init_grads = None
     if want_init_grad:
         init_grads = (q.new_empty(B, H, D, D, dtype=torch.float32),

@@ -162,8 +162,15 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
 
 # The tuning of the increments and gradient-terms kernels (the two halves of one former kernel).
 _increments_tuned = _autotuned(
-    INCREMENTS_WARPS, _SHAPE_KEY + ("SIZE_CLASS",),
-    first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] > 64)
+    INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS"),
+    first_only=lambda meta: meta["BR"] > 64 or meta["DV"] > 64 or meta["C"] > 64)
+
+
+@triton.jit
+def _load_columns(ptr, i_b, i_h, t, T, cols, H: tl.constexpr, W: tl.constexpr):
+    """[len(t), len(cols)] entries of a [B, T, H, W] tensor; rows past T read as zero."""
+    offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * W + cols[None, :]
+    return tl.load(ptr + offs, mask=(t < T)[:, None], other=0.0)
 
 
 @_increments_tuned
@@ -171,28 +178,34 @@ _increments_tuned = _autotuned(
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                            C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                            C: tl.constexpr, BR: tl.constexpr, HAS_DECAY: tl.constexpr,
                             NORMALIZE: tl.constexpr, PREC: tl.constexpr):
-    """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V. NORMALIZE adds the
-    denominator as a ones value column: its X and dA columns go to the [B*H, NT, D] vectors
-    xn, an. Grid (NT, B*H)."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V, rows i_r BR .. + BR of
+    each (a row block takes the matching columns of Q and K; every block recomputes
+    W^T E V). NORMALIZE adds the denominator as a ones value column: its X and dA columns
+    go to the [B*H, NT, D] vectors xn, an. Grid (D // BR, NT, B*H)."""
+    i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
     causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
+    rr, rd, rv = i_r * BR + tl.arange(0, BR), tl.arange(0, D), tl.arange(0, DV)
     b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
     b_k = _load_tokens(k, i_b, i_h, t, T, H, D)
     b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
+    if BR == D:
+        b_qr, b_kr = b_q, b_k
+    else:
+        b_qr = _load_columns(q, i_b, i_h, t, T, rr, H, D)
+        b_kr = _load_columns(k, i_b, i_h, t, T, rr, H, D)
     dt = b_q.dtype
-    b_ke = (b_k * e[:, None]).to(dt)
+    b_ke = (b_kr * e[:, None]).to(dt)
     b_ve = (b_v * e[:, None]).to(dt)
     base = (i_bh * NT + i_c).to(tl.int64)
-    rd, rv = tl.arange(0, D), tl.arange(0, DV)
-    dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+    dd, dv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
 
     b_ds = tl.dot(tl.trans(b_ke), b_k, input_precision=PREC)
     tl.store(ds_buf + base * D * D + dd, b_ds.to(ds_buf.dtype.element_ty))
-    b_x = gamma * tl.dot(tl.trans(b_q), b_ve, input_precision=PREC)
+    b_x = gamma * tl.dot(tl.trans(b_qr), b_ve, input_precision=PREC)
     tl.store(x_buf + base * D * DV + dv, b_x.to(x_buf.dtype.element_ty))
     b_w = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0).to(dt)
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
@@ -203,10 +216,10 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
         # of bounds here on the H200 with Triton 3.6 -- compute-sanitizer: 512-byte reads
         # past 227 KiB; an illegal memory access without it -- at 4 warps, D = 64 and at
         # 8 warps, D = 128; results/2026-12-02-h200-normalize-fault.yaml)
-        b_xn = gamma * tl.sum(b_q.to(tl.float32) * e[:, None], axis=0)
-        tl.store(xn_buf + base * D + rd, b_xn)
+        b_xn = gamma * tl.sum(b_qr.to(tl.float32) * e[:, None], axis=0)
+        tl.store(xn_buf + base * D + rr, b_xn)
         b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
-        tl.store(an_buf + base * D + rd,
+        tl.store(an_buf + base * D + rr,
                  tl.sum(b_ke.to(tl.float32) * b_wte[:, None], axis=0))
 
 
@@ -214,37 +227,41 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                            C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                            C: tl.constexpr, BR: tl.constexpr, HAS_DECAY: tl.constexpr,
                             NORMALIZE: tl.constexpr, PREC: tl.constexpr):
     """Per chunk, the increments of the reverse state-gradient scan: Q^T b^2 dO and
-    Z = Q^T (b * P) Q, P = Dm * (dO V^T). NORMALIZE adds the ones value column with output
-    gradient dden: its Q^T b^2 dden column goes to the [B*H, NT, D] vector qn, and P gains
-    Dm * (dden 1^T). Grid (NT, B*H)."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    Z = Q^T (b * P) Q, P = Dm * (dO V^T), rows i_r BR .. + BR of each (every row block
+    recomputes (b * P) Q). NORMALIZE adds the ones value column with output gradient dden:
+    its Q^T b^2 dden column goes to the [B*H, NT, D] vector qn (an fp32 sum), and P gains
+    Dm * (dden 1^T). Grid (D // BR, NT, B*H)."""
+    i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t = i_c * C + tl.arange(0, C)
     causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
+    rr, rd, rv = i_r * BR + tl.arange(0, BR), tl.arange(0, D), tl.arange(0, DV)
     b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
+    if BR == D:
+        b_qr = b_q
+    else:
+        b_qr = _load_columns(q, i_b, i_h, t, T, rr, H, D)
     b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
     b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
     dt = b_q.dtype
     base = (i_bh * NT + i_c).to(tl.int64)
-    rd, rv = tl.arange(0, D), tl.arange(0, DV)
-    dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+    dd, dv = _mat_offsets(rr, rd, D), _mat_offsets(rr, rv, DV)
 
-    b_qb2 = (b_q * (b * b)[:, None]).to(dt)
+    b_qb2 = (b_qr * (b * b)[:, None]).to(dt)
     b_qdo = tl.dot(tl.trans(b_qb2), b_do, input_precision=PREC)
     tl.store(qdo_buf + base * D * DV + dv, b_qdo.to(qdo_buf.dtype.element_ty))
     b_pv = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
     if NORMALIZE:
         b_dden = _load_den(dden, i_b, i_h, t, T, H)
         b_pv += b_dden[:, None]
-        b_dden16 = (b_dden[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
-        tl.store(qn_buf + base * D + rd,
-                 _col(tl.dot(tl.trans(b_qb2), b_dden16, input_precision=PREC)))
+        tl.store(qn_buf + base * D + rr,
+                 tl.sum(b_qb2.to(tl.float32) * b_dden[:, None], axis=0))
     b_pb = b_pv * dm * b[:, None]
     b_pq = tl.dot(b_pb.to(dt), b_q, input_precision=PREC).to(dt)
-    b_z = tl.dot(tl.trans(b_q), b_pq, input_precision=PREC)
+    b_z = tl.dot(tl.trans(b_qr), b_pq, input_precision=PREC)
     tl.store(z_buf + base * D * D + dd, b_z.to(z_buf.dtype.element_ty))
 
 
