@@ -348,6 +348,26 @@ def test_bf16_head_dim_128_chunk_128():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_alone_at_head_dim_128_every_option(dtype):
+    """A 16-bit forward alone at head dim 128 runs chunk 128 whatever was asked: outputs and
+    final states with normalize, decay and an initial state against float64 (300 tokens:
+    a partial last chunk)."""
+    B, H = 2, 4
+    q, k, v = (x.detach() for x in make_inputs(B, 300, H, 128, 128, dtype, seed=12))
+    q.abs_(), k.abs_()  # nonnegative q, k keep the denominator away from zero
+    g = torch.tensor([0.99, 0.9, 0.8, 0.5], device=DEVICE)
+    state = {key: x.detach() for key, x in random_state(B, H, 128, 128, True).items()}
+    with torch.no_grad():
+        o, final = hla2_triton(q, k, v, normalize=True, eps=1e-3, decay=g, chunk_size=16,
+                               initial_state=state, output_final_state=True)
+    ref_o, ref_final = reference(q, k, v, state, decay=g, normalize=True, eps=1e-3)
+    assert rel(o, ref_o) < TOL[dtype][0]
+    for key in ref_final:
+        assert rel(final[key], ref_final[key]) < TOL[dtype][0], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_dim_128_wide_scans_cuda(dtype):
     """Enough heads at D = 128 that both scans take their wide row blocks on the GPU itself
@@ -368,6 +388,8 @@ def test_chunk_choice():
     chunk = hla2_triton_module._chunk
     assert chunk(128, torch.bfloat16, 128, backward=True) == 64
     assert chunk(128, torch.bfloat16, 128, backward=False) == 128
+    assert chunk(16, torch.bfloat16, 128, backward=False) == 128  # a forward alone at 128
+    assert chunk(32, torch.bfloat16, 128, backward=True) == 32
     assert chunk(128, torch.float16, 64, backward=True) == 128
     assert chunk(64, torch.float32, 64, backward=False) == 32
     assert chunk(48, torch.bfloat16, 64, backward=True) == 64  # not a power of two

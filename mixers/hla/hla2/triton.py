@@ -136,10 +136,14 @@ PAPER_BV = 32
 # D = Dv = 128, bf16: 0.875 -> 0.667 ms at 8k x 8 with 128 instead of 64,
 # results/2026-12-02-h200-scan-variants.yaml); fp32 operands take twice the shared memory.
 OUTPUT_BV = {2: 128, 4: 64}
-# State rows per program of the increments and gradient-terms kernels (at most D): each row
-# block recomputes the chunk's [C, Dv] mixed values, so smaller blocks trade repeated work
-# for more, smaller programs.
-INCREMENTS_ROWS = GRAD_TERMS_ROWS = 128
+# State rows per program of the increments and gradient-terms kernels (at most D; chunks
+# above 64 keep all D): each row block recomputes the chunk's [C, Dv] mixed values, so
+# smaller blocks trade repeated work for more, smaller programs. On the H200, D = 128, bf16
+# (results/2026-12-02-h200-d128-variants.yaml, 2k x 32): increments 0.998 ms in one block,
+# 0.80 in two of 64 rows (4 warps), 1.62 in four of 32; gradient terms 0.56 in one block,
+# 0.65 in two (4 warps), 2.08 in four; at chunk 128 the increments in one block took 0.77,
+# in two (8 warps) 1.12.
+INCREMENTS_ROWS, GRAD_TERMS_ROWS = 64, 128
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -291,7 +295,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     lg = q if log2g is None else log2g
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
-    rows = min(D, INCREMENTS_ROWS)
+    rows = D if C > 64 else min(D, INCREMENTS_ROWS)
     kern.chunk_increments_kernel[(D // rows, NT, B * H)](
         q, k, v, lg, ds, x, da, xn, an, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
         **shape)
@@ -324,7 +328,7 @@ def _backward(q, k, v, log2g, states, do, dden, final_grads, C, want_init_grad):
     s, x, a, xn, an = states
     z, qdo = _chunk_buffers(B, H, NT, D, DV, q, 1, 1)
     qn, = _den_vectors(q, NT, 1, normalize)
-    rows = min(D, GRAD_TERMS_ROWS)
+    rows = D if C > 64 else min(D, GRAD_TERMS_ROWS)
     kern.chunk_grad_terms_kernel[(D // rows, NT, B * H)](
         q, v, do, dden, lg, qdo, z, qn, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
         **shape)
@@ -515,16 +519,20 @@ def _hla2_paper(q, k, v, *, normalize, eps, decay, C, initial_state, output_fina
 
 
 def _chunk(chunk_size: int, dtype, head_dim: int, backward: bool) -> int:
-    """The kernels need a power-of-two chunk in [16, 128]; other sizes run with 64 (the
-    result does not depend on the chunk size). fp32 inputs (exact, non-tensor-core dots)
-    use at most 32, which keeps the D = 128 backward within the shared memory of an H100/H200;
-    for the same reason a backward at head dim (D or Dv) 128 uses at most 64 (chunk 128 asks
-    for 320 KiB there, the H200 has 227), while a forward alone keeps 128 (2.87 vs 3.62 ms
-    at chunk 64, results/2026-12-02-h200-d128-chunks.yaml)."""
+    """The chunk the kernels run (the result does not depend on it, up to rounding):
+    chunk_size where it is a power of two in [16, 128], else 64. fp32 inputs (exact,
+    non-tensor-core dots) use at most 32, which keeps the D = 128 backward within the shared
+    memory of an H100/H200; for the same reason a backward at head dim (D or Dv) 128 uses at
+    most 64 (chunk 128 asks for 320 KiB there, the H200 has 227). A 16-bit forward alone at
+    head dim 128 runs chunk 128 whatever was asked: half the chunk states to scan and store
+    (H200, bf16, 65,536 tokens, H = 16: 2.18 vs 2.47 ms at 2k x 32,
+    results/2026-12-02-h200-d128-variants.yaml)."""
     chunk = chunk_size if chunk_size in CHUNK_SIZES else 64
     if dtype == torch.float32:
         return min(chunk, 32)
-    return min(chunk, 64) if backward and head_dim >= 128 else chunk
+    if head_dim >= 128:
+        return min(chunk, 64) if backward else 128
+    return chunk
 
 
 def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="masked",

@@ -15,9 +15,10 @@ computed for all chunks in parallel; a scan over chunks turns them into the carr
 backward pass mirrors this with a reverse scan of the state gradients. Padded positions of
 the last chunk have zero q, k, v and do not decay the state (n counts real tokens only).
 Normalize (NORMALIZE) is the same form on a ones value column (E V = e): its X, dA and A
-columns are [D] vectors carried next to the matrices in the same kernels (the increments
-kernel sums them in fp32, the other kernels run their reductions as dots on 16 equal
-columns, see _col), and the output kernel divides by it.
+columns are [D] vectors carried next to the matrices in the same kernels, and the output
+kernel divides by it. Its matrix-vector products are fp32 sums, not dots on 16 equal
+columns: Triton 3.6's builds of such dots read shared memory out of bounds on the H200
+(results/2026-12-02-h200-normalize-fault.yaml).
 
 Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
@@ -78,15 +79,18 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 # registers / spilled bytes, 8 -> 4 warps, every decay / normalize flag set:
 #   increments and gradient terms (measured as one kernel; the two kernels that split its
 #     work keep its choices), D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills;
-#     D or Dv = 128 (4 warps: 254-255 registers) or chunk 128: 8-768 B spilled in some flag
-#     sets with 4 warps, 0 B with 8 in those checked (kept at 8)
+#     128 rows per program (D = 128) or chunk 128: 8-768 B spilled in some flag sets with 4
+#     warps, 0 B with 8 in those checked (kept at 8). Rows of 64 with Dv = 128 are tuned:
+#     on the H200 the D = 128 increments in 64-row blocks took 0.80 ms at 4 warps, 0.97 at 8
+#     (results/2026-12-02-h200-d128-variants.yaml)
 #   output, chunk 64, D, Dv in {64, 128}: 165-199 -> 162-200, no spills; chunk 32 with
 #     normalize (0-116 B -> 16-144 B), 16 (0 -> 12 B) and 128 (4-220 -> 576-860 B) kept at 8
 #   dq/dk/dv, chunk 64: 255 registers either way; 8 warps spill 0-332 B at D = Dv = 64 (one
 #     program per SM: 255 x 256 threads fill the register file, so no other program hides
 #     its latency), 4 warps spill more (28-1124 B) but two programs fit an SM (90 KB of
-#     shared memory each). Which wins is the GPU's call: tuned at chunk 64 with D, Dv <= 64;
-#     at 128 4 warps spill 0.9-2.5 KB, and other chunk sizes are unchecked (kept at 8).
+#     shared memory each). Which wins is the GPU's call: tuned at chunk 64; at D = 128
+#     4 warps spill 0.9-2.5 KB and still ran faster on the H200 (2.72 vs 3.37 ms at 2k x 32,
+#     -d128-variants.yaml); other chunk sizes are unchecked (kept at 8).
 # num_stages 1, 2, 3 give the same code; 16 warps cap registers at 128 and spill in the
 # output and dq/dk/dv kernels (neither is offered).
 INCREMENTS_WARPS = OUTPUT_WARPS = GRADS_WARPS = (8, 4)
@@ -111,12 +115,6 @@ def _store_tokens(ptr, val, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr):
 def _load_den(ptr, i_b, i_h, t, T, H: tl.constexpr):
     """[len(t)] entries of a [B, T, H] fp32 tensor; past T zero."""
     return tl.load(ptr + (i_b * T + t).to(tl.int64) * H + i_h, mask=t < T, other=0.0)
-
-
-@triton.jit
-def _col(x):
-    """The column of a [N, 16] block whose columns are equal (exact: 16 x / 16)."""
-    return tl.sum(x, axis=1) * 0.0625
 
 
 @triton.jit
@@ -163,7 +161,7 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
 # The tuning of the increments and gradient-terms kernels (the two halves of one former kernel).
 _increments_tuned = _autotuned(
     INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS"),
-    first_only=lambda meta: meta["BR"] > 64 or meta["DV"] > 64 or meta["C"] > 64)
+    first_only=lambda meta: meta["BR"] > 64 or meta["C"] > 64)
 
 
 @triton.jit
@@ -211,11 +209,7 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
     b_da = tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC)
     tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
-    if NORMALIZE:  # V = 1 at real tokens, so E V = e: matrix-vector products as fp32 sums
-        # (dots on 16 equal columns of e, as the other kernels do, read shared memory out
-        # of bounds here on the H200 with Triton 3.6 -- compute-sanitizer: 512-byte reads
-        # past 227 KiB; an illegal memory access without it -- at 4 warps, D = 64 and at
-        # 8 warps, D = 128; results/2026-12-02-h200-normalize-fault.yaml)
+    if NORMALIZE:  # V = 1 at real tokens, so E V = e
         b_xn = gamma * tl.sum(b_qr.to(tl.float32) * e[:, None], axis=0)
         tl.store(xn_buf + base * D + rr, b_xn)
         b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
@@ -477,10 +471,10 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     b_m += tl.dot((b_qk * dm).to(dt), tl.trans(b_w), input_precision=PREC)
     b_m = (b_m * dm).to(dt)
     b_o += tl.dot(b_m, b_v, input_precision=PREC)
-    if NORMALIZE:  # the same form on 16 equal columns: ones, a0
-        b_an16 = tl.load(an_buf + base * D + rd[:, None] + 0 * tl.arange(0, 16)[None, :])
-        b_den = tl.dot(b_q, b_an16.to(dt), input_precision=PREC) * (b * b)[:, None]
-        b_den = _col(tl.dot(b_m, tl.full([C, 16], 1.0, dt), acc=b_den, input_precision=PREC))
+    if NORMALIZE:  # the same form on a ones column, with a0
+        b_an = tl.load(an_buf + base * D + rd)
+        b_den = tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1) * (b * b)
+        b_den += tl.sum(b_m.to(tl.float32), axis=1)
         b_o = b_o / (b_den + eps)[:, None]
         if i_v == 0:
             tl.store(den + ((i_b * T + t).to(tl.int64) * H + i_h), b_den, mask=t < T)
@@ -488,7 +482,7 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
 
 
 @_autotuned(GRADS_WARPS, _SHAPE_KEY + ("WANT_Q", "WANT_K", "WANT_V", "SIZE_CLASS"),
-            first_only=lambda meta: max(meta["D"], meta["DV"]) > 64 or meta["C"] != 64)
+            first_only=lambda meta: meta["C"] != 64)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, an_buf,
                        gan_buf, dq, dk, dv, T, NT, SIZE_CLASS, H: tl.constexpr, D: tl.constexpr,
@@ -532,8 +526,8 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_gr = tl.dot(b_p.to(dt), b_w, input_precision=PREC) * dm
         b_vkga = tl.dot(b_ve, tl.trans(b_kga), input_precision=PREC)
         if NORMALIZE:
-            b_gan16 = tl.load(gan_buf + base * D + rd[:, None] + 0 * tl.arange(0, 16)[None, :])
-            b_kgan = e * _col(tl.dot(b_k, b_gan16.to(dt), input_precision=PREC))
+            b_gan = tl.load(gan_buf + base * D + rd)
+            b_kgan = e * tl.sum(b_k.to(tl.float32) * b_gan[None, :], axis=1)
             b_vkga += e[:, None] * b_kgan[None, :]
         b_gr += tl.where(causal, tl.dot(tl.trans(b_p.to(dt)), b_wd, input_precision=PREC)
                          + b_vkga, 0.0)
@@ -546,8 +540,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_kgs = tl.dot(b_wtv, tl.trans(b_ga), input_precision=PREC)
         b_kgs += tl.dot(b_k, b_gs, input_precision=PREC)
         if NORMALIZE:
-            b_e16 = (e[:, None] + tl.zeros([C, 16], dtype=tl.float32)).to(dt)
-            b_wte = _col(tl.dot(tl.trans(b_w), b_e16, input_precision=PREC))
+            b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
             b_kgs += b_wte[:, None] * tl.load(gan_buf + base * D + rd)[None, :]
         b_dk += b_kgs * e[:, None]
         _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
