@@ -85,6 +85,9 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 #     (results/2026-12-02-h200-d128-variants.yaml)
 #   output, chunk 64, D, Dv in {64, 128}: 165-199 -> 162-200, no spills; chunk 32 with
 #     normalize (0-116 B -> 16-144 B), 16 (0 -> 12 B) and 128 (4-220 -> 576-860 B) kept at 8
+#     (and chunk 128 at D = 128 must stay there: compute-sanitizer found its 4-warp build
+#     reading shared memory out of bounds with Triton 3.6, the 8-warp one clean;
+#     results/2026-12-02-h200-triton-tests-v5.yaml)
 #   dq/dk/dv, chunk 64: 255 registers either way; 8 warps spill 0-332 B at D = Dv = 64 (one
 #     program per SM: 255 x 256 threads fill the register file, so no other program hides
 #     its latency), 4 warps spill more (28-1124 B) but two programs fit an SM (90 KB of
