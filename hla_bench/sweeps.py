@@ -331,12 +331,32 @@ def summarize_times(times_ms: list[float]) -> dict[str, float]:
 
 def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int, device: str,
                clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Milliseconds for each of `repeats` calls of `fn` after `warmup` untimed ones."""
+    """Milliseconds for each of `repeats` calls of `fn` after `warmup` untimed ones. Python's
+    garbage collector is paused while they run (as timeit does): a collection of a process
+    holding torch and Triton takes milliseconds, and whichever timed call it fell into
+    (a host-bound decode run, say) would carry it."""
     for _ in range(warmup):
         fn()
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
+    with _gc_paused():
+        return _timed(fn, repeats, cuda, clock)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _timed(fn: Callable[[], Any], repeats: int, cuda: bool, clock: Callable[[], float]) -> list[float]:
     times = []
     for _ in range(repeats):
         if cuda:

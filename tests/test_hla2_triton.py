@@ -205,6 +205,20 @@ def test_increments_and_grad_terms_in_row_blocks(monkeypatch, normalize, decay):
                             initial_state=random_state(2, 2, 64, 32, normalize))
 
 
+@pytest.mark.parametrize("T, normalize, decay", [(45, False, None), (40, True, [0.9, 0.6]),
+                                                 (77, True, [0.95, 0.7]), (77, False, None)])
+def test_output_rows_split(monkeypatch, T, normalize, decay):
+    """A chunk of more than OUTPUT_ROWS tokens runs its output as two programs of half the
+    rows (the second mixes with the first half); force 16-row halves of 32-token chunks,
+    with partial last chunks (T = 40: its second half is empty; 77: partly filled), against
+    float64 with initial states."""
+    monkeypatch.setattr(hla2_triton_module, "OUTPUT_ROWS", 16)
+    q, k, v = make_inputs(2, T, 2, 16, 32, torch.float32, seed=25)
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    check_against_reference(q, k, v, chunk_size=32, normalize=normalize, eps=1e-3, decay=g,
+                            initial_state=random_state(2, 2, 16, 32, normalize))
+
+
 def test_scan_plan():
     """Wide row blocks in one level when the 16-row programs would take enough waves (state
     scan 1, gradient scan 4), 16-row blocks (and segments where they cannot fill the GPU)

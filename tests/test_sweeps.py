@@ -3,6 +3,7 @@
 `fake_mixers` is also used by the other harness tests (imported from this module).
 """
 
+import gc
 import time
 
 import pytest
@@ -170,6 +171,13 @@ def test_time_calls_with_fake_clock():
     assert len(calls) == 5
     assert times == pytest.approx([1.0, 3.0, 2.0])
     assert summarize_times(times)["median_ms"] == pytest.approx(2.0)
+
+
+def test_time_calls_pause_the_garbage_collector_while_timing():
+    seen = []
+    time_calls(lambda: seen.append(gc.isenabled()), warmup=1, repeats=2, device="cpu")
+    assert seen == [True, False, False]  # warm-up collects as usual, timed calls do not
+    assert gc.isenabled()
 
 
 # ---------------------------------------------------------------- the runner

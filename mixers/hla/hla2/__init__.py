@@ -152,10 +152,10 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
         decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "torch", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
-    if impl == "triton":
-        from mixers.hla.hla2.triton import hla2_step_triton
-        return hla2_step_triton(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,
-                                decay_form=decay_form)
+    if impl == "triton":  # checked by _resolve_impl
+        from mixers.hla.hla2.triton import step_unchecked
+        return step_unchecked(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,
+                              decay_form=decay_form)
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
 
     dtype = packed["S"].dtype

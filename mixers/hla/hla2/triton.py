@@ -2,9 +2,9 @@
 
 Forward, 3 launches: chunk increments (grid NT x B*H), state scan (grid D/rows x B*H, a loop
 over the NT chunks; 16 rows per program, more when programs are plenty: see WIDE_SCAN),
-output (grid Dv/BV x NT x B*H, BV from OUTPUT_BV). Backward, 3-4 launches: the gradient
-terms Q^T dO and Q^T P Q per chunk, a reverse scan of the state gradients, and dq/dk/dv (one
-launch, two from head dim 128). The backward reads each chunk's start states and X from the
+output (grid Dv/BV x NT C/BT x B*H: BV from OUTPUT_BV, BT from OUTPUT_ROWS). Backward, 3-4
+launches: the gradient terms Q^T dO and Q^T P Q per chunk, a reverse scan of the state
+gradients, and dq/dk/dv (one launch, two from head dim 128). The backward reads each chunk's start states and X from the
 forward, which keeps them: recomputing them took an increments launch and a state scan, and
 keeping them made a fwd+bwd 8-24% faster on the H200 (65,536 tokens, H = 16, D = 64) for 12%
 more peak memory (1152 vs 1024 MiB). When its 16-row programs cannot fill the GPU
@@ -136,6 +136,11 @@ PAPER_BV = 32
 # D = Dv = 128, bf16: 0.875 -> 0.667 ms at 8k x 8 with 128 instead of 64,
 # results/2026-12-02-h200-scan-variants.yaml); fp32 operands take twice the shared memory.
 OUTPUT_BV = {2: 128, 4: 64}
+# Query rows per program of the output kernel: a chunk of 128 runs as two programs of 64 rows
+# (the second also mixes with the first half), skipping the zero upper blocks of its C x C
+# products. On the H200, D = Dv = 128, bf16, chunk 128: output 0.90 -> 0.77 ms, forward
+# 2.18 -> 2.04 ms at 2k x 32 (results/2026-12-03-h200-d128-forward-variants.yaml).
+OUTPUT_ROWS = 64
 # State rows per program of the increments and gradient-terms kernels (at most D; chunks
 # above 64 keep all D): each row block recomputes the chunk's [C, Dv] mixed values, so
 # smaller blocks trade repeated work for more, smaller programs. On the H200, D = 128, bf16
@@ -308,9 +313,10 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     o = torch.empty_like(v, dtype=q.dtype)
     den = q.new_empty(B, T, H, dtype=torch.float32) if normalize else q
     BV = min(DV, OUTPUT_BV[q.element_size()])
-    kern.chunk_output_kernel[(DV // BV, NT, B * H)](
-        q, k, v, lg, ds, da, an, o, den, eps, T, NT, _size_class(DV // BV * NT * B * H), BV=BV,
-        **shape)
+    BT = min(C, OUTPUT_ROWS)
+    kern.chunk_output_kernel[(DV // BV, NT * C // BT, B * H)](
+        q, k, v, lg, ds, da, an, o, den, eps, T, NT, _size_class(DV // BV * NT * C // BT * B * H),
+        BT=BT, BV=BV, **shape)
     return o, den, final, (ds, x, da, xn, an)
 
 
@@ -600,6 +606,14 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
                                        decay=decay)
     if reason is not None:
         raise ValueError(reason)
+    return step_unchecked(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=decay,
+                          decay_form=decay_form)
+
+
+def step_unchecked(q_t, k_t, v_t, state, *, normalize, eps, decay, decay_form):
+    """hla2_step_triton for inputs already checked (hla2_step checks them once: a decode
+    step is host-bound, and the check costs about 6 us of a 30 us step on the H200,
+    results/2026-12-03-h200-decode-host.yaml)."""
     B, H, D = q_t.shape
     DV = v_t.shape[-1]
     if decay is not None and decay_form == "paper":

@@ -80,14 +80,18 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 #   increments and gradient terms (measured as one kernel; the two kernels that split its
 #     work keep its choices), D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills;
 #     128 rows per program (D = 128) or chunk 128: 8-768 B spilled in some flag sets with 4
-#     warps, 0 B with 8 in those checked (kept at 8). Rows of 64 with Dv = 128 are tuned:
-#     on the H200 the D = 128 increments in 64-row blocks took 0.80 ms at 4 warps, 0.97 at 8
-#     (results/2026-12-02-h200-d128-variants.yaml)
-#   output, chunk 64, D, Dv in {64, 128}: 165-199 -> 162-200, no spills; chunk 32 with
-#     normalize (0-116 B -> 16-144 B), 16 (0 -> 12 B) and 128 (4-220 -> 576-860 B) kept at 8
-#     (and chunk 128 at D = 128 must stay there: compute-sanitizer found its 4-warp build
-#     reading shared memory out of bounds with Triton 3.6, the 8-warp one clean;
-#     results/2026-12-02-h200-triton-tests-v5.yaml)
+#     warps, 0 B with 8 in those checked (kept at 8; under compute-sanitizer memcheck the
+#     4-warp build at D = 128, chunk 128 with normalize gave NaN outputs, without reported
+#     errors, where 8 warps gave the right ones: results/2026-12-03-h200-triton-tests-v5.yaml).
+#     Rows of 64 with Dv = 128 are tuned: on the H200 the D = 128 increments in 64-row
+#     blocks took 0.80 ms at 4 warps, 0.97 at 8 (results/2026-12-02-h200-d128-variants.yaml)
+#   output, 64 rows per program (chunk 64, or half of a chunk of 128), D, Dv in {64, 128}:
+#     165-199 -> 162-200, no spills (checked at chunk 64); 32 rows with normalize
+#     (0-116 B -> 16-144 B) and 16 (0 -> 12 B) kept at 8. Programs of 128 rows (no longer
+#     launched: chunks of 128 run as two 64-row halves) spilled 576-860 B with 4 warps, and
+#     an unsaved session-7 compute-sanitizer run saw that 4-warp build read shared memory
+#     out of bounds at D = 128. The 64-row halves at D = 128 ran clean with 4 and 8 warps
+#     under memcheck, racecheck and initcheck (results/2026-12-03-h200-triton-tests-v5.yaml)
 #   dq/dk/dv, chunk 64: 255 registers either way; 8 warps spill 0-332 B at D = Dv = 64 (one
 #     program per SM: 255 x 256 threads fill the register file, so no other program hides
 #     its latency), 4 warps spill more (28-1124 B) but two programs fit an SM (90 KB of
@@ -441,21 +445,29 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
                     tl.store(xqn_init + state * D + rd, b_xqn)
 
 
-@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "SIZE_CLASS"),
-            first_only=lambda meta: meta["C"] != 64)
+@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "BT", "SIZE_CLASS"),
+            first_only=lambda meta: meta["BT"] != 64)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT, SIZE_CLASS,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
-                        BV: tl.constexpr, HAS_DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
-                        PREC: tl.constexpr):
-    """O = b^2 (Q A0) + (Dm * (b (Q S0 Q^T) + Wd W^T)) V for one chunk and a BV-wide slice
-    of the values. NORMALIZE divides by the same form on a ones column,
-    den = b^2 (Q a0) + rowsum(Dm * (..)), plus eps, and stores den ([B, T, H] fp32, for
-    the backward pass). Grid (DV // BV, NT, B*H)."""
-    i_v, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                        BT: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr,
+                        NORMALIZE: tl.constexpr, PREC: tl.constexpr):
+    """O = b^2 (Q A0) + (Dm * (b (Q S0 Q^T) + Wd W^T)) V for BT query rows of one chunk and
+    a BV-wide slice of the values. BT = C, or C / 2: the chunk's second half of rows (R)
+    then also mixes with its first half (P): with X = Q_R K_P^T (r < s for every pair),
+        M_RR = Dm_RR * (b_R (Q S0)_R Q_R^T + Wd_RR W_RR^T + (Dm_RP * X) X^T)
+        M_RP = Dm_RP * (b_R (Q S0)_R Q_P^T + (Dm_RP * X) W_PP^T),   Dm_RP = g^(BT + i - j),
+    which skips the zero upper blocks of the C x C products (a fifth of the output's FLOPs
+    at C = 128) and halves each program's registers. NORMALIZE divides by the same form
+    on a ones column, den = b^2 (Q a0) + rowsum(M), plus eps, and stores den ([B, T, H]
+    fp32, for the backward pass). Grid (DV // BV, NT * C // BT, B*H)."""
+    i_v, i_ct, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_t = i_ct // (C // BT), i_ct % (C // BT)
     i_b, i_h = i_bh // H, i_bh % H
-    t = i_c * C + tl.arange(0, C)
-    causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
+    lg = _log2_decay(log2g, i_h, HAS_DECAY)
+    t = i_c * C + i_t * BT + tl.arange(0, BT)
+    causal, b, _, dm, _ = _chunk_decay(0, BT, lg, BT)  # the rows' own block, as a full chunk
+    b = b * tl.exp2((i_t * BT).to(tl.float32) * lg)
     rd, rv = tl.arange(0, D), i_v * BV + tl.arange(0, BV)
     base = (i_bh * NT + i_c).to(tl.int64)
     b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
@@ -472,11 +484,32 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     b_w = tl.where(causal, b_qk, 0.0).to(dt)
     b_m = tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
     b_m += tl.dot((b_qk * dm).to(dt), tl.trans(b_w), input_precision=PREC)
+    if NORMALIZE:
+        b_den = tl.zeros([BT], dtype=tl.float32)
+    if BT < C:
+        if i_t > 0:  # the first half's keys and values
+            tp = t - BT
+            b_qp = _load_tokens(q, i_b, i_h, tp, T, H, D)
+            b_kp = _load_tokens(k, i_b, i_h, tp, T, H, D)
+            b_vp = tl.load(v + v_offs - BT * H * DV, mask=(tp < T)[:, None], other=0.0)
+            s = tl.arange(0, BT)
+            dm_p = tl.exp2((BT + s[:, None] - s[None, :]).to(tl.float32) * lg)
+            b_x = tl.dot(b_q, tl.trans(b_kp), input_precision=PREC)
+            b_xd = (b_x * dm_p).to(dt)
+            b_m += tl.dot(b_xd, tl.trans(b_x.to(dt)), input_precision=PREC)
+            b_wp = tl.where(causal, tl.dot(b_qp, tl.trans(b_kp), input_precision=PREC),
+                            0.0).to(dt)
+            b_mp = tl.dot(b_qs, tl.trans(b_qp), input_precision=PREC)
+            b_mp += tl.dot(b_xd, tl.trans(b_wp), input_precision=PREC)
+            b_mp = (b_mp * dm_p).to(dt)
+            b_o += tl.dot(b_mp, b_vp, input_precision=PREC)
+            if NORMALIZE:
+                b_den += tl.sum(b_mp.to(tl.float32), axis=1)
     b_m = (b_m * dm).to(dt)
     b_o += tl.dot(b_m, b_v, input_precision=PREC)
     if NORMALIZE:  # the same form on a ones column, with a0
         b_an = tl.load(an_buf + base * D + rd)
-        b_den = tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1) * (b * b)
+        b_den += tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1) * (b * b)
         b_den += tl.sum(b_m.to(tl.float32), axis=1)
         b_o = b_o / (b_den + eps)[:, None]
         if i_v == 0:
