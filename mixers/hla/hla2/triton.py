@@ -4,13 +4,13 @@ Forward, 3 launches: chunk increments (grid NT x B*H), state scan (grid D/rows x
 over the NT chunks; 16 rows per program, more when programs are plenty: see WIDE_SCAN),
 output (grid Dv/BV x NT C/BT x B*H: BV from OUTPUT_BV, BT from OUTPUT_ROWS). Backward, 3-4
 launches: the gradient terms Q^T dO and Q^T P Q per chunk, a reverse scan of the state
-gradients, and dq/dk/dv (one launch, two from head dim 128). The backward reads each chunk's start states and X from the
-forward, which keeps them: recomputing them took an increments launch and a state scan, and
-keeping them made a fwd+bwd 8-24% faster on the H200 (65,536 tokens, H = 16, D = 64) for 12%
-more peak memory (1152 vs 1024 MiB). When its 16-row programs cannot fill the GPU
-(B = 1 at 64k tokens), a scan runs in two levels: segments of chunks summarise themselves in
-parallel (grid D/16 x NSEG x B*H), a short scan chains the summaries, and the segments rescan
-from their start states (see _segments).
+gradients, and dq/dk/dv (one launch, two from head dim 128). The backward reads each chunk's
+start states and X from the forward, which keeps them: recomputing them took an increments
+launch and a state scan, and keeping them made a fwd+bwd 8-24% faster on the H200 (65,536
+tokens, H = 16, D = 64) for 12% more peak memory (1152 vs 1024 MiB). When its 16-row
+programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels: segments of
+chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan chains the
+summaries, and the segments rescan from their start states (see _segments).
 Memory: per-chunk [D, D] and [D, Dv] buffers per head, bf16 for bf16 inputs (as many
 elements per token as q when C = D): the forward's 3 (states S, A and X) are kept for
 backward, which adds 2 (normalize adds fp32 [D] vectors per chunk, and a [B, T, H] fp32
