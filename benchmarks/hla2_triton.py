@@ -2,6 +2,7 @@
 
     python benchmarks/hla2_triton.py [results.yaml] [--budget-s 150] [--profile]
                                      [--variants 32,64,128 [--variants-vs-chunk]]
+                                     [--forward-variants]
     TRITON_INTERPRET=1 python benchmarks/hla2_triton.py out.yaml --check-len 40   # CPU smoke
 
 1. Correctness on random data against a float64 reference (the one-chunk form of spec §4,
@@ -15,6 +16,8 @@
    launches, scans planned for 4 resident programs per SM, scans in 32-row blocks) at
    T = 8k, 32k and 64k, and with normalize / masked decay at 8k (--variants-vs-chunk: also
    the PyTorch chunk form of those, and the paper decay form), D = 64.
+5. --forward-variants: the forward alone at D = 128 (chunk 128) under launch-shape variants
+   (output rows and value slices, scan rows, chunk 64), T = 2k..64k, with CUDA time per kernel.
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
 """
@@ -247,6 +250,50 @@ def time_variants(results, chunk_sizes, with_chunk_form):
                              hla2(a, b, c, impl=impl, **options)[0], q, k, v)
 
 
+def time_forward_variants(results):
+    """The forward alone at head dim 128 (chunk 128) under launch-shape variants, side by
+    side in this process (do_bench medians; relative output difference to the base launch),
+    and CUDA time per kernel of the base launch: where the D = 128 forward's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    from mixers.hla.hla2 import triton as hla2_triton_module
+
+    run = hla2_triton_module.hla2_triton
+    variants = {"base": {}, "output in one 128-row program": dict(OUTPUT_ROWS=128),
+                "output in 64-column slices": dict(OUTPUT_BV={2: 64, 4: 64}),
+                "state scan in 64-row blocks": dict(WIDE_SCAN=((64, 1), (64, 4))),
+                "chunk 64": dict(_chunk=lambda *args: 64)}
+    for T in SEQ_LENS:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(TOKENS // T, T, HEADS, 128, device="cuda", generator=gen,
+                               dtype=torch.bfloat16) / 128 ** 0.5 for _ in range(3))
+        with torch.no_grad():
+            base = run(q, k, v)[0].float()
+            for name, constants in variants.items():
+                key = f"T={T} {name}"
+                try:
+                    with patched(hla2_triton_module, **constants):
+                        diff = rel(run(q, k, v)[0], base)
+                        ms = do_bench(lambda: run(q, k, v), warmup=10, rep=60,
+                                      return_mode="median")
+                    results["forward_variants"][key] = {"fwd_ms": round(ms, 4),
+                                                        "rel_to_base": diff}
+                    print(f"{key:44s} fwd {ms:8.3f} ms  rel to base {diff:.1e}")
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    results["forward_variants"][key] = {"error": repr(exc)[:300]}
+                    print(f"{key}: FAILED {exc!r}"[:300])
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    run(q, k, v)
+                torch.cuda.synchronize()
+        results["forward_variants"][f"T={T} base, CUDA ms per kernel"] = {
+            e.key: round(e.device_time_total / 5e3, 4)
+            for e in prof.key_averages() if e.device_time_total > 0}
+        del q, k, v, base
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("output", nargs="?", default="hla2_triton_bench.yaml",
@@ -262,6 +309,9 @@ def main():
     parser.add_argument("--variants", metavar="CHUNK_SIZES", default=None,
                         help="also: time chunk sizes (e.g. 32,64,128), launch shapes, "
                              "normalize and decay forms")
+    parser.add_argument("--forward-variants", action="store_true",
+                        help="also: the forward alone at head dim 128 under launch-shape "
+                             "variants, with CUDA time per kernel")
     parser.add_argument("--variants-vs-chunk", action="store_true",
                         help="with --variants: also time the options' PyTorch chunk form and the "
                              "paper decay form")
@@ -271,7 +321,7 @@ def main():
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "git_commit": git_commit(),
                "tokens": TOKENS, "heads": HEADS, "dtype": "bfloat16", "correctness": {},
-               "timings": {}, "profile": {}, "variants": {}}
+               "timings": {}, "profile": {}, "variants": {}, "forward_variants": {}}
     def save():
         results["wall_s"] = round(time.time() - start, 1)
         with open(args.output, "w") as f:
@@ -289,6 +339,9 @@ def main():
         if args.variants:
             time_variants(results, [int(c) for c in args.variants.split(",") if c],
                           args.variants_vs_chunk)
+            save()
+        if args.forward_variants:
+            time_forward_variants(results)
             save()
         run_timings(results, start + args.budget_s)
     save()
