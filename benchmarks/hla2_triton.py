@@ -170,12 +170,24 @@ def run_timings(results, deadline):
             del q, k, v
 
 
+def cuda_time_per_kernel(step, calls=5):
+    """[(kernel, CUDA ms per call, launches per call)] of `calls` calls of step (already
+    warmed up), slowest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    return sorted(((e.key, e.device_time_total / 1e3 / calls, e.count // calls)
+                   for e in prof.key_averages() if e.device_time_total > 0),
+                  key=lambda row: -row[1])
+
+
 def profile_kernels(results, shapes=((32, 2048, 64), (8, 8192, 64), (2, 32768, 64),
                                     (1, 65536, 64))):
     """CUDA time per kernel of forward+backward of the Triton op (torch.profiler, 5 calls
     after 3 warm-up calls): where the time of a step goes."""
-    from torch.profiler import ProfilerActivity, profile
-
     fn = implementations()["triton"]
     for B, T, D in shapes:
         key = f"D={D} T={T}"
@@ -186,13 +198,7 @@ def profile_kernels(results, shapes=((32, 2048, 64), (8, 8192, 64), (2, 32768, 6
             for _ in range(3):
                 torch.autograd.grad(fn(q, k, v), (q, k, v), do)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    torch.autograd.grad(fn(q, k, v), (q, k, v), do)
-                torch.cuda.synchronize()
-            rows = sorted(((e.key, e.device_time_total / 5e3, e.count // 5)
-                           for e in prof.key_averages() if e.device_time_total > 0),
-                          key=lambda row: -row[1])
+            rows = cuda_time_per_kernel(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do))
             results["profile"][key] = {name: {"ms_per_step": round(ms, 4), "launches": n}
                                        for name, ms, n in rows}
             print(f"profile {key}: " + ", ".join(f"{name[:40]} {ms:.3f} ms x{n}"
@@ -254,7 +260,6 @@ def time_forward_variants(results):
     """The forward alone at head dim 128 (chunk 128) under launch-shape variants, side by
     side in this process (do_bench medians; relative output difference to the base launch),
     and CUDA time per kernel of the base launch: where the D = 128 forward's time goes."""
-    from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
 
     from mixers.hla.hla2 import triton as hla2_triton_module
@@ -283,13 +288,9 @@ def time_forward_variants(results):
                 except Exception as exc:  # noqa: BLE001 - report and go on
                     results["forward_variants"][key] = {"error": repr(exc)[:300]}
                     print(f"{key}: FAILED {exc!r}"[:300])
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    run(q, k, v)
-                torch.cuda.synchronize()
+            rows = cuda_time_per_kernel(lambda: run(q, k, v))
         results["forward_variants"][f"T={T} base, CUDA ms per kernel"] = {
-            e.key: round(e.device_time_total / 5e3, 4)
-            for e in prof.key_averages() if e.device_time_total > 0}
+            name: round(ms, 4) for name, ms, _ in rows}
         del q, k, v, base
         torch.cuda.empty_cache()
 
