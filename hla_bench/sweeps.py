@@ -8,6 +8,9 @@ goes on.
 
 Timing: `warmup` untimed calls, then `repeats` timed calls; CUDA events on a GPU,
 `time.perf_counter` on the CPU (CPU ops are synchronous). Median and 20th/80th percentiles.
+The decode points of one mixer are timed in interleaved rounds (one call of each T per
+round), so that the host's drift over time, which sets a host-bound step's speed, falls on
+every T alike.
 
 Peak memory above the inputs:
 - CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus
@@ -482,8 +485,11 @@ def _qkv(prefix: tuple[int, ...], head_dim: int, value_dim: int, device: str, dt
             _random((*prefix, value_dim), device, dtype, generator, requires_grad=requires_grad))
 
 
-def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], record: dict) -> None:
-    """Build the call for `point`, then fill timing, memory and rates into `record`."""
+def _build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
+                record: dict) -> tuple[Callable[[], Any], int, int]:
+    """The call that times `point`, warmed up (with decode_graph the replay of its CUDA
+    graph), the steps one call makes and the tokens one step processes; fills the record's
+    state size, decode fields and peak memory."""
     sweep = point.sweep
     device, dtype = record["device"], DTYPES[record["dtype"]]
     batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
@@ -503,7 +509,7 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
                 for _ in range(sweep.decode_steps):
                     out, current = decoder.step(q, k, v, current)
             return out
-        calls_per_timing = sweep.decode_steps
+        steps = sweep.decode_steps
         record["decode_steps"], record["decode_graph"] = sweep.decode_steps, sweep.decode_graph
         tokens = batch
     else:
@@ -523,18 +529,23 @@ def _measure(point: Point, mixer: registry.Mixer, options: dict[str, Any], recor
                 with torch.no_grad():
                     return op(q, k, v)
         tokens = batch * point.seq_len
-        calls_per_timing = 1
+        steps = 1
 
     for _ in range(sweep.warmup):
         call()
     if point.mode == "decode" and sweep.decode_graph:
         call = cuda_graph_replay(call)
     record["peak_memory_bytes"] = peak_memory_bytes(call, device)
-    times = [t / calls_per_timing for t in
-             time_calls(call, warmup=0, repeats=sweep.repeats, device=device)]
-    record.update(summarize_times(times))
+    return call, steps, tokens
+
+
+def _fill_times(point: Point, mixer: registry.Mixer, options: dict[str, Any], record: dict,
+                times_ms: list[float], tokens: int) -> None:
+    """Median and percentiles of per-step times, and the rates they give."""
+    record.update(summarize_times(times_ms))
     seconds = record["median_ms"] / 1e3
     record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
+    batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
     flops = mixer.model_flops(batch, point.seq_len, heads, head_dim, value_dim, point.mode, **options)
     if flops is not None:
         record["flops"] = float(flops)
@@ -583,49 +594,122 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = None) -> dict[str, Any]:
-    """Measure one point; every failure becomes the record's status and reason.
-
-    `oom_at` remembers the smallest T that ran out of memory per (sweep, mixer, mode), so
-    larger T for the same mixer and mode are recorded as oom without being tried.
-    """
+def _start(point: Point, oom_at: dict | None) -> tuple[dict[str, Any], tuple | None]:
+    """(record, (mixer, options)) for a point to measure, or (final record, None) for one that
+    cannot run here (unavailable, unsupported, or past a smaller T that ran out of memory)."""
     record = empty_record(point)
     key = (point.sweep.name, point.spec.label, point.mode)
     mixer = registry.get(point.spec.name)
     options = mixer.resolve_options(point.spec.options)
     unavailable = mixer.unavailable_reason(options)
     if unavailable:
-        return {**record, "status": "unavailable", "reason": unavailable}
+        return {**record, "status": "unavailable", "reason": unavailable}, None
     if point.mode == "decode" and mixer.build_decoder is None:
-        return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}
+        return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}, None
     if point.mode == "decode" and point.sweep.decode_graph and not record["device"].startswith("cuda"):
-        return {**record, "status": "unsupported", "reason": "decode_graph needs a CUDA device"}
+        return {**record, "status": "unsupported", "reason": "decode_graph needs a CUDA device"}, None
     if oom_at is not None and key in oom_at and point.seq_len > oom_at[key]:
         return {**record, "status": "oom",
-                "reason": f"skipped: out of memory at T={format_seq_len(oom_at[key])}"}
-    failed = False
+                "reason": f"skipped: out of memory at T={format_seq_len(oom_at[key])}"}, None
+    return record, (mixer, options)
+
+
+def _attempt(points: list[Point], work: Callable[[], None], oom_at: dict | None,
+             seconds: float | None) -> dict[str, Any] | None:
+    """Run work() within `seconds`; None when it succeeds, else the failure's status and
+    reason (an out-of-memory error marks the smallest of `points` in oom_at)."""
+    failed = None
     try:
-        with time_limit(point.sweep.point_timeout_s):
-            _measure(point, mixer, options, record)
+        with time_limit(seconds):
+            work()
     except Exception as error:  # every failure is a result; the sweep goes on
-        failed = True
         message = f"{type(error).__name__}: {error}".strip()
         if isinstance(error, PointTimeout):
             status, message = "timeout", str(error)
         elif is_oom(error):
             status = "oom"
             if oom_at is not None:
-                oom_at[key] = min(point.seq_len, oom_at.get(key, point.seq_len))
+                first = points[0]
+                key = (first.sweep.name, first.spec.label, first.mode)
+                oom_at[key] = min(first.seq_len, oom_at.get(key, first.seq_len))
         elif isinstance(error, (registry.MixerUnavailableError, ImportError)):
             status = "unavailable"
         elif isinstance(error, NotImplementedError):
             status = "unsupported"
         else:
             status = "error"
-        record = {**empty_record(point), "status": status, "reason": message[:2000]}
+        failed = {"status": status, "reason": message[:2000]}
     if failed:  # after the except block, so the traceback's tensors can be freed
         free_memory()
-    return record
+    return failed
+
+
+def run_point(point: Point, oom_at: dict[tuple[str, str, str], int] | None = None) -> dict[str, Any]:
+    """Measure one point; every failure becomes the record's status and reason.
+
+    `oom_at` remembers the smallest T that ran out of memory per (sweep, mixer, mode), so
+    larger T for the same mixer and mode are recorded as oom without being tried.
+    """
+    record, prepared = _start(point, oom_at)
+    if prepared is None:
+        return record
+
+    def measure() -> None:
+        call, steps, tokens = _build_call(point, *prepared, record)
+        times = time_calls(call, warmup=0, repeats=point.sweep.repeats, device=record["device"])
+        _fill_times(point, *prepared, record, [t / steps for t in times], tokens)
+
+    failed = _attempt([point], measure, oom_at, point.sweep.point_timeout_s)
+    return {**empty_record(point), **failed} if failed else record
+
+
+def run_decode_points(points: list[Point], oom_at: dict[tuple[str, str, str], int] | None = None,
+                      on_point: Callable[[Point], None] | None = None) -> list[dict[str, Any]]:
+    """Measure the decode points of one mixer in one sweep (increasing T) side by side: each
+    is built and warmed up, then `repeats` rounds time one call of every point in turn.
+    A decode step is mostly host work, and the host's speed drifts over seconds: on the
+    H200 machine the same hla2 step (its work does not depend on T) took 46 us per token
+    at one context and 79-82 at the next three when each point was timed in one block
+    (results/2026-12-03-h200-kernels-v6-d64.yaml). In rounds every context sees the same
+    drift, so a difference between them is the context's. All points' states are held at
+    once; failures are per point as in run_point (a failure while timing the rounds is
+    every remaining point's). `on_point(point)` is called before each is built."""
+    records, built = [], []
+    for point in points:
+        if on_point is not None:
+            on_point(point)
+        record, prepared = _start(point, oom_at)
+        if prepared is not None:
+            made = []
+            failed = _attempt([point], lambda: made.append(_build_call(point, *prepared, record)),
+                              oom_at, point.sweep.point_timeout_s)
+            if failed:
+                record = {**empty_record(point), **failed}
+            else:
+                built.append((len(records), point, prepared, *made[0]))
+        records.append(record)
+    if not built:
+        return records
+    sweep, device = points[0].sweep, records[built[0][0]]["device"]
+    times: list[list[float]] = [[] for _ in built]
+
+    def rounds() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        with _gc_paused():
+            for _ in range(sweep.repeats):
+                for slot, (_, _, _, call, steps, _) in enumerate(built):
+                    times[slot].extend(t / steps for t in
+                                       _timed(call, 1, device.startswith("cuda"), time.perf_counter))
+
+    timeout = None if sweep.point_timeout_s is None else sweep.point_timeout_s * len(built)
+    failed = _attempt([point for _, point, *_ in built], rounds, oom_at, timeout)
+    for slot, (index, point, prepared, _, _, tokens) in enumerate(built):
+        if failed:
+            records[index] = {**empty_record(point), **failed}
+        else:
+            _fill_times(point, *prepared, records[index], times[slot], tokens)
+    return records
 
 
 # What identifies a point across runs: a resumed sweep keeps a record with the same key.
@@ -647,19 +731,44 @@ def run_sweeps(sweeps: list[SweepConfig],
     """Run every planned point; `on_point(index, total, point)` is called before each and
     `on_record(records_so_far)` after each (to save partial results of a long sweep).
     A point with a record in `previous` (same key, a kept status) is not measured again:
-    a sweep cut short can be resumed from its results file."""
+    a sweep cut short can be resumed from its results file. The decode points of one mixer
+    in a sweep are measured together, in rounds (see run_decode_points)."""
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     points = plan(sweeps)
     oom_at: dict[tuple[str, str, str], int] = {}
-    records = []
-    for index, point in enumerate(points):
-        if on_point is not None:
-            on_point(index, len(points), point)
-        record = kept.get(point_key(empty_record(point)))
-        records.append(record if record is not None else run_point(point, oom_at))
+    records: list[dict[str, Any]] = []
+
+    def add(record: dict[str, Any]) -> None:
+        records.append(record)
         if on_record is not None:
             on_record(records)
+
+    index = 0
+    while index < len(points):
+        group = [points[index]]
+        while (points[index].mode == "decode" and index + len(group) < len(points)
+               and _same_mixer(points[index + len(group)], points[index])):
+            group.append(points[index + len(group)])
+        todo = [p for p in group if point_key(empty_record(p)) not in kept]
+        if len(todo) > 1:
+            starts = {id(p): index + offset for offset, p in enumerate(group)}
+            measured = iter(run_decode_points(
+                todo, oom_at, on_point and (lambda p: on_point(starts[id(p)], len(points), p))))
+            for point in group:
+                add(kept.get(point_key(empty_record(point))) or next(measured))
+        else:
+            for offset, point in enumerate(group):
+                if on_point is not None:
+                    on_point(index + offset, len(points), point)
+                record = kept.get(point_key(empty_record(point)))
+                add(record if record is not None else run_point(point, oom_at))
+        index += len(group)
     return records
+
+
+def _same_mixer(point: Point, other: Point) -> bool:
+    return (point.sweep is other.sweep and point.spec == other.spec
+            and point.mode == other.mode)
 
 
 def iter_groups(records: list[dict[str, Any]]) -> Iterator[tuple[tuple[str, str], list[dict]]]:

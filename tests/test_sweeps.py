@@ -280,6 +280,86 @@ def test_decode_times_are_per_token(fake_mixers, monkeypatch):
     assert by["decode"]["tokens_per_s"] == pytest.approx(2 / 1.5e-3)
 
 
+class _ContextDecoder:
+    """Logs the context of every step; runs out of memory from context `oom_from` on, and
+    fails at its `fail_at`-th step."""
+
+    def __init__(self, log, oom_from=None, fail_at=None):
+        self.log, self.oom_from, self.fail_at = log, oom_from, fail_at
+
+    def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
+        if self.oom_from is not None and context_len >= self.oom_from:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+        return {"context": context_len}
+
+    def step(self, q, k, v, state):
+        self.log.append(state["context"])
+        if len(self.log) == self.fail_at:
+            raise ValueError("step failed on purpose")
+        return v, state
+
+    def state_bytes(self, state):
+        return 0
+
+
+def _context_mixer(log, **failures):
+    return registry.Mixer("fake-context", "fake", "logs its decode contexts", _fast_op,
+                          build_decoder=lambda **o: _ContextDecoder(log, **failures),
+                          options={"scale": 1.0})
+
+
+@pytest.fixture
+def context_mixer():
+    """A function registering fake-context (with failures) that logs into the list it returns."""
+    def register(**failures):
+        log = []
+        registry.register(_context_mixer(log, **failures), replace=True)
+        return log
+    yield register
+    registry._REGISTRY.pop("fake-context", None)
+
+
+def test_decode_points_of_a_mixer_are_timed_in_rounds(context_mixer):
+    log = context_mixer()
+    seen = []
+    sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64], warmup=1,
+                       repeats=3, decode_steps=1)
+    records = run_sweeps([sweep], lambda i, n, p: seen.append((i, n, p.seq_len)))
+    assert [r["seq_len"] for r in records] == [16, 32, 64]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in records)
+    assert seen == [(0, 3, 16), (1, 3, 32), (2, 3, 64)]
+    # built one after the other (a warm-up and a memory call each), then timed in rounds
+    assert log == [16, 16, 32, 32, 64, 64] + [16, 32, 64] * 3
+
+
+def test_decode_rounds_record_failures_per_point(context_mixer):
+    context_mixer(oom_from=32)
+    sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64])
+    by = {r["seq_len"]: r for r in run_sweeps([sweep])}
+    assert by[16]["status"] == "ok"
+    assert by[32]["status"] == "oom" and "out of memory" in by[32]["reason"]
+    assert by[64]["status"] == "oom" and by[64]["reason"].startswith("skipped: out of memory")
+
+    context_mixer(fail_at=5)  # the first timed round, after 2 build calls of each point
+    records = run_sweeps([tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32],
+                                     decode_steps=1)])
+    assert [r["status"] for r in records] == ["error", "error"]
+    assert all("step failed on purpose" in r["reason"] and r["median_ms"] is None
+               for r in records)
+
+
+def test_decode_rounds_keep_resumed_points(context_mixer):
+    log = context_mixer()
+    sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64], warmup=0,
+                       repeats=2, decode_steps=1)
+    first = run_sweeps([sweep])
+    log.clear()
+    previous = [first[0], {**first[1], "status": "error"}, first[2]]
+    again = run_sweeps([sweep], previous=previous)
+    assert again[0] is first[0] and again[2] is first[2] and again[1]["status"] == "ok"
+    assert log == [32, 32, 32]  # the memory call and two timed calls, the error point only
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5])
 def test_decode_steps_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="decode_steps must be a positive integer"):
