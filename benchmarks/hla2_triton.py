@@ -2,7 +2,7 @@
 
     python benchmarks/hla2_triton.py [results.yaml] [--budget-s 150] [--profile]
                                      [--variants 32,64,128 [--variants-vs-chunk]]
-                                     [--forward-variants]
+                                     [--forward-variants] [--backward-variants]
     TRITON_INTERPRET=1 python benchmarks/hla2_triton.py out.yaml --check-len 40   # CPU smoke
 
 1. Correctness on random data against a float64 reference (the one-chunk form of spec §4,
@@ -17,7 +17,8 @@
    T = 8k, 32k and 64k, and with normalize / masked decay at 8k (--variants-vs-chunk: also
    the PyTorch chunk form of those, and the paper decay form), D = 64.
 5. --forward-variants: the forward alone at D = 128 (chunk 128) under launch-shape variants
-   (output rows and value slices, scan rows, chunk 64), T = 2k..64k, with CUDA time per kernel.
+   (output rows and value slices, scan rows, chunk 64), T = 2k..64k, with CUDA time per kernel;
+   --backward-variants: the same for forward+backward (chunk 64; state scan rows).
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
 """
@@ -256,41 +257,56 @@ def time_variants(results, chunk_sizes, with_chunk_form):
                              hla2(a, b, c, impl=impl, **options)[0], q, k, v)
 
 
-def time_forward_variants(results):
-    """The forward alone at head dim 128 (chunk 128) under launch-shape variants, side by
-    side in this process (do_bench medians; relative output difference to the base launch),
-    and CUDA time per kernel of the base launch: where the D = 128 forward's time goes."""
+FORWARD_VARIANTS = {"output in one 128-row program": dict(OUTPUT_ROWS=128),
+                    "output in 64-column slices": dict(OUTPUT_BV={2: 64, 4: 64}),
+                    "state scan in 64-row blocks": dict(WIDE_SCAN=((64, 1), (64, 4))),
+                    "chunk 64": dict(_chunk=lambda *args: 64)}
+# fwd+bwd at head dim 128 runs chunk 64; the state scan there in 64-row blocks where
+# 16-row blocks would need 4 waves (T = 2k, 8k), as the gradient scan does
+BACKWARD_VARIANTS = {"state scan in 64-row blocks": dict(WIDE_SCAN=((64, 4), (64, 4)))}
+
+
+def time_d128_variants(results, backward):
+    """The forward (backward=False: chunk 128) or forward+backward (chunk 64) at head dim 128
+    under launch-shape variants, side by side in this process (do_bench medians; relative
+    difference of the outputs, and of dq with backward, to the base launch), and CUDA time
+    per kernel of the base launch: where the D = 128 time goes."""
     from triton.testing import do_bench
 
     from mixers.hla.hla2 import triton as hla2_triton_module
 
     run = hla2_triton_module.hla2_triton
-    variants = {"base": {}, "output in one 128-row program": dict(OUTPUT_ROWS=128),
-                "output in 64-column slices": dict(OUTPUT_BV={2: 64, 4: 64}),
-                "state scan in 64-row blocks": dict(WIDE_SCAN=((64, 1), (64, 4))),
-                "chunk 64": dict(_chunk=lambda *args: 64)}
+    table = results["backward_variants" if backward else "forward_variants"]
+    variants = {"base": {}, **(BACKWARD_VARIANTS if backward else FORWARD_VARIANTS)}
     for T in SEQ_LENS:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(TOKENS // T, T, HEADS, 128, device="cuda", generator=gen,
                                dtype=torch.bfloat16) / 128 ** 0.5 for _ in range(3))
-        with torch.no_grad():
-            base = run(q, k, v)[0].float()
-            for name, constants in variants.items():
-                key = f"T={T} {name}"
-                try:
-                    with patched(hla2_triton_module, **constants):
-                        diff = rel(run(q, k, v)[0], base)
-                        ms = do_bench(lambda: run(q, k, v), warmup=10, rep=60,
-                                      return_mode="median")
-                    results["forward_variants"][key] = {"fwd_ms": round(ms, 4),
-                                                        "rel_to_base": diff}
-                    print(f"{key:44s} fwd {ms:8.3f} ms  rel to base {diff:.1e}")
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    results["forward_variants"][key] = {"error": repr(exc)[:300]}
-                    print(f"{key}: FAILED {exc!r}"[:300])
-            rows = cuda_time_per_kernel(lambda: run(q, k, v))
-        results["forward_variants"][f"T={T} base, CUDA ms per kernel"] = {
-            name: round(ms, 4) for name, ms, _ in rows}
+        if backward:
+            q.requires_grad_()
+            do = torch.randn_like(v)
+
+            def step():
+                return torch.autograd.grad(run(q, k, v)[0], q, do)[0]
+        else:
+            def step():
+                with torch.no_grad():
+                    return run(q, k, v)[0]
+        base = step().float()
+        for name, constants in variants.items():
+            key = f"T={T} {name}"
+            try:
+                with patched(hla2_triton_module, **constants):
+                    diff = rel(step(), base)
+                    ms = do_bench(step, warmup=10, rep=60, return_mode="median")
+                table[key] = {"ms": round(ms, 4), "rel_to_base": diff}
+                print(f"{key:44s} {'fwd+bwd' if backward else 'fwd'} {ms:8.3f} ms  "
+                      f"rel to base {diff:.1e}")
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                table[key] = {"error": repr(exc)[:300]}
+                print(f"{key}: FAILED {exc!r}"[:300])
+        rows = cuda_time_per_kernel(step)
+        table[f"T={T} base, CUDA ms per kernel"] = {name: round(ms, 4) for name, ms, _ in rows}
         del q, k, v, base
         torch.cuda.empty_cache()
 
@@ -313,6 +329,9 @@ def main():
     parser.add_argument("--forward-variants", action="store_true",
                         help="also: the forward alone at head dim 128 under launch-shape "
                              "variants, with CUDA time per kernel")
+    parser.add_argument("--backward-variants", action="store_true",
+                        help="also: forward+backward at head dim 128 under launch-shape "
+                             "variants, with CUDA time per kernel")
     parser.add_argument("--variants-vs-chunk", action="store_true",
                         help="with --variants: also time the options' PyTorch chunk form and the "
                              "paper decay form")
@@ -322,7 +341,8 @@ def main():
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                "git_commit": git_commit(),
                "tokens": TOKENS, "heads": HEADS, "dtype": "bfloat16", "correctness": {},
-               "timings": {}, "profile": {}, "variants": {}, "forward_variants": {}}
+               "timings": {}, "profile": {}, "variants": {}, "forward_variants": {},
+               "backward_variants": {}}
     def save():
         results["wall_s"] = round(time.time() - start, 1)
         with open(args.output, "w") as f:
@@ -342,7 +362,10 @@ def main():
                           args.variants_vs_chunk)
             save()
         if args.forward_variants:
-            time_forward_variants(results)
+            time_d128_variants(results, backward=False)
+            save()
+        if args.backward_variants:
+            time_d128_variants(results, backward=True)
             save()
         run_timings(results, start + args.budget_s)
     save()
