@@ -119,11 +119,11 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
         ridge=ridge, decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
-    if impl == "triton" and q.shape[1] > 0:
-        from mixers.hla.hla2.triton import hla2_triton
-        return hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=g, decay_form=decay_form,
-                           chunk_size=chunk_size, initial_state=state,
-                           output_final_state=output_final_state)
+    if impl == "triton" and q.shape[1] > 0:  # checked by _resolve_impl
+        from mixers.hla.hla2.triton import hla2_triton_unchecked
+        return hla2_triton_unchecked(q, k, v, normalize=normalize, eps=eps, decay=g,
+                                     decay_form=decay_form, chunk_size=chunk_size,
+                                     initial_state=state, output_final_state=output_final_state)
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
     if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
         final = unpack(packed, form, normalize, ridge) if output_final_state else None

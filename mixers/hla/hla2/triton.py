@@ -551,6 +551,16 @@ def hla2_triton(q, k, v, *, normalize=False, eps=1e-6, decay=None, decay_form="m
                                        decay_form=decay_form, decay=decay)
     if reason is not None:
         raise ValueError(reason)
+    return hla2_triton_unchecked(q, k, v, normalize=normalize, eps=eps, decay=decay,
+                                 decay_form=decay_form, chunk_size=chunk_size,
+                                 initial_state=initial_state,
+                                 output_final_state=output_final_state)
+
+
+def hla2_triton_unchecked(q, k, v, *, normalize, eps, decay, decay_form, chunk_size,
+                          initial_state, output_final_state):
+    """hla2_triton for inputs already checked (mixers.hla.hla2 checks them once: until the
+    first kernel starts the GPU waits for this host path)."""
     B, T, H, D = q.shape
     paper = decay is not None and decay_form == "paper"
     backward = torch.is_grad_enabled() and any(
