@@ -89,6 +89,9 @@ def main():
     shapes = [(int(d), parse_seq_len(t)) for d, t in
               (pair.split(":") for pair in args.shapes.split(","))]
     rows = {}
+    out = {"kind": "notes", "what": __doc__.strip(), "git_commit": git_commit(),
+           "command": " ".join(sys.argv[1:]), "gpu": torch.cuda.get_device_name(),
+           "torch": str(torch.__version__), "rows": rows}
     for label in args.mixers.split(","):
         spec = MixerSpec.parse(MIXERS.get(label, label))
         for D, T in shapes:
@@ -115,13 +118,10 @@ def main():
                 except Exception as error:  # noqa: BLE001 - report and go on
                     row = {"error": f"{type(error).__name__}: {error}"[:300]}
                 rows[key] = row
-                print(key, row, flush=True)
+                print(key, {k: v for k, v in row.items() if k != "host_profile"}, flush=True)
+                with open(args.output, "w") as f:  # after every row: a crash keeps the rest
+                    yaml.safe_dump(out, f, sort_keys=False, width=100)
                 torch.cuda.empty_cache()
-    out = {"kind": "notes", "what": __doc__.strip(), "git_commit": git_commit(),
-           "command": " ".join(sys.argv[1:]),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    with open(args.output, "w") as f:
-        yaml.safe_dump(out, f, sort_keys=False, width=100)
     print("wrote", args.output)
 
 

@@ -8,9 +8,9 @@ goes on.
 
 Timing: `warmup` untimed calls, then `repeats` timed calls; CUDA events on a GPU,
 `time.perf_counter` on the CPU (CPU ops are synchronous). Median and 20th/80th percentiles.
-The decode points of one mixer are timed in interleaved rounds (one call of each T per
-round), so that the host's drift over time, which sets a host-bound step's speed, falls on
-every T alike.
+The eager decode points of one mixer are timed in interleaved rounds (one call of each T
+per round), so that the host's drift over time, which sets a host-bound step's speed, falls
+on every T alike.
 
 Peak memory above the inputs:
 - CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus
@@ -731,8 +731,8 @@ def run_sweeps(sweeps: list[SweepConfig],
     """Run every planned point; `on_point(index, total, point)` is called before each and
     `on_record(records_so_far)` after each (to save partial results of a long sweep).
     A point with a record in `previous` (same key, a kept status) is not measured again:
-    a sweep cut short can be resumed from its results file. The decode points of one mixer
-    in a sweep are measured together, in rounds (see run_decode_points)."""
+    a sweep cut short can be resumed from its results file. The eager decode points of one
+    mixer in a sweep are measured together, in rounds (see run_decode_points)."""
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     points = plan(sweeps)
     oom_at: dict[tuple[str, str, str], int] = {}
@@ -746,7 +746,7 @@ def run_sweeps(sweeps: list[SweepConfig],
     index = 0
     while index < len(points):
         group = [points[index]]
-        while (points[index].mode == "decode" and index + len(group) < len(points)
+        while (_in_rounds(points[index]) and index + len(group) < len(points)
                and _same_mixer(points[index + len(group)], points[index])):
             group.append(points[index + len(group)])
         todo = [p for p in group if point_key(empty_record(p)) not in kept]
@@ -764,6 +764,15 @@ def run_sweeps(sweeps: list[SweepConfig],
                 add(record if record is not None else run_point(point, oom_at))
         index += len(group)
     return records
+
+
+def _in_rounds(point: Point) -> bool:
+    """Eager decode points are timed in rounds. CUDA-graph replays are not host-bound, and
+    they are timed one point at a time: a graph bakes in the addresses of the workspaces
+    its kernels used, and on the H200 replaying cuDNN SDPA's graphs after other points had
+    been captured ran into an illegal memory access (a library workspace regrown and freed
+    in between, most likely)."""
+    return point.mode == "decode" and not point.sweep.decode_graph
 
 
 def _same_mixer(point: Point, other: Point) -> bool:

@@ -348,6 +348,22 @@ def test_decode_rounds_record_failures_per_point(context_mixer):
                for r in records)
 
 
+def test_only_eager_decode_points_are_timed_in_rounds(context_mixer, monkeypatch):
+    import hla_bench.sweeps as sweeps
+
+    grouped = []
+    rounds = sweeps.run_decode_points
+    monkeypatch.setattr(sweeps, "run_decode_points",
+                        lambda points, *a: grouped.append(len(points)) or rounds(points, *a))
+    context_mixer()
+    run_sweeps([tiny_sweep(["fake-context"], modes=["fwd", "decode"], seq_lens=[16, 32, 64])])
+    assert grouped == [3]
+    grouped.clear()
+    records = run_sweeps([tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32],
+                                     decode_graph=True)])
+    assert grouped == [] and [r["status"] for r in records] == ["unsupported"] * 2
+
+
 def test_decode_rounds_keep_resumed_points(context_mixer):
     log = context_mixer()
     sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64], warmup=0,
