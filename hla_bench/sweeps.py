@@ -690,17 +690,17 @@ def run_decode_points(points: list[Point], oom_at: dict[tuple[str, str, str], in
         records.append(record)
     if not built:
         return records
-    sweep, device = points[0].sweep, records[built[0][0]]["device"]
+    sweep = points[0].sweep
+    cuda = records[built[0][0]]["device"].startswith("cuda")
     times: list[list[float]] = [[] for _ in built]
 
     def rounds() -> None:
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
         with _gc_paused():
             for _ in range(sweep.repeats):
                 for slot, (_, _, _, call, steps, _) in enumerate(built):
-                    times[slot].extend(t / steps for t in
-                                       _timed(call, 1, device.startswith("cuda"), time.perf_counter))
+                    times[slot].extend(t / steps for t in _timed(call, 1, cuda, time.perf_counter))
 
     timeout = None if sweep.point_timeout_s is None else sweep.point_timeout_s * len(built)
     failed = _attempt([point for _, point, *_ in built], rounds, oom_at, timeout)
@@ -743,27 +743,34 @@ def run_sweeps(sweeps: list[SweepConfig],
         if on_record is not None:
             on_record(records)
 
-    index = 0
-    while index < len(points):
-        group = [points[index]]
-        while (_in_rounds(points[index]) and index + len(group) < len(points)
-               and _same_mixer(points[index + len(group)], points[index])):
-            group.append(points[index + len(group)])
+    for start, group in _timing_groups(points):
         todo = [p for p in group if point_key(empty_record(p)) not in kept]
         if len(todo) > 1:
-            starts = {id(p): index + offset for offset, p in enumerate(group)}
             measured = iter(run_decode_points(
-                todo, oom_at, on_point and (lambda p: on_point(starts[id(p)], len(points), p))))
+                todo, oom_at,
+                on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
             for point in group:
                 add(kept.get(point_key(empty_record(point))) or next(measured))
-        else:
-            for offset, point in enumerate(group):
-                if on_point is not None:
-                    on_point(index + offset, len(points), point)
-                record = kept.get(point_key(empty_record(point)))
-                add(record if record is not None else run_point(point, oom_at))
-        index += len(group)
+            continue
+        for offset, point in enumerate(group):
+            if on_point is not None:
+                on_point(start + offset, len(points), point)
+            record = kept.get(point_key(empty_record(point)))
+            add(record if record is not None else run_point(point, oom_at))
     return records
+
+
+def _timing_groups(points: list[Point]) -> Iterator[tuple[int, list[Point]]]:
+    """(index of the first, points) of consecutive points timed together: the eager decode
+    points of one mixer in a sweep, every other point alone."""
+    start = 0
+    while start < len(points):
+        end = start + 1
+        while (_in_rounds(points[start]) and end < len(points)
+               and _same_mixer(points[end], points[start])):
+            end += 1
+        yield start, points[start:end]
+        start = end
 
 
 def _in_rounds(point: Point) -> bool:
