@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 import yaml
@@ -674,7 +674,8 @@ def run_decode_points(points: list[Point], oom_at: dict[tuple[str, str, str], in
     drift, so a difference between them is the context's. All points' states are held at
     once; failures are per point as in run_point (a failure while timing the rounds is
     every remaining point's). `on_point(point)` is called before each is built."""
-    records, built = [], []
+    records: list[dict[str, Any]] = []
+    built: list[_BuiltPoint] = []
     for point in points:
         if on_point is not None:
             on_point(point)
@@ -686,12 +687,12 @@ def run_decode_points(points: list[Point], oom_at: dict[tuple[str, str, str], in
             if failed:
                 record = {**empty_record(point), **failed}
             else:
-                built.append((len(records), point, prepared, *made[0]))
+                built.append(_BuiltPoint(len(records), point, *prepared, *made[0]))
         records.append(record)
     if not built:
         return records
     sweep = points[0].sweep
-    cuda = records[built[0][0]]["device"].startswith("cuda")
+    cuda = records[built[0].index]["device"].startswith("cuda")
     times: list[list[float]] = [[] for _ in built]
 
     def rounds() -> None:
@@ -699,17 +700,31 @@ def run_decode_points(points: list[Point], oom_at: dict[tuple[str, str, str], in
             torch.cuda.synchronize()
         with _gc_paused():
             for _ in range(sweep.repeats):
-                for slot, (_, _, _, call, steps, _) in enumerate(built):
-                    times[slot].extend(t / steps for t in _timed(call, 1, cuda, time.perf_counter))
+                for each, times_of in zip(built, times):
+                    times_of.extend(t / each.steps for t in
+                                    _timed(each.call, 1, cuda, time.perf_counter))
 
     timeout = None if sweep.point_timeout_s is None else sweep.point_timeout_s * len(built)
-    failed = _attempt([point for _, point, *_ in built], rounds, oom_at, timeout)
-    for slot, (index, point, prepared, _, _, tokens) in enumerate(built):
+    failed = _attempt([each.point for each in built], rounds, oom_at, timeout)
+    for each, times_of in zip(built, times):
         if failed:
-            records[index] = {**empty_record(point), **failed}
+            records[each.index] = {**empty_record(each.point), **failed}
         else:
-            _fill_times(point, *prepared, records[index], times[slot], tokens)
+            _fill_times(each.point, each.mixer, each.options, records[each.index], times_of,
+                        each.tokens)
     return records
+
+
+class _BuiltPoint(NamedTuple):
+    """A decode point ready for the rounds: its record's index, the call and its figures."""
+
+    index: int
+    point: Point
+    mixer: registry.Mixer
+    options: dict[str, Any]
+    call: Callable[[], Any]
+    steps: int
+    tokens: int
 
 
 # What identifies a point across runs: a resumed sweep keeps a record with the same key.
