@@ -4,16 +4,16 @@
                                         [--heads 2] [--backward] [--normalize] [--decay]
                                         [--yaml out.yaml]
 
-Runs hla2_triton on small CPU tensors with every kernel launch captured instead of run
+Runs hla2_triton on CPU tensors with every kernel launch captured instead of run
 (TRITON_INTERPRET=1 around the call lets the dispatcher through; nothing executes), then
-compiles each
-captured launch for sm_90a (an H100 / H200) with its compile-time arguments, argument
-dtypes and each warp count it can be launched with (its autotune list, or its fixed
-num_warps), and reads the cubin's resource usage with the cuobjdump bundled with Triton:
-registers per thread (255 is the cap), stack bytes (register spills), shared memory.
-With 255 registers at 8 warps a program fills an SM's register file alone; shared memory
-above 113 KiB also allows one program per SM. Pointers and integer arguments divisible by
-16 are compiled as such, as the JIT's specialisation does with real tensors.
+compiles each captured launch for sm_90a (an H100 / H200) with its compile-time arguments,
+argument dtypes and each warp count it can be launched with (its autotune list, or its
+fixed num_warps), and reads the cubin's resource usage with the cuobjdump bundled with
+Triton: registers per thread (255 is the cap), stack bytes (register spills), shared
+memory. An SM has 65,536 registers and 228 KiB of shared memory: at 8 warps a program
+above 128 registers per thread, or above about 113 KiB, runs alone on its SM. Pointers and
+integer arguments divisible by 16 are compiled as such, as the JIT's specialisation does
+with real tensors.
 """
 
 from __future__ import annotations
