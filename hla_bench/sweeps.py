@@ -759,18 +759,18 @@ def run_sweeps(sweeps: list[SweepConfig],
             on_record(records)
 
     for start, group in _timing_groups(points):
-        todo = [p for p in group if point_key(empty_record(p)) not in kept]
+        resumed = [kept.get(point_key(empty_record(p))) for p in group]
+        todo = [p for p, record in zip(group, resumed) if record is None]
         if len(todo) > 1:
             measured = iter(run_decode_points(
                 todo, oom_at,
                 on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
-            for point in group:
-                add(kept.get(point_key(empty_record(point))) or next(measured))
+            for record in resumed:
+                add(record or next(measured))
             continue
-        for offset, point in enumerate(group):
+        for offset, (point, record) in enumerate(zip(group, resumed)):
             if on_point is not None:
                 on_point(start + offset, len(points), point)
-            record = kept.get(point_key(empty_record(point)))
             add(record if record is not None else run_point(point, oom_at))
     return records
 
