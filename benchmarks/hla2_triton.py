@@ -16,8 +16,8 @@
    launches, scans planned for 4 resident programs per SM, scans in 32-row blocks) at
    T = 8k, 32k and 64k, and with normalize / masked decay at 8k (--variants-vs-chunk: also
    the PyTorch chunk form of those, and the paper decay form), D = 64.
-5. --forward-variants: the forward alone at D = 128 (chunk 128) under launch-shape variants
-   (output rows and value slices, scan rows, chunk 64), T = 2k..64k, with CUDA time per kernel;
+5. --forward-variants: the forward alone at D = 128 (chunk 128) and D = 64 under kernel and
+   launch variants (FORWARD_VARIANTS), T = 2k..64k, beside fla, with CUDA time per kernel;
    --backward-variants: the same for forward+backward (chunk 64; state scan rows).
 Every failure is printed and the script goes on; it stops timing new rows once the time
 budget is spent, and rewrites the YAML after each stage (a run cut short keeps what it did).
@@ -257,58 +257,92 @@ def time_variants(results, chunk_sizes, with_chunk_form):
                              hla2(a, b, c, impl=impl, **options)[0], q, k, v)
 
 
-FORWARD_VARIANTS = {"output in one 128-row program": dict(OUTPUT_ROWS=128),
-                    "output in 64-column slices": dict(OUTPUT_BV={2: 64, 4: 64}),
-                    "state scan in 64-row blocks": dict(WIDE_SCAN=((64, 1), (64, 4))),
-                    "chunk 64": dict(_chunk=lambda *args: 64)}
+# The forward alone (inference) at D = 128 (chunk 128) and D = 64: "base" is the launch as
+# committed before these variants; each variant sets module constants of triton.py
+_BEFORE = dict(OUT_OF_PLACE_SCAN=False, OUTPUT_LATE=False, INCREMENTS_TRI=False)
+_TWO_PER_SM = dict(_resident_programs=lambda device, D: 2 * (
+    torch.cuda.get_device_properties(device).multi_processor_count))
+FORWARD_VARIANTS = {
+    "base": _BEFORE,
+    "scan out of place": {**_BEFORE, "OUT_OF_PLACE_SCAN": True},
+    "output loads its states late": {**_BEFORE, "OUTPUT_LATE": True},
+    "increments in token halves": {**_BEFORE, "INCREMENTS_TRI": True},
+    "all three": {},
+    "all three, scans planned for 2 programs per SM": _TWO_PER_SM}
 # fwd+bwd at head dim 128 runs chunk 64; the state scan there in 64-row blocks where
 # 16-row blocks would need 4 waves (T = 2k, 8k), as the gradient scan does
-BACKWARD_VARIANTS = {"state scan in 64-row blocks": dict(WIDE_SCAN=((64, 4), (64, 4)))}
+BACKWARD_VARIANTS = {"base": {},
+                     "state scan in 64-row blocks": dict(WIDE_SCAN=((64, 4), (64, 4)))}
+
+
+def _tuned_warps():
+    """{kernel: {autotune key: num_warps}} of the autotuned kernels' choices so far."""
+    from mixers.hla.hla2 import triton_kernels as kern
+
+    picks = {}
+    for name in ("chunk_increments_kernel", "chunk_output_kernel"):
+        cache = getattr(getattr(kern, name), "cache", {})
+        picks[name] = {str(key): config.num_warps for key, config in cache.items()}
+    return picks
 
 
 def time_d128_variants(results, backward):
-    """The forward (backward=False: chunk 128) or forward+backward (chunk 64) at head dim 128
-    under launch-shape variants, side by side in this process (do_bench medians; relative
-    difference of the outputs, and of dq with backward, to the base launch), and CUDA time
-    per kernel of the base launch: where the D = 128 time goes."""
+    """The forward (backward=False: chunk 128 at D = 128; also D = 64) or forward+backward
+    (chunk 64, D = 128) under launch variants, side by side in this process (do_bench
+    medians; relative difference of the outputs, and of dq with backward, to the first
+    variant), with fla's chunk_linear_attn alongside when it imports, CUDA time per kernel
+    of each variant and the autotuner's warp choices: where the time goes."""
     from triton.testing import do_bench
 
     from mixers.hla.hla2 import triton as hla2_triton_module
 
     run = hla2_triton_module.hla2_triton
+    fla = implementations().get("fla-linear-attn")
     table = results["backward_variants" if backward else "forward_variants"]
-    variants = {"base": {}, **(BACKWARD_VARIANTS if backward else FORWARD_VARIANTS)}
-    for T in SEQ_LENS:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(TOKENS // T, T, HEADS, 128, device="cuda", generator=gen,
-                               dtype=torch.bfloat16) / 128 ** 0.5 for _ in range(3))
-        if backward:
-            q.requires_grad_()
-            do = torch.randn_like(v)
+    variants = BACKWARD_VARIANTS if backward else FORWARD_VARIANTS
+    for D in ((128,) if backward else (128, 64)):
+        for T in SEQ_LENS:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(TOKENS // T, T, HEADS, D, device="cuda", generator=gen,
+                                   dtype=torch.bfloat16) / D ** 0.5 for _ in range(3))
+            if backward:
+                q.requires_grad_()
+                do = torch.randn_like(v)
 
-            def step():
-                return torch.autograd.grad(run(q, k, v)[0], q, do)[0]
-        else:
-            def step():
+                def step():
+                    return torch.autograd.grad(run(q, k, v)[0], q, do)[0]
+            else:
+                def step():
+                    with torch.no_grad():
+                        return run(q, k, v)[0]
+            base = None
+            if fla is not None and not backward:
                 with torch.no_grad():
-                    return run(q, k, v)[0]
-        base = step().float()
-        for name, constants in variants.items():
-            key = f"T={T} {name}"
-            try:
-                with patched(hla2_triton_module, **constants):
-                    diff = rel(step(), base)
-                    ms = do_bench(step, warmup=10, rep=60, return_mode="median")
-                table[key] = {"ms": round(ms, 4), "rel_to_base": diff}
-                print(f"{key:44s} {'fwd+bwd' if backward else 'fwd'} {ms:8.3f} ms  "
-                      f"rel to base {diff:.1e}")
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                table[key] = {"error": repr(exc)[:300]}
-                print(f"{key}: FAILED {exc!r}"[:300])
-        rows = cuda_time_per_kernel(step)
-        table[f"T={T} base, CUDA ms per kernel"] = {name: round(ms, 4) for name, ms, _ in rows}
-        del q, k, v, base
-        torch.cuda.empty_cache()
+                    ms = do_bench(lambda: fla(q, k, v), warmup=10, rep=60,
+                                  return_mode="median")
+                table[f"D={D} T={T} fla-linear-attn"] = {"ms": round(ms, 4)}
+                print(f"D={D} T={T} fla-linear-attn fwd {ms:8.3f} ms")
+            for name, constants in variants.items():
+                key = f"D={D} T={T} {name}"
+                try:
+                    with patched(hla2_triton_module, **constants):
+                        out = step().float()
+                        base = out if base is None else base
+                        diff = rel(out, base)
+                        ms = do_bench(step, warmup=10, rep=60, return_mode="median")
+                        per_kernel = cuda_time_per_kernel(step)
+                    table[key] = {"ms": round(ms, 4), "rel_to_first": diff,
+                                  "cuda_ms_per_kernel": {kernel: round(t, 4)
+                                                         for kernel, t, _ in per_kernel}}
+                    print(f"{key:60s} {'fwd+bwd' if backward else 'fwd'} {ms:8.3f} ms  "
+                          f"rel {diff:.1e}  " + ", ".join(f"{kernel[:24]} {t:.3f}"
+                                                          for kernel, t, _ in per_kernel))
+                except Exception as exc:  # noqa: BLE001 - report and go on
+                    table[key] = {"error": repr(exc)[:300]}
+                    print(f"{key}: FAILED {exc!r}"[:300])
+            del q, k, v, base
+            torch.cuda.empty_cache()
+    table["autotune_warps"] = _tuned_warps()
 
 
 def main():

@@ -119,6 +119,9 @@ WARPS, SCAN_ROWS = 8, 16
 # with 64 (kept at 16), 2k x 32 (8 waves): gradients 0.199 -> 0.172 with 64; 64k x 1 (under
 # a wave): wider blocks were slower (D = 128: 1.42 -> 1.86 and 1.87 ms).
 WIDE_SCAN = ((32, 1), (64, 4))
+OUT_OF_PLACE_SCAN = True  # EXPERIMENT
+OUTPUT_LATE = True  # EXPERIMENT
+INCREMENTS_TRI = True  # EXPERIMENT
 # From this head dim on, dq, dk and dv are computed by the launches in SPLIT_GRADS (each
 # string names the gradients of one launch): fewer register spills. Three launches (q, k, v)
 # were slower at D = 128 (4.08 vs 3.37 ms at 8k x 8: more recomputed).
@@ -226,9 +229,10 @@ def _scan_launch(shape, rows):
     return dict(num_warps=WARPS, BD=rows, **{k: v for k, v in shape.items() if k != "C"})
 
 
-def _scan_states(inc, lg, init, final, T, C, shape):
-    """Carried states written over the increments inc = (dS, X, dA, Xn, An) (Xn, An: the
-    denominator column vectors with normalize, else stand-ins); final state into final =
+def _scan_states(inc, lg, init, final, T, C, shape, out=None):
+    """Carried states from the increments inc = (dS, X, dA, Xn, An) (Xn, An: the denominator
+    column vectors with normalize, else stand-ins): into out = (S, A, An) buffers of their
+    own when given, else over the increments (in place); final state into final =
     (S1, A1, a1) when given, starting from init = (S0, A0, a0) when given. Long sequences:
     segment summaries, a scan over them, a rescan per segment."""
     ds, x, da, xn, an = inc
@@ -236,21 +240,22 @@ def _scan_states(inc, lg, init, final, T, C, shape):
     rows, SEG, NSEG = _scan_plan(NT, D, BH, da.device, WIDE_SCAN[0])
     launch = _scan_launch(shape, rows)
 
-    def scan(n_seg, bufs, init, final, xp, n, seg, cl, summary):
+    def scan(n_seg, bufs, out, init, final, xp, n, seg, cl, summary):
         in_place = (bufs[0], bufs[2], bufs[4])
         kern.state_scan_kernel[(D // rows, n_seg, BH)](
-            *bufs, lg, *(init or in_place), *(final or in_place), *(xp or bufs[1:4:2]), T, n,
-            SEG=seg, CL=cl, HAS_INIT=init is not None, STORE_FINAL=final is not None,
-            SUMMARY=summary, **launch)
+            *bufs, *(out or in_place), lg, *(init or in_place), *(final or in_place),
+            *(xp or bufs[1:4:2]), T, n, SEG=seg, CL=cl, HAS_INIT=init is not None,
+            STORE_FINAL=final is not None, SUMMARY=summary,
+            IN_PLACE=out is None, **launch)
 
     if NSEG == 1:
-        return scan(1, inc, init, final, None, NT, _loop_bound(NT), C, False)
+        return scan(1, inc, out, init, final, None, NT, _loop_bound(NT), C, False)
     s_seg, x_seg, a_seg = _summaries(da, NSEG, D, DV, DV)
     xn_seg, an_seg = _summaries(da, NSEG, None, None) if shape["NORMALIZE"] else (xn, an)
-    scan(NSEG, inc, None, (s_seg, a_seg, an_seg), (x_seg, xn_seg), NT, SEG, C, True)
-    scan(1, (s_seg, x_seg, a_seg, xn_seg, an_seg), init, final, None, NSEG, _loop_bound(NSEG),
-         SEG * C, False)
-    scan(NSEG, inc, (s_seg, a_seg, an_seg), None, None, NT, SEG, C, False)
+    scan(NSEG, inc, out, None, (s_seg, a_seg, an_seg), (x_seg, xn_seg), NT, SEG, C, True)
+    scan(1, (s_seg, x_seg, a_seg, xn_seg, an_seg), None, init, final, None, NSEG,
+         _loop_bound(NSEG), SEG * C, False)
+    scan(NSEG, inc, out, (s_seg, a_seg, an_seg), None, None, NT, SEG, C, False)
 
 
 def _scan_grads(inc, lg, final, init, T, C, shape):
@@ -288,9 +293,10 @@ def _den_vectors(q, NT, n, normalize):
     return [q.new_empty(B * H, NT, D, dtype=torch.float32) for _ in range(n)]
 
 
-def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
+def _forward(q, k, v, log2g, init, C, want_final, normalize, eps, keep_states):
     """(o, den, final, chunk states): chunk states = (S, X, A, Xn, An), each chunk's start
-    states S, A (An: the denominator column of A) and its X (Xn), kept for backward."""
+    states S, A (An: the denominator column of A) and its X (Xn), kept for backward
+    (keep_states: the states overwrite the increments, which takes no extra memory)."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = _cdiv(T, C)
@@ -303,20 +309,26 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps):
     rows = D if C > 64 else min(D, INCREMENTS_ROWS)
     kern.chunk_increments_kernel[(D // rows, NT, B * H)](
         q, k, v, lg, ds, x, da, xn, an, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
-        **shape)
+        TRI=INCREMENTS_TRI and rows == D and C >= 32, **shape)
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),
                  q.new_empty(B, H, D, DV, dtype=torch.float32),
                  q.new_empty(B, H, D, dtype=torch.float32) if normalize else q)
-    _scan_states((ds, x, da, xn, an), lg, init, final, T, C, shape)
+    states = None
+    if not keep_states and OUT_OF_PLACE_SCAN:  # buffers of their own: a scan without barriers
+        states = (torch.empty_like(ds), torch.empty_like(da),
+                  torch.empty_like(an) if normalize else an)
+    _scan_states((ds, x, da, xn, an), lg, init, final, T, C, shape, states)
+    if states is not None:
+        ds, da, an = states
     o = torch.empty_like(v, dtype=q.dtype)
     den = q.new_empty(B, T, H, dtype=torch.float32) if normalize else q
     BV = min(DV, OUTPUT_BV[q.element_size()])
     BT = min(C, OUTPUT_ROWS)
     kern.chunk_output_kernel[(DV // BV, NT * C // BT, B * H)](
         q, k, v, lg, ds, da, an, o, den, eps, T, NT, _size_class(DV // BV * NT * C // BT * B * H),
-        BT=BT, BV=BV, **shape)
+        BT=BT, BV=BV, LATE=OUTPUT_LATE, **shape)
     return o, den, final, (ds, x, da, xn, an)
 
 
@@ -365,12 +377,13 @@ def _final_grads(q, D, DV, normalize, grads):
     return out if normalize else out[:2] + (q,)
 
 
-def _masked_forward(q, k, v, s0, a0, an0, log2g, chunk_size, want_final, normalize, eps):
+def _masked_forward(q, k, v, s0, a0, an0, log2g, chunk_size, want_final, normalize, eps,
+                    keep_states=True):
     """((o, S1, A1, a1), den, chunk states) of _HLA2Masked's forward; None for the final
     states not asked for (a1 without normalize)."""
     init = None if s0 is None else (s0, a0, an0 if normalize else q)
     o, den, final, states = _forward(q, k, v, log2g, init, chunk_size, want_final, normalize,
-                                     eps)
+                                     eps, keep_states)
     s1, a1, an1 = (None, None, None) if final is None else final
     return (o, s1, a1, an1 if normalize else None), den, states
 
@@ -588,7 +601,7 @@ def hla2_triton_unchecked(q, k, v, *, normalize, eps, decay, decay_form, chunk_s
     if backward:
         o, s1, a1, an1 = _HLA2Masked.apply(*args)
     else:  # inference: no autograd node, and the chunk states are not kept
-        o, s1, a1, an1 = _masked_forward(*args)[0]
+        o, s1, a1, an1 = _masked_forward(*args, keep_states=False)[0]
     final = None
     if output_final_state:
         final = {"S": s1[:, :1].contiguous() if shared_kv else s1, "A": a1}

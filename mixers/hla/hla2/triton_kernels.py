@@ -178,19 +178,84 @@ def _load_columns(ptr, i_b, i_h, t, T, cols, H: tl.constexpr, W: tl.constexpr):
     return tl.load(ptr + offs, mask=(t < T)[:, None], other=0.0)
 
 
-@_increments_tuned
+@triton.jit
+def _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT, i_c,
+                          i_bh, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                          C: tl.constexpr, HAS_DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
+                          PREC: tl.constexpr):
+    """chunk_increments_kernel's work for all D rows, with the chunk in two halves of
+    tokens (1, 2): W's upper-right block is zero, so W^T E V = [W11^T (EV)1 + W21^T (EV)2;
+    W22^T (EV)2] takes three of the four block products."""
+    HC: tl.constexpr = C // 2
+    i_b, i_h = i_bh // H, i_bh % H
+    lg = _log2_decay(log2g, i_h, HAS_DECAY)
+    n = tl.minimum(T - i_c * C, C)
+    s1 = tl.arange(0, HC)
+    s2 = s1 + HC
+    e1 = tl.where(s1 < n, tl.exp2((n - 1 - s1).to(tl.float32) * lg), 0.0)
+    e2 = tl.where(s2 < n, tl.exp2((n - 1 - s2).to(tl.float32) * lg), 0.0)
+    gamma = tl.exp2(n.to(tl.float32) * lg)
+    causal = s1[:, None] >= s1[None, :]
+    t1 = i_c * C + s1
+    t2 = t1 + HC
+    b_q1 = _load_tokens(q, i_b, i_h, t1, T, H, D)
+    b_k1 = _load_tokens(k, i_b, i_h, t1, T, H, D)
+    b_v1 = _load_tokens(v, i_b, i_h, t1, T, H, DV)
+    b_q2 = _load_tokens(q, i_b, i_h, t2, T, H, D)
+    b_k2 = _load_tokens(k, i_b, i_h, t2, T, H, D)
+    b_v2 = _load_tokens(v, i_b, i_h, t2, T, H, DV)
+    dt = b_q1.dtype
+    b_ke1, b_ke2 = (b_k1 * e1[:, None]).to(dt), (b_k2 * e2[:, None]).to(dt)
+    b_ve1, b_ve2 = (b_v1 * e1[:, None]).to(dt), (b_v2 * e2[:, None]).to(dt)
+    rd, rv = tl.arange(0, D), tl.arange(0, DV)
+    base = (i_bh * NT + i_c).to(tl.int64)
+    dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+
+    b_ds = tl.dot(tl.trans(b_ke1), b_k1, input_precision=PREC)
+    b_ds = tl.dot(tl.trans(b_ke2), b_k2, b_ds, input_precision=PREC)
+    tl.store(ds_buf + base * D * D + dd, b_ds.to(ds_buf.dtype.element_ty))
+    b_x = tl.dot(tl.trans(b_q1), b_ve1, input_precision=PREC)
+    b_x = gamma * tl.dot(tl.trans(b_q2), b_ve2, b_x, input_precision=PREC)
+    tl.store(x_buf + base * D * DV + dv, b_x.to(x_buf.dtype.element_ty))
+    b_w11 = tl.where(causal, tl.dot(b_q1, tl.trans(b_k1), input_precision=PREC), 0.0).to(dt)
+    b_w21 = tl.dot(b_q2, tl.trans(b_k1), input_precision=PREC).to(dt)
+    b_w22 = tl.where(causal, tl.dot(b_q2, tl.trans(b_k2), input_precision=PREC), 0.0).to(dt)
+    b_y1 = tl.dot(tl.trans(b_w11), b_ve1, input_precision=PREC)
+    b_y1 = tl.dot(tl.trans(b_w21), b_ve2, b_y1, input_precision=PREC).to(dt)
+    b_y2 = tl.dot(tl.trans(b_w22), b_ve2, input_precision=PREC).to(dt)
+    b_da = tl.dot(tl.trans(b_ke1), b_y1, input_precision=PREC)
+    b_da = tl.dot(tl.trans(b_ke2), b_y2, b_da, input_precision=PREC)
+    tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
+    if NORMALIZE:  # V = 1 at real tokens, so E V = e
+        b_xn = tl.sum(b_q1.to(tl.float32) * e1[:, None], axis=0)
+        b_xn += tl.sum(b_q2.to(tl.float32) * e2[:, None], axis=0)
+        tl.store(xn_buf + base * D + rd, gamma * b_xn)
+        b_wte1 = tl.sum(b_w11.to(tl.float32) * e1[:, None], axis=0)
+        b_wte1 += tl.sum(b_w21.to(tl.float32) * e2[:, None], axis=0)
+        b_wte2 = tl.sum(b_w22.to(tl.float32) * e2[:, None], axis=0)
+        b_an = tl.sum(b_ke1.to(tl.float32) * b_wte1[:, None], axis=0)
+        b_an += tl.sum(b_ke2.to(tl.float32) * b_wte2[:, None], axis=0)
+        tl.store(an_buf + base * D + rd, b_an)
+
+
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS", "TRI"),
+            first_only=lambda meta: not meta["TRI"] and (meta["BR"] > 64 or meta["C"] > 64))
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             C: tl.constexpr, BR: tl.constexpr, HAS_DECAY: tl.constexpr,
-                            NORMALIZE: tl.constexpr, PREC: tl.constexpr):
+                            NORMALIZE: tl.constexpr, PREC: tl.constexpr, TRI: tl.constexpr):
     """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V, rows i_r BR .. + BR of
     each (a row block takes the matching columns of Q and K; every block recomputes
     W^T E V). NORMALIZE adds the denominator as a ones value column: its X and dA columns
     go to the [B*H, NT, D] vectors xn, an. Grid (D // BR, NT, B*H)."""
     i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    if TRI:
+        _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
+                              i_c, i_bh, H, D, DV, C, HAS_DECAY, NORMALIZE, PREC)
+        return
     t = i_c * C + tl.arange(0, C)
     causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
     rr, rd, rv = i_r * BR + tl.arange(0, BR), tl.arange(0, D), tl.arange(0, DV)
@@ -305,17 +370,23 @@ def _step_loads(dd_buf, dv_buf, x_buf, vec_buf, xvec_buf, i_bh, NT, i_c, real, s
 
 
 @triton.jit
-def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_init, an_init,
-                      s_final, a_final, an_final, xp_final, xpn_final, T, NT,
+def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, s_out, a_out, an_out, log2g,
+                      s_init, a_init, an_init, s_final, a_final, an_final, xp_final, xpn_final,
+                      T, NT,
                       SEG: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       CL: tl.constexpr, BD: tl.constexpr, HAS_DECAY: tl.constexpr,
                       HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-                      SUMMARY: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr):
+                      SUMMARY: tl.constexpr, NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+                      IN_PLACE: tl.constexpr):
     """Exclusive scan over steps of CL tokens (chunks, or segments of chunks):
     S_{c+1} = G S_c + dS, A_{c+1} = G^2 A_c + S_c X + dA. Grid (D // BD, NSEG, B*H): a block
     of BD state rows and segment i_s, steps [i_s SEG, i_s SEG + SEG) of NT. Start and end
     states live at [B*H, NSEG] in s_init/a_init and s_final/a_final.
-    SUMMARY=False: (S_c, A_c) are written over the increments in place.
+    SUMMARY=False: (S_c, A_c) are written to s_out, a_out (an_out): over the increments
+    (IN_PLACE: the same buffers), or to buffers of their own. In place, a barrier must order
+    each step's loads before its stores, and the loads are issued one step ahead by hand;
+    out of place, the loop has no barrier and Triton's pipeliner streams the loads into
+    shared memory stages ahead of their use.
     SUMMARY=True: nothing is written in place; the segment runs from zero and stores its
     local end state and Xp = sum_c Gamma_c (G^2 of the later steps) X_c, Gamma_c = G of
     the earlier steps, so that a start state (S', A') adds Gamma S' and
@@ -333,24 +404,33 @@ def state_scan_kernel(ds_buf, x_buf, da_buf, xn_buf, an_buf, log2g, s_init, a_in
     b_xp = tl.zeros([D, DV], dtype=tl.float32)
     b_xpn = tl.zeros([D], dtype=tl.float32)
     b_gamma = 1.0
-    n_ds, n_da, n_x, n_dan, n_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf, i_bh, NT,
-                                               i_s * SEG, i_s * SEG < NT, sd, sv, xv, rr, rd,
-                                               D, DV, NORMALIZE)
+    if IN_PLACE:
+        n_ds, n_da, n_x, n_dan, n_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf, i_bh,
+                                                   NT, i_s * SEG, i_s * SEG < NT, sd, sv, xv,
+                                                   rr, rd, D, DV, NORMALIZE)
     for j in range(SEG):
         i_c = i_s * SEG + j
         real = i_c < NT  # steps past NT load zeros and leave the state as it is
-        b_ds, b_da, b_x, b_dan, b_xn = n_ds, n_da, n_x, n_dan, n_xn
+        if IN_PLACE:
+            b_ds, b_da, b_x, b_dan, b_xn = n_ds, n_da, n_x, n_dan, n_xn
+        else:
+            b_ds, b_da, b_x, b_dan, b_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf,
+                                                       i_bh, NT, i_c, real, sd, sv, xv, rr, rd,
+                                                       D, DV, NORMALIZE)
         base = (i_bh * NT + i_c).to(tl.int64)
         if not SUMMARY:
-            _overwrite_barrier()
-            tl.store(ds_buf + base * D * D + sd, b_s.to(ds_buf.dtype.element_ty), mask=real)
-            tl.store(da_buf + base * D * DV + sv, b_a.to(da_buf.dtype.element_ty), mask=real)
+            if IN_PLACE:
+                _overwrite_barrier()
+            tl.store(s_out + base * D * D + sd, b_s.to(s_out.dtype.element_ty), mask=real)
+            tl.store(a_out + base * D * DV + sv, b_a.to(a_out.dtype.element_ty), mask=real)
             if NORMALIZE:
-                tl.store(an_buf + base * D + rr, b_an, mask=real)
-        # the next step's loads, after this step's in-place stores (a barrier orders those)
-        n_ds, n_da, n_x, n_dan, n_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf, i_bh,
-                                                   NT, i_c + 1, (j + 1 < SEG) & (i_c + 1 < NT),
-                                                   sd, sv, xv, rr, rd, D, DV, NORMALIZE)
+                tl.store(an_out + base * D + rr, b_an, mask=real)
+        if IN_PLACE:  # the next step's loads, after this step's in-place stores (a barrier
+            # orders those)
+            n_ds, n_da, n_x, n_dan, n_xn = _step_loads(ds_buf, da_buf, x_buf, an_buf, xn_buf,
+                                                       i_bh, NT, i_c + 1,
+                                                       (j + 1 < SEG) & (i_c + 1 < NT), sd, sv,
+                                                       xv, rr, rd, D, DV, NORMALIZE)
         gamma = tl.where(real, _chunk_gamma(i_c, T, lg, CL), 1.0)
         if NORMALIZE:
             if SUMMARY:
@@ -445,13 +525,13 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
                     tl.store(xqn_init + state * D + rd, b_xqn)
 
 
-@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "BT", "SIZE_CLASS"),
+@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "BT", "SIZE_CLASS", "LATE"),
             first_only=lambda meta: meta["BT"] != 64)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT, SIZE_CLASS,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                         BT: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr,
-                        NORMALIZE: tl.constexpr, PREC: tl.constexpr):
+                        NORMALIZE: tl.constexpr, PREC: tl.constexpr, LATE: tl.constexpr):
     """O = b^2 (Q A0) + (Dm * (b (Q S0 Q^T) + Wd W^T)) V for BT query rows of one chunk and
     a BV-wide slice of the values. BT = C, or C / 2: the chunk's second half of rows (R)
     then also mixes with its first half (P): with X = Q_R K_P^T (r < s for every pair),
@@ -476,9 +556,11 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
     b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0)
     b_s = tl.load(s_buf + base * D * D + _mat_offsets(rd, rd, D)).to(dt)
-    b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
-
-    b_o = tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
+    if LATE:
+        b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    else:
+        b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
+        b_o = tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
     b_qs = tl.dot((b_q * b[:, None]).to(dt), b_s, input_precision=PREC).to(dt)
     b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     b_w = tl.where(causal, b_qk, 0.0).to(dt)
@@ -507,6 +589,9 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
                 b_den += tl.sum(b_mp.to(tl.float32), axis=1)
     b_m = (b_m * dm).to(dt)
     b_o += tl.dot(b_m, b_v, input_precision=PREC)
+    if LATE:
+        b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
+        b_o += tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
     if NORMALIZE:  # the same form on a ones column, with a0
         b_an = tl.load(an_buf + base * D + rd)
         b_den += tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1) * (b * b)
