@@ -257,18 +257,10 @@ def time_variants(results, chunk_sizes, with_chunk_form):
                              hla2(a, b, c, impl=impl, **options)[0], q, k, v)
 
 
-# The forward alone (inference) at D = 128 (chunk 128) and D = 64: "base" is the launch as
-# committed before these variants; each variant sets module constants of triton.py
-_BEFORE = dict(OUT_OF_PLACE_SCAN=False, OUTPUT_LATE=False, INCREMENTS_TRI=False)
-_TWO_PER_SM = dict(_resident_programs=lambda device, D: 2 * (
-    torch.cuda.get_device_properties(device).multi_processor_count))
-FORWARD_VARIANTS = {
-    "base": _BEFORE,
-    "scan out of place": {**_BEFORE, "OUT_OF_PLACE_SCAN": True},
-    "output loads its states late": {**_BEFORE, "OUTPUT_LATE": True},
-    "increments in token halves": {**_BEFORE, "INCREMENTS_TRI": True},
-    "all three": {},
-    "all three, scans planned for 2 programs per SM": _TWO_PER_SM}
+# The forward alone at D = 128 (chunk 128) and D = 64 (chunk 64): as committed, and with the
+# chunk-128 paths (triton.HALVES_FROM_CHUNK) off. The runs of 2026-12-03 that chose those
+# paths timed each of them alone (results/2026-12-03-h200-forward-variants.yaml, tree 9f9cad1).
+FORWARD_VARIANTS = {"base": {}, "chunk-128 paths off": dict(HALVES_FROM_CHUNK=256)}
 # fwd+bwd at head dim 128 runs chunk 64; the state scan there in 64-row blocks where
 # 16-row blocks would need 4 waves (T = 2k, 8k), as the gradient scan does
 BACKWARD_VARIANTS = {"base": {},

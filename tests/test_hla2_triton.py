@@ -219,6 +219,54 @@ def test_output_rows_split(monkeypatch, T, normalize, decay):
                             initial_state=random_state(2, 2, 16, 32, normalize))
 
 
+@pytest.mark.parametrize("T, normalize, decay, segments", [
+    (77, False, None, False), (77, True, [0.9, 0.6], False), (45, True, [0.95, 0.7], True),
+    (70, False, None, True)])
+def test_chunk_128_paths_without_backward(monkeypatch, T, normalize, decay, segments):
+    """From HALVES_FROM_CHUNK tokens per chunk (128: a 16-bit forward alone at head dim 128)
+    the increments run in two halves of tokens, the output loads its states late and a
+    forward without backward scans into state buffers of their own; force them at chunk 32
+    (partial last chunks), with initial and final states, one- and two-level scans, against
+    float64; the states must not overwrite the increments (the scan's loads stay in flight
+    across steps there)."""
+    monkeypatch.setattr(hla2_triton_module, "HALVES_FROM_CHUNK", 32)
+    if segments:
+        monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT, *_: (2, -(-NT // 2)))
+    scans = []
+    scan = hla2_triton_module._scan_states
+    monkeypatch.setattr(hla2_triton_module, "_scan_states",
+                        lambda inc, *args: scans.append((inc, args[-1])) or scan(inc, *args))
+    q, k, v = (x.detach() for x in make_inputs(2, T, 2, 32, 16, torch.float32, seed=27))
+    q.abs_(), k.abs_()
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    state = {key: x.detach() for key, x in random_state(2, 2, 32, 16, normalize).items()}
+    with torch.no_grad():
+        o, final = hla2_triton(q, k, v, normalize=normalize, eps=1e-3, decay=g, chunk_size=32,
+                               initial_state=state, output_final_state=True)
+    ref_o, ref_final = reference(q, k, v, state, decay=g, normalize=normalize, eps=1e-3)
+    assert rel(o, ref_o) < TOL[torch.float32][0]
+    for key in ref_final:
+        assert rel(final[key], ref_final[key]) < TOL[torch.float32][0], key
+    (inc, out), = scans
+    assert out is not None and all(a.data_ptr() != b.data_ptr()
+                                   for a, b in zip(out[:2], (inc[0], inc[2])))
+
+
+@pytest.mark.parametrize("normalize, decay", [(False, None), (True, [0.9, 0.75])])
+def test_chunk_128_paths_with_backward(monkeypatch, normalize, decay):
+    """With a backward pass the states overwrite the increments as before; the increments in
+    halves and the late state loads (forced at chunk 32) give the same outputs, final states
+    and gradients as the float64 reference (nonnegative q, k keep the denominator away from
+    zero: signed ones put the gradients 1e-4 off with or without these paths)."""
+    monkeypatch.setattr(hla2_triton_module, "HALVES_FROM_CHUNK", 32)
+    q, k, v = make_inputs(1, 77, 2, 32, 16, torch.float32, seed=29)
+    with torch.no_grad():
+        q.abs_(), k.abs_()
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    check_against_reference(q, k, v, chunk_size=32, normalize=normalize, eps=1e-3, decay=g,
+                            initial_state=random_state(1, 2, 32, 16, normalize))
+
+
 def test_scan_plan():
     """Wide row blocks in one level when the 16-row programs would take enough waves (state
     scan 1, gradient scan 4), 16-row blocks (and segments where they cannot fill the GPU)

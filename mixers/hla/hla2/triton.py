@@ -119,9 +119,19 @@ WARPS, SCAN_ROWS = 8, 16
 # with 64 (kept at 16), 2k x 32 (8 waves): gradients 0.199 -> 0.172 with 64; 64k x 1 (under
 # a wave): wider blocks were slower (D = 128: 1.42 -> 1.86 and 1.87 ms).
 WIDE_SCAN = ((32, 1), (64, 4))
-OUT_OF_PLACE_SCAN = True  # EXPERIMENT
-OUTPUT_LATE = True  # EXPERIMENT
-INCREMENTS_TRI = True  # EXPERIMENT
+# Chunks of at least this many tokens (the 16-bit forward alone at head dim 128 runs 128)
+# compute the increments in two halves of tokens (W's zero block skipped, 4 warps tuned in,
+# two programs per SM), load the carried states late in the output kernel (96 instead of
+# 112 KiB of shared memory), and, without a backward pass to keep the states for, scan into
+# state buffers of their own (no barrier in the scan's loop, so Triton pipelines its loads
+# and the program fits 128 registers). On the H200, D = 128, bf16, 65,536 tokens, forward
+# alone (results/2026-12-03-h200-forward-variants.yaml): increments 0.768 -> 0.505 ms,
+# output 0.756 -> 0.677, scan 0.497 -> 0.356 at 2k x 32; the forward 2.014 -> 1.541 ms at
+# 2k, 2.235 -> 1.748 at 64k. At D = 64 (chunk 64) the same changes were slower (forward
+# 0.608 -> 0.719 ms at 2k: the halves' 32-token products) or mixed (the scan out of place
+# alone: 0.608 -> 0.576 ms at 2k, 0.895 -> 0.946 at 64k), so chunk 64 keeps the launches
+# as they were.
+HALVES_FROM_CHUNK = 128
 # From this head dim on, dq, dk and dv are computed by the launches in SPLIT_GRADS (each
 # string names the gradients of one launch): fewer register spills. Three launches (q, k, v)
 # were slower at D = 128 (4.08 vs 3.37 ms at 8k x 8: more recomputed).
@@ -295,8 +305,8 @@ def _den_vectors(q, NT, n, normalize):
 
 def _forward(q, k, v, log2g, init, C, want_final, normalize, eps, keep_states):
     """(o, den, final, chunk states): chunk states = (S, X, A, Xn, An), each chunk's start
-    states S, A (An: the denominator column of A) and its X (Xn), kept for backward
-    (keep_states: the states overwrite the increments, which takes no extra memory)."""
+    states S, A (An: the denominator column of A) and its X (Xn). keep_states (for the
+    backward pass): the states overwrite the increments, which takes no extra memory."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
     NT = _cdiv(T, C)
@@ -304,19 +314,20 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps, keep_states):
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
                  PREC=prec)
     lg = q if log2g is None else log2g
+    halves = C >= HALVES_FROM_CHUNK
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
     rows = D if C > 64 else min(D, INCREMENTS_ROWS)
     kern.chunk_increments_kernel[(D // rows, NT, B * H)](
         q, k, v, lg, ds, x, da, xn, an, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
-        TRI=INCREMENTS_TRI and rows == D and C >= 32, **shape)
+        HALVES=halves and rows == D and C >= 32, **shape)
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),
                  q.new_empty(B, H, D, DV, dtype=torch.float32),
                  q.new_empty(B, H, D, dtype=torch.float32) if normalize else q)
     states = None
-    if not keep_states and OUT_OF_PLACE_SCAN:  # buffers of their own: a scan without barriers
+    if halves and not keep_states:
         states = (torch.empty_like(ds), torch.empty_like(da),
                   torch.empty_like(an) if normalize else an)
     _scan_states((ds, x, da, xn, an), lg, init, final, T, C, shape, states)
@@ -328,7 +339,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps, keep_states):
     BT = min(C, OUTPUT_ROWS)
     kern.chunk_output_kernel[(DV // BV, NT * C // BT, B * H)](
         q, k, v, lg, ds, da, an, o, den, eps, T, NT, _size_class(DV // BV * NT * C // BT * B * H),
-        BT=BT, BV=BV, LATE=OUTPUT_LATE, **shape)
+        BT=BT, BV=BV, LATE_STATES=halves, **shape)
     return o, den, final, (ds, x, da, xn, an)
 
 

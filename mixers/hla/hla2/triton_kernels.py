@@ -32,8 +32,9 @@ interpreter cannot loop over a runtime bound with numpy 2); steps past the runti
 are masked, so one compile serves every T of the same power-of-two bucket.
 The parallel per-chunk kernels (increments, output, gradient terms, dq/dk/dv) write only
 their own outputs, so the GPU may time them: they are autotuned over warp counts (see
-_autotuned). The scans overwrite their inputs in place and keep the fixed launch shape set by
-the caller.
+_autotuned). The scans keep the fixed launch shape set by the caller; they overwrite their
+inputs in place, except the state scan of a forward without backward at chunk 128, which
+writes the states to buffers of their own (a loop without barriers, which Triton pipelines).
 """
 
 import os
@@ -85,6 +86,9 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 #     errors, where 8 warps gave the right ones: results/2026-12-03-h200-triton-tests-v5.yaml).
 #     Rows of 64 with Dv = 128 are tuned: on the H200 the D = 128 increments in 64-row
 #     blocks took 0.80 ms at 4 warps, 0.97 at 8 (results/2026-12-02-h200-d128-variants.yaml)
+#     In token halves (HALVES, chunk 128, D = Dv = 128): 186 registers, 0 B, 128 KiB of
+#     shared memory with 8 warps; 255, 16 B, 112 KiB with 4 (two programs per SM), tuned
+#     (the H200 took 4: results/2026-12-03-h200-forward-variants.yaml)
 #   output, 64 rows per program (chunk 64, or half of a chunk of 128), D, Dv in {64, 128}:
 #     165-199 -> 162-200, no spills (checked at chunk 64); 32 rows with normalize
 #     (0-116 B -> 16-144 B) and 16 (0 -> 12 B) kept at 8. Programs of 128 rows (no longer
@@ -92,6 +96,8 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 #     an unsaved session-7 compute-sanitizer run saw that 4-warp build read shared memory
 #     out of bounds at D = 128. The 64-row halves at D = 128 ran clean with 4 and 8 warps
 #     under memcheck, racecheck and initcheck (results/2026-12-03-h200-triton-tests-v5.yaml)
+#     With late state loads (LATE_STATES, chunk 128, D = Dv = 128): 202 registers, 0 B, 96 KiB
+#     with 8 warps; 254, 88 B, 96 KiB with 4 (the H200 took 4)
 #   dq/dk/dv, chunk 64: 255 registers either way; 8 warps spill 0-332 B at D = Dv = 64 (one
 #     program per SM: 255 x 256 threads fill the register file, so no other program hides
 #     its latency), 4 warps spill more (28-1124 B) but two programs fit an SM (90 KB of
@@ -238,21 +244,23 @@ def _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf,
         tl.store(an_buf + base * D + rd, b_an)
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS", "TRI"),
-            first_only=lambda meta: not meta["TRI"] and (meta["BR"] > 64 or meta["C"] > 64))
+@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS", "HALVES"),
+            first_only=lambda meta: not meta["HALVES"] and (meta["BR"] > 64 or meta["C"] > 64))
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             C: tl.constexpr, BR: tl.constexpr, HAS_DECAY: tl.constexpr,
-                            NORMALIZE: tl.constexpr, PREC: tl.constexpr, TRI: tl.constexpr):
+                            NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+                            HALVES: tl.constexpr):
     """Per chunk: dS = K^T E K, X = G Q^T E V, dA = K^T E W^T E V, rows i_r BR .. + BR of
     each (a row block takes the matching columns of Q and K; every block recomputes
     W^T E V). NORMALIZE adds the denominator as a ones value column: its X and dA columns
-    go to the [B*H, NT, D] vectors xn, an. Grid (D // BR, NT, B*H)."""
+    go to the [B*H, NT, D] vectors xn, an. HALVES (BR = D): the same in two halves of
+    tokens (_increments_in_halves). Grid (D // BR, NT, B*H)."""
     i_r, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    if TRI:
+    if HALVES:
         _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                               i_c, i_bh, H, D, DV, C, HAS_DECAY, NORMALIZE, PREC)
         return
@@ -525,13 +533,14 @@ def grad_scan_kernel(qdo_buf, z_buf, x_buf, qn_buf, xn_buf, log2g, gs_final, ga_
                     tl.store(xqn_init + state * D + rd, b_xqn)
 
 
-@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "BT", "SIZE_CLASS", "LATE"),
+@_autotuned(OUTPUT_WARPS, _SHAPE_KEY + ("BV", "BT", "SIZE_CLASS", "LATE_STATES"),
             first_only=lambda meta: meta["BT"] != 64)
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT, SIZE_CLASS,
                         H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
                         BT: tl.constexpr, BV: tl.constexpr, HAS_DECAY: tl.constexpr,
-                        NORMALIZE: tl.constexpr, PREC: tl.constexpr, LATE: tl.constexpr):
+                        NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+                        LATE_STATES: tl.constexpr):
     """O = b^2 (Q A0) + (Dm * (b (Q S0 Q^T) + Wd W^T)) V for BT query rows of one chunk and
     a BV-wide slice of the values. BT = C, or C / 2: the chunk's second half of rows (R)
     then also mixes with its first half (P): with X = Q_R K_P^T (r < s for every pair),
@@ -540,7 +549,8 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     which skips the zero upper blocks of the C x C products (a fifth of the output's FLOPs
     at C = 128) and halves each program's registers. NORMALIZE divides by the same form
     on a ones column, den = b^2 (Q a0) + rowsum(M), plus eps, and stores den ([B, T, H]
-    fp32, for the backward pass). Grid (DV // BV, NT * C // BT, B*H)."""
+    fp32, for the backward pass). LATE_STATES loads A0 for the last product, not the first
+    (less shared memory at once). Grid (DV // BV, NT * C // BT, B*H)."""
     i_v, i_ct, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_t = i_ct // (C // BT), i_ct % (C // BT)
     i_b, i_h = i_bh // H, i_bh % H
@@ -556,7 +566,7 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
     b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0)
     b_s = tl.load(s_buf + base * D * D + _mat_offsets(rd, rd, D)).to(dt)
-    if LATE:
+    if LATE_STATES:  # A0 is loaded for the last product: less shared memory at once
         b_o = tl.zeros([BT, BV], dtype=tl.float32)
     else:
         b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
@@ -589,7 +599,7 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
                 b_den += tl.sum(b_mp.to(tl.float32), axis=1)
     b_m = (b_m * dm).to(dt)
     b_o += tl.dot(b_m, b_v, input_precision=PREC)
-    if LATE:
+    if LATE_STATES:
         b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
         b_o += tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
     if NORMALIZE:  # the same form on a ones column, with a0
