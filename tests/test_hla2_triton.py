@@ -223,13 +223,13 @@ def test_output_rows_split(monkeypatch, T, normalize, decay):
     (77, False, None, False), (77, True, [0.9, 0.6], False), (45, True, [0.95, 0.7], True),
     (70, False, None, True)])
 def test_chunk_128_paths_without_backward(monkeypatch, T, normalize, decay, segments):
-    """From HALVES_FROM_CHUNK tokens per chunk (128: a 16-bit forward alone at head dim 128)
-    the increments run in two halves of tokens, the output loads its states late and a
-    forward without backward scans into state buffers of their own; force them at chunk 32
-    (partial last chunks), with initial and final states, one- and two-level scans, against
-    float64; the states must not overwrite the increments (the scan's loads stay in flight
-    across steps there)."""
-    monkeypatch.setattr(hla2_triton_module, "HALVES_FROM_CHUNK", 32)
+    """From HALVES_FROM_CHUNK tokens per chunk at head dim 128 (a 16-bit forward alone runs
+    chunk 128 there) the increments run in two halves of tokens, the output loads its states
+    late and a forward without backward scans into state buffers of their own. Forced here
+    at chunk 32, D = 32, Dv = 16 (partial last chunks), with initial and final states, one-
+    and two-level scans, against float64; the states must not overwrite the increments (the
+    scan's loads stay in flight across steps there)."""
+    monkeypatch.setattr(hla2_triton_module, "_chunk_128_paths", lambda C, D, DV: C >= 32)
     if segments:
         monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT, *_: (2, -(-NT // 2)))
     scans = []
@@ -258,13 +258,21 @@ def test_chunk_128_paths_with_backward(monkeypatch, normalize, decay):
     halves and the late state loads (forced at chunk 32) give the same outputs, final states
     and gradients as the float64 reference (nonnegative q, k keep the denominator away from
     zero: signed ones put the gradients 1e-4 off with or without these paths)."""
-    monkeypatch.setattr(hla2_triton_module, "HALVES_FROM_CHUNK", 32)
+    monkeypatch.setattr(hla2_triton_module, "_chunk_128_paths", lambda C, D, DV: C >= 32)
     q, k, v = make_inputs(1, 77, 2, 32, 16, torch.float32, seed=29)
     with torch.no_grad():
         q.abs_(), k.abs_()
     g = None if decay is None else torch.tensor(decay, device=DEVICE)
     check_against_reference(q, k, v, chunk_size=32, normalize=normalize, eps=1e-3, decay=g,
                             initial_state=random_state(1, 2, 32, 16, normalize))
+
+
+def test_chunk_128_paths_only_at_head_dim_128():
+    """The chunk-128 paths run where they were measured and checked natively: chunks of 128
+    at D = Dv = 128 (bf16 at D = 16 faulted on the H200 with them forced)."""
+    paths = hla2_triton_module._chunk_128_paths
+    assert paths(128, 128, 128)
+    assert not paths(64, 128, 128) and not paths(128, 64, 64) and not paths(128, 128, 64)
 
 
 def test_scan_plan():

@@ -130,7 +130,9 @@ WIDE_SCAN = ((32, 1), (64, 4))
 # 2k, 2.235 -> 1.748 at 64k. At D = 64 (chunk 64) the same changes were slower (forward
 # 0.608 -> 0.719 ms at 2k: the halves' 32-token products) or mixed (the scan out of place
 # alone: 0.608 -> 0.576 ms at 2k, 0.895 -> 0.946 at 64k), so chunk 64 keeps the launches
-# as they were.
+# as they were. Only at head dims (D and Dv) of 128: with them forced at chunk 16, bf16,
+# D = Dv = 16, the output kernel with late state loads hit an illegal memory access on the
+# H200 (fp32 passed; results/2026-12-03-h200-triton-tests-v7.yaml).
 HALVES_FROM_CHUNK = 128
 # From this head dim on, dq, dk and dv are computed by the launches in SPLIT_GRADS (each
 # string names the gradients of one launch): fewer register spills. Three launches (q, k, v)
@@ -162,6 +164,11 @@ OUTPUT_ROWS = 64
 # 0.65 in two (4 warps), 2.08 in four; at chunk 128 the increments in one block took 0.77,
 # in two (8 warps) 1.12.
 INCREMENTS_ROWS, GRAD_TERMS_ROWS = 64, 128
+
+
+def _chunk_128_paths(C: int, D: int, DV: int) -> bool:
+    """Whether a forward takes the chunk-128 paths (see HALVES_FROM_CHUNK)."""
+    return C >= HALVES_FROM_CHUNK and min(D, DV) >= 128
 
 
 def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
@@ -314,7 +321,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps, keep_states):
     shape = dict(H=H, D=D, DV=DV, C=C, HAS_DECAY=log2g is not None, NORMALIZE=normalize,
                  PREC=prec)
     lg = q if log2g is None else log2g
-    halves = C >= HALVES_FROM_CHUNK
+    halves = _chunk_128_paths(C, D, DV)
     ds, x, da = _chunk_buffers(B, H, NT, D, DV, q, 1, 2)
     xn, an = _den_vectors(q, NT, 2, normalize)
     rows = D if C > 64 else min(D, INCREMENTS_ROWS)
