@@ -327,7 +327,7 @@ def _forward(q, k, v, log2g, init, C, want_final, normalize, eps, keep_states):
     rows = D if C > 64 else min(D, INCREMENTS_ROWS)
     kern.chunk_increments_kernel[(D // rows, NT, B * H)](
         q, k, v, lg, ds, x, da, xn, an, T, NT, _size_class(D // rows * NT * B * H), BR=rows,
-        HALVES=halves and rows == D and C >= 32, **shape)
+        HALVES=halves and rows == D and C >= 32, **shape)  # halves: all rows, 16+ tokens
     final = None
     if want_final:
         final = (q.new_empty(B, H, D, D, dtype=torch.float32),

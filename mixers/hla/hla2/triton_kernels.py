@@ -171,10 +171,13 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
     return tl.exp2(tl.minimum(T - i_c * C, C).to(tl.float32) * lg)
 
 
-# The tuning of the increments and gradient-terms kernels (the two halves of one former kernel).
-_increments_tuned = _autotuned(
-    INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS"),
-    first_only=lambda meta: meta["BR"] > 64 or meta["C"] > 64)
+def _increments_tuned(*extra_key):
+    """The tuning of the increments and gradient-terms kernels (the two halves of one former
+    kernel): 8 warps only for 128-row blocks or chunks above 64, except where HALVES (a
+    compile-time argument of the increments kernel, keyed in extra_key) is set."""
+    return _autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS", *extra_key),
+                      first_only=lambda meta: not meta.get("HALVES", False)
+                      and (meta["BR"] > 64 or meta["C"] > 64))
 
 
 @triton.jit
@@ -244,8 +247,7 @@ def _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf,
         tl.store(an_buf + base * D + rd, b_an)
 
 
-@_autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS", "HALVES"),
-            first_only=lambda meta: not meta["HALVES"] and (meta["BR"] > 64 or meta["C"] > 64))
+@_increments_tuned("HALVES")
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf, T, NT,
                             SIZE_CLASS,
@@ -297,7 +299,7 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
                  tl.sum(b_ke.to(tl.float32) * b_wte[:, None], axis=0))
 
 
-@_increments_tuned
+@_increments_tuned()
 @triton.jit(do_not_specialize=["SIZE_CLASS"])
 def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT, SIZE_CLASS,
                             H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
