@@ -278,7 +278,7 @@ def _tuned_warps():
     return picks
 
 
-def time_d128_variants(results, backward):
+def time_kernel_variants(results, backward):
     """The forward (backward=False: chunk 128 at D = 128; also D = 64) or forward+backward
     (chunk 64, D = 128) under launch variants, side by side in this process (do_bench
     medians; relative difference of the outputs, and of dq with backward, to the first
@@ -353,7 +353,7 @@ def main():
                         help="also: time chunk sizes (e.g. 32,64,128), launch shapes, "
                              "normalize and decay forms")
     parser.add_argument("--forward-variants", action="store_true",
-                        help="also: the forward alone at head dim 128 under launch-shape "
+                        help="also: the forward alone at head dims 128 and 64 under kernel "
                              "variants, with CUDA time per kernel")
     parser.add_argument("--backward-variants", action="store_true",
                         help="also: forward+backward at head dim 128 under launch-shape "
@@ -388,10 +388,10 @@ def main():
                           args.variants_vs_chunk)
             save()
         if args.forward_variants:
-            time_d128_variants(results, backward=False)
+            time_kernel_variants(results, backward=False)
             save()
         if args.backward_variants:
-            time_d128_variants(results, backward=True)
+            time_kernel_variants(results, backward=True)
             save()
         run_timings(results, start + args.budget_s)
     save()
