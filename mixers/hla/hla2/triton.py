@@ -10,7 +10,10 @@ launch and a state scan, and keeping them made a fwd+bwd 8-24% faster on the H20
 tokens, H = 16, D = 64) for 12% more peak memory (1152 vs 1024 MiB). When its 16-row
 programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels: segments of
 chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan chains the
-summaries, and the segments rescan from their start states (see _segments).
+summaries, and the segments rescan from their start states (see _segments). A forward
+alone at chunk 128 and head dim 128 takes its own paths (HALVES_FROM_CHUNK): increments in
+two halves of tokens, the output's late state loads, and the states scanned into buffers of
+their own (2 more per-chunk buffers).
 Memory: per-chunk [D, D] and [D, Dv] buffers per head, bf16 for bf16 inputs (as many
 elements per token as q when C = D): the forward's 3 (states S, A and X) are kept for
 backward, which adds 2 (normalize adds fp32 [D] vectors per chunk, and a [B, T, H] fp32
