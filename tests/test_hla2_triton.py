@@ -438,6 +438,29 @@ def test_forward_alone_at_head_dim_128_every_option(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
+def test_forward_alone_at_head_dim_128_two_level_scan():
+    """Few heads over a long sequence scan in two levels; at head dim 128 a forward alone
+    does so into state buffers of its own (the summary pass and the rescan without
+    barriers): outputs and final states with normalize, decay and an initial state against
+    float64, 4000 tokens (a partial last chunk of 128)."""
+    B, H, T = 1, 2, 4000
+    _, _, n_seg = hla2_triton_module._scan_plan(-(-T // 128), 128, B * H, torch.device("cuda"),
+                                                hla2_triton_module.WIDE_SCAN[0])
+    assert n_seg > 1
+    q, k, v = (x.detach() for x in make_inputs(B, T, H, 128, 128, torch.bfloat16, seed=31))
+    q.abs_(), k.abs_()  # nonnegative q, k keep the denominator away from zero
+    g = torch.tensor([0.999, 0.99], device=DEVICE)
+    state = {key: x.detach() for key, x in random_state(B, H, 128, 128, True).items()}
+    with torch.no_grad():
+        o, final = hla2_triton(q, k, v, normalize=True, eps=1e-3, decay=g, chunk_size=128,
+                               initial_state=state, output_final_state=True)
+    ref_o, ref_final = reference(q, k, v, state, decay=g, normalize=True, eps=1e-3)
+    assert rel(o, ref_o) < TOL[torch.bfloat16][0]
+    for key in ref_final:
+        assert rel(final[key], ref_final[key]) < TOL[torch.bfloat16][0], key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_dim_128_wide_scans_cuda(dtype):
     """Enough heads at D = 128 that both scans take their wide row blocks on the GPU itself
