@@ -88,6 +88,20 @@ def check_against_reference(q, k, v, *, chunk_size, initial_state=None, normaliz
     assert_matches(q, k, v, initial_state, (o, final), (ref_o, ref_final), *TOL[q.dtype])
 
 
+def check_forward_against_reference(q, k, v, state, *, chunk_size, normalize, decay,
+                                    eps=1e-3):
+    """A forward without gradients: outputs and final states against float64, within the
+    output tolerance of q's dtype."""
+    with torch.no_grad():
+        o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
+                               chunk_size=chunk_size, initial_state=state,
+                               output_final_state=True)
+    ref_o, ref_final = reference(q, k, v, state, decay=decay, normalize=normalize, eps=eps)
+    assert rel(o, ref_o) < TOL[q.dtype][0]
+    for key in ref_final:
+        assert rel(final[key], ref_final[key]) < TOL[q.dtype][0], key
+
+
 def assert_matches(q, k, v, initial_state, got, want, out_tol, grad_tol):
     """Outputs, final states (fp32) and the gradients of every input and initial state of
     a Triton result `got` = (o, final) agree with the float64 reference `want`."""
@@ -240,13 +254,8 @@ def test_chunk_128_paths_without_backward(monkeypatch, T, normalize, decay, segm
     q.abs_(), k.abs_()
     g = None if decay is None else torch.tensor(decay, device=DEVICE)
     state = {key: x.detach() for key, x in random_state(2, 2, 32, 16, normalize).items()}
-    with torch.no_grad():
-        o, final = hla2_triton(q, k, v, normalize=normalize, eps=1e-3, decay=g, chunk_size=32,
-                               initial_state=state, output_final_state=True)
-    ref_o, ref_final = reference(q, k, v, state, decay=g, normalize=normalize, eps=1e-3)
-    assert rel(o, ref_o) < TOL[torch.float32][0]
-    for key in ref_final:
-        assert rel(final[key], ref_final[key]) < TOL[torch.float32][0], key
+    check_forward_against_reference(q, k, v, state, chunk_size=32, normalize=normalize,
+                                    decay=g)
     (inc, out), = scans
     assert out is not None and all(a.data_ptr() != b.data_ptr()
                                    for a, b in zip(out[:2], (inc[0], inc[2])))
@@ -428,13 +437,7 @@ def test_forward_alone_at_head_dim_128_every_option(dtype):
     q.abs_(), k.abs_()  # nonnegative q, k keep the denominator away from zero
     g = torch.tensor([0.99, 0.9, 0.8, 0.5], device=DEVICE)
     state = {key: x.detach() for key, x in random_state(B, H, 128, 128, True).items()}
-    with torch.no_grad():
-        o, final = hla2_triton(q, k, v, normalize=True, eps=1e-3, decay=g, chunk_size=16,
-                               initial_state=state, output_final_state=True)
-    ref_o, ref_final = reference(q, k, v, state, decay=g, normalize=True, eps=1e-3)
-    assert rel(o, ref_o) < TOL[dtype][0]
-    for key in ref_final:
-        assert rel(final[key], ref_final[key]) < TOL[dtype][0], key
+    check_forward_against_reference(q, k, v, state, chunk_size=16, normalize=True, decay=g)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
@@ -451,13 +454,7 @@ def test_forward_alone_at_head_dim_128_two_level_scan():
     q.abs_(), k.abs_()  # nonnegative q, k keep the denominator away from zero
     g = torch.tensor([0.999, 0.99], device=DEVICE)
     state = {key: x.detach() for key, x in random_state(B, H, 128, 128, True).items()}
-    with torch.no_grad():
-        o, final = hla2_triton(q, k, v, normalize=True, eps=1e-3, decay=g, chunk_size=128,
-                               initial_state=state, output_final_state=True)
-    ref_o, ref_final = reference(q, k, v, state, decay=g, normalize=True, eps=1e-3)
-    assert rel(o, ref_o) < TOL[torch.bfloat16][0]
-    for key in ref_final:
-        assert rel(final[key], ref_final[key]) < TOL[torch.bfloat16][0], key
+    check_forward_against_reference(q, k, v, state, chunk_size=128, normalize=True, decay=g)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
