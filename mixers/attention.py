@@ -79,14 +79,17 @@ def _backend_context(backend: str):
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    backend: str = "auto", scale: float | None = None,
                    initial_state: KVCache | None = None, output_final_state: bool = False,
-                   cache_reserve: int = 0):
+                   cache_reserve: int = 0, dropout_p: float = 0.0):
     """Causal attention through `F.scaled_dot_product_attention`; returns (o, KVCache | None).
 
     With `initial_state` (a KV cache) the new tokens also attend to the cached ones. The
-    returned cache has room for `cache_reserve` more tokens.
+    returned cache has room for `cache_reserve` more tokens. `dropout_p` drops attention
+    weights (training only: the layer passes it while training).
     """
     check_qkv(q, k, v)
     check_choice("backend", backend, SDPA_BACKENDS)
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))                    # [B, H, T, *]
     keys, values, mask = k, v, None
     if initial_state is not None:
@@ -96,7 +99,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         T = q.shape[2]
         mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
     with _backend_context(backend):
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                            is_causal=mask is None, scale=scale)
     cache = KVCache.from_tensors(keys, values, cache_reserve) if output_final_state else None
     return o.transpose(1, 2), cache

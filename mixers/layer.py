@@ -32,15 +32,24 @@ class MixerLayer(nn.Module):
     """Projections, head split and normalisation around `op(q, k, v) -> (o, state)`.
 
     qk_norm: "l2" divides q and k by their L2 norm per head (bounded higher-order products),
-    "scale" multiplies q by head_dim**-0.5 (softmax attention's scaling), "none" leaves them.
+    "scale" multiplies q by key_dim**-0.5 (softmax attention's scaling), "none" leaves them.
     short_conv: kernel size of a depthwise causal convolution on q, k and v (0 disables it).
     output_norm: RMS-normalise each head's output (learned gain) before the output projection;
     unnormalised linear and higher-order attention outputs grow with the context (HLA2's sum
     has O(t^2) terms), and this keeps the residual stream at one scale.
+    key_dim: per-head width of q and k (default: head_dim, the width of v and the output),
+    e.g. a small feature dimension for Based's Taylor map.
+    bias: biases on the q/k/v and output projections (Zoology's attention has them).
+    dropout: passed to the op as `dropout_p` while training (softmax attention's dropout on
+    the attention weights); 0 passes nothing, so any op works.
+
+    The q/k/v projection's output is laid out [q of every head, k of every head, v of every
+    head]; `tasks.stacked` relies on that layout and on the attribute names.
     """
 
     def __init__(self, d_model: int, n_heads: int, op: Callable, *, qk_norm: str = "l2",
-                 short_conv: int = 0, output_norm: bool = False, head_dim: int | None = None):
+                 short_conv: int = 0, output_norm: bool = False, head_dim: int | None = None,
+                 key_dim: int | None = None, bias: bool = False, dropout: float = 0.0):
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
@@ -48,25 +57,37 @@ class MixerLayer(nn.Module):
             if d_model % n_heads:
                 raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
             head_dim = d_model // n_heads
-        self.n_heads, self.head_dim, self.qk_norm = n_heads, head_dim, qk_norm
-        inner = n_heads * head_dim
-        self.qkv = nn.Linear(d_model, 3 * inner, bias=False)
-        self.conv = ShortConv(3 * inner, short_conv) if short_conv else None
+        key_dim = head_dim if key_dim is None else key_dim
+        if not isinstance(key_dim, int) or isinstance(key_dim, bool) or key_dim < 1:
+            raise ValueError(f"key_dim must be a positive int, got {key_dim!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout!r}")
+        self.n_heads, self.head_dim, self.key_dim, self.qk_norm = n_heads, head_dim, key_dim, qk_norm
+        self.dropout = float(dropout)
+        self.split = (n_heads * key_dim, n_heads * key_dim, n_heads * head_dim)
+        self.qkv = nn.Linear(d_model, sum(self.split), bias=bias)
+        self.conv = ShortConv(sum(self.split), short_conv) if short_conv else None
         self.out_norm = nn.RMSNorm(head_dim) if output_norm else None
-        self.out = nn.Linear(inner, d_model, bias=False)
+        self.out = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.op = op
+
+    def op_kwargs(self) -> dict:
+        """Keyword arguments of the op call (dropout while training only)."""
+        return {"dropout_p": self.dropout} if self.dropout and self.training else {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x)
         if self.conv is not None:
             qkv = self.conv(qkv)
-        q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k, v = qkv.split(self.split, dim=-1)
+        q, k = (t.reshape(B, T, self.n_heads, self.key_dim) for t in (q, k))
+        v = v.reshape(B, T, self.n_heads, self.head_dim)
         if self.qk_norm == "l2":  # CUDA autocast runs the norm in fp32: back to v's dtype
             q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
         elif self.qk_norm == "scale":
-            q = q * self.head_dim ** -0.5
-        o, _ = self.op(q, k, v)
+            q = q * self.key_dim ** -0.5
+        o, _ = self.op(q, k, v, **self.op_kwargs())
         if self.out_norm is not None:
             o = self.out_norm(o)
         return self.out(o.reshape(B, T, -1))
