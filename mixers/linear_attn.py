@@ -1,35 +1,61 @@
 """Causal linear attention (Katharopoulos et al. 2020) in chunked PyTorch.
 
 o_t = phi(q_t)^T S_t with S_t = sum_{i<=t} phi(k_i) v_i^T; normalized, the output is divided
-by phi(q_t)^T z_t + eps with z_t = sum_{i<=t} phi(k_i). No scaling inside (like the HLA ops).
-The chunk form does, per chunk of C tokens, one masked C x C product and two C x D x Dv
-products; the carried state S is an exclusive prefix sum of per-chunk K^T V.
+by phi(q_t)^T z_t + eps with z_t = sum_{i<=t} phi(k_i). q and k are not scaled outside the
+feature map (like the HLA ops). phi maps the last dim D to F features (F = D except for
+"taylor"); S is [F, Dv] and z [F] per head. The chunk form does, per chunk of C tokens, one
+masked C x C product and two C x F x Dv products; the carried state S is an exclusive prefix
+sum of per-chunk K^T V.
+
+"taylor" is Based's map (Arora et al. 2024): the 2nd-order Taylor expansion of exp(q.k/sqrt(D)),
+phi(x) = [1, x / D^(1/4), vec(x x^T) / sqrt(2 D)], so that
+phi(q).phi(k) = 1 + q.k/sqrt(D) + (q.k)^2/(2 D) and F = 1 + D + D^2. That kernel is at least
+1/2 for any q, k, so the normalized form's denominator is at least t/2 without any bound on q, k.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from mixers.hla.common import check_chunk_size, check_choice, check_qkv, pad_to_multiple
 
+
+def taylor_features(x: torch.Tensor) -> torch.Tensor:
+    """`[..., D]` -> `[..., 1 + D + D^2]`: [1, x / D^(1/4), vec(x x^T) / sqrt(2 D)]."""
+    D = x.shape[-1]
+    second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2 * D)
+    return torch.cat([torch.ones_like(x[..., :1]), x * D ** -0.25, second], dim=-1)
+
+
 FEATURE_MAPS = {
     "identity": lambda x: x,
     "elu1": lambda x: F.elu(x) + 1,
     "relu": F.relu,
+    "taylor": taylor_features,
 }
+
+
+def feature_size(feature_map: str, dim: int) -> int:
+    """Width of phi's output for a `dim`-wide input (read off the map itself)."""
+    check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    return FEATURE_MAPS[feature_map](torch.zeros(1, dim)).shape[-1]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def state_shapes(batch: int, heads: int, head_dim: int, value_dim: int,
-                 normalize: bool) -> dict[str, tuple[int, ...]]:
-    """Keys and shapes of the linear-attention state."""
-    shapes = {"S": (batch, heads, head_dim, value_dim)}
+def state_shapes(batch: int, heads: int, head_dim: int, value_dim: int, normalize: bool,
+                 feature_map: str = "identity") -> dict[str, tuple[int, ...]]:
+    """Keys and shapes of the linear-attention state for `head_dim`-wide q and k: S (and z)
+    hold phi's features, `feature_size(feature_map, head_dim)` of them."""
+    features = feature_size(feature_map, head_dim)
+    shapes = {"S": (batch, heads, features, value_dim)}
     if normalize:
-        shapes["z"] = (batch, heads, head_dim)
+        shapes["z"] = (batch, heads, features)
     return shapes
 
 
@@ -56,21 +82,24 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
     check_chunk_size(chunk_size)
     dtype = _compute_dtype(q)
-    state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize), q.device, dtype)
+    state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize, feature_map),
+                     q.device, dtype)
     phi = FEATURE_MAPS[feature_map]
-    # The feature map goes before the zero padding, so padded tokens add nothing.
-    q, k, v = (pad_to_multiple(x.to(dtype), chunk_size) for x in (phi(q), phi(k), v))
+    # The feature map runs in the compute dtype and before the zero padding, so padded tokens
+    # add nothing (taylor maps a zero key to [1, 0, 0], which would enter z).
+    q, k, v = (pad_to_multiple(x, chunk_size)
+               for x in (phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)))
     N, C = q.shape[1] // chunk_size, chunk_size
     q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
 
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
-    chunk_kv = k.transpose(-1, -2) @ v                                  # [B, H, N, D, Dv]
+    chunk_kv = k.transpose(-1, -2) @ v                                  # [B, H, N, F, Dv]
     S_before = state["S"].unsqueeze(2) + chunk_kv.cumsum(2) - chunk_kv
     o = q @ S_before + scores @ v
     final = {"S": state["S"] + chunk_kv.sum(2)}
     if normalize:
-        chunk_k = k.sum(3)                                              # [B, H, N, D]
+        chunk_k = k.sum(3)                                              # [B, H, N, F]
         z_before = state["z"].unsqueeze(2) + chunk_k.cumsum(2) - chunk_k
         den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
         o = o / (den.unsqueeze(-1) + eps)
@@ -83,7 +112,9 @@ def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1
                       initial_state=None):
     """Token-by-token reference (float64 when given float64): returns (o, final state)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
-    state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize), q.device, q.dtype)
+    check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize, feature_map),
+                     q.device, q.dtype)
     outputs = []
     for t in range(T):
         o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state,
@@ -94,10 +125,12 @@ def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1
 
 def linear_attn_step(q_t, k_t, v_t, state, *, feature_map="identity", normalize=False,
                      eps=1e-6):
-    """One token, `[B, H, D]` inputs: returns (`[B, H, Dv]` output, new state)."""
+    """One token, `[B, H, D]` inputs: returns (`[B, H, Dv]` output, new state); the state's
+    S is `[B, H, F, Dv]` (z `[B, H, F]`) with F phi's output width."""
+    check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
     phi = FEATURE_MAPS[feature_map]
     dtype = state["S"].dtype
-    q_t, k_t, v_t = phi(q_t).to(dtype), phi(k_t).to(dtype), v_t.to(dtype)
+    q_t, k_t, v_t = phi(q_t.to(dtype)), phi(k_t.to(dtype)), v_t.to(dtype)
     new = {"S": state["S"] + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)}
     o_t = (q_t.unsqueeze(-2) @ new["S"]).squeeze(-2)
     if normalize:
@@ -107,10 +140,13 @@ def linear_attn_step(q_t, k_t, v_t, state, *, feature_map="identity", normalize=
 
 
 def linear_attn_flops(batch, seq_len, heads, head_dim, value_dim, mode, *, chunk_size=64,
-                      normalize=False, **_):
-    """Chunk-form FLOPs: per token 2C(D+Dv) for the masked chunk products, 4 D Dv for the
-    state read and update (plus 2C + 4D when normalized); backward counted as 2x forward."""
-    D, Dv, C = head_dim, value_dim, chunk_size
+                      normalize=False, feature_map="identity", feature_dim=0, **_):
+    """Chunk-form FLOPs with D the feature width after the map (phi of `feature_dim`, or of
+    `head_dim` when it is 0): per token 2C(D+Dv) for the masked chunk products, 4 D Dv for
+    the state read and update (plus 2C + 4D when normalized); backward counted as 2x forward.
+    The map itself is not counted."""
+    D = feature_size(feature_map, feature_dim or head_dim)
+    Dv, C = value_dim, chunk_size
     if mode == "decode":
         per_token = 4 * D * Dv + (4 * D if normalize else 0)
         return float(batch * heads * per_token)

@@ -73,8 +73,9 @@ def explicit_linear_attn(q, k, v, feature_map, normalize, eps=1e-6):
 
 
 @pytest.mark.parametrize("feature_map,normalize", [("identity", False), ("elu1", False),
-                                                   ("relu", False), ("elu1", True),
-                                                   ("relu", True)])
+                                                   ("relu", False), ("taylor", False),
+                                                   ("elu1", True), ("relu", True),
+                                                   ("taylor", True)])
 def test_linear_attn_matches_explicit_sum(feature_map, normalize):
     q, k, v = qkv(T=37)
     op = get("linear-attn").op(feature_map=feature_map, normalize=normalize, chunk_size=16)

@@ -1,0 +1,131 @@
+"""The Taylor feature map (Based) and linear attention with it."""
+
+import math
+
+import pytest
+import torch
+
+from mixers.linear_attn import (FEATURE_MAPS, feature_size, linear_attn, linear_attn_flops,
+                                linear_attn_naive, linear_attn_step, state_shapes)
+
+taylor = FEATURE_MAPS["taylor"]
+
+
+def qkv(B=2, T=21, H=3, D=4, Dv=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, T, H, d, generator=generator, dtype=torch.float64)
+            for d in (D, D, Dv)]
+
+
+def taylor_kernel(q, k):
+    """1 + s + s^2 / 2 with s = q.k / sqrt(D), computed from q.k directly."""
+    s = (q * k).sum(-1) / math.sqrt(q.shape[-1])
+    return 1 + s + s * s / 2
+
+
+# --- the feature map ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("D", [1, 4, 16])
+def test_taylor_features_give_the_second_order_expansion_of_exp(D):
+    generator = torch.Generator().manual_seed(D)
+    x, y = (torch.randn(7, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    assert taylor(x).shape == (7, 1 + D + D * D) == (7, feature_size("taylor", D))
+    torch.testing.assert_close((taylor(x) * taylor(y)).sum(-1), taylor_kernel(x, y),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_taylor_kernel_is_at_least_one_half():
+    """1 + s + s^2/2 has its minimum 1/2 at s = -1: normalised outputs need no bound on q, k."""
+    D = 16
+    x = torch.randn(200, D, dtype=torch.float64) * 3
+    y = -x * math.sqrt(D) / (x * x).sum(-1, keepdim=True)   # x.y / sqrt(D) = -1 exactly
+    torch.testing.assert_close((taylor(x) * taylor(y)).sum(-1),
+                               torch.full((200,), 0.5, dtype=torch.float64))
+    random_pairs = (taylor(x) * taylor(torch.randn(200, D, dtype=torch.float64) * 3)).sum(-1)
+    assert bool((random_pairs >= 0.5 - 1e-9).all())
+
+
+def test_feature_sizes_follow_each_map():
+    assert [feature_size(name, 16) for name in ("identity", "elu1", "relu", "taylor")] == \
+        [16, 16, 16, 273]
+    assert state_shapes(2, 3, 16, 8, True, "taylor") == {"S": (2, 3, 273, 8), "z": (2, 3, 273)}
+    with pytest.raises(ValueError, match="feature_map"):
+        feature_size("softmax", 4)
+
+
+# --- linear attention with the Taylor map, float64 ----------------------------------------
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_taylor_op_equals_the_explicit_kernel_sum(normalize):
+    """Weights 1 + s + s^2/2 from q.k itself, so a wrong scale in the map shows here."""
+    q, k, v = qkv(T=23)
+    o, _ = linear_attn(q, k, v, feature_map="taylor", normalize=normalize, chunk_size=8)
+    weights = taylor_kernel(q.unsqueeze(2), k.unsqueeze(1))              # [B, t, i, H]
+    weights = weights * torch.ones(23, 23, dtype=torch.float64).tril()[None, :, :, None]
+    expected = torch.einsum("btih,bihe->bthe", weights, v)
+    if normalize:
+        expected = expected / (weights.sum(2).unsqueeze(-1) + 1e-6)
+    torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 8, 64])
+def test_taylor_chunk_matches_token_by_token(normalize, chunk_size):
+    """T = 21 is not a multiple of 8 or 64: padded tokens must not reach the final state."""
+    q, k, v = qkv()
+    options = {"feature_map": "taylor", "normalize": normalize}
+    o, state = linear_attn(q, k, v, chunk_size=chunk_size, output_final_state=True, **options)
+    o_ref, state_ref = linear_attn_naive(q, k, v, **options)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    assert set(state) == ({"S", "z"} if normalize else {"S"})
+    assert state["S"].shape == (2, 3, 1 + 4 + 16, 5)
+    for key in state:
+        torch.testing.assert_close(state[key], state_ref[key], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_taylor_continues_from_an_initial_state(normalize):
+    q, k, v = qkv(T=30)
+    options = {"feature_map": "taylor", "normalize": normalize}
+    full, full_state = linear_attn(q, k, v, chunk_size=8, output_final_state=True, **options)
+    head, state = linear_attn(q[:, :13], k[:, :13], v[:, :13], chunk_size=8,
+                              output_final_state=True, **options)
+    tail, tail_state = linear_attn(q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=8,
+                                   initial_state=state, output_final_state=True, **options)
+    tail_ref, tail_state_ref = linear_attn_naive(q[:, 13:], k[:, 13:], v[:, 13:],
+                                                 initial_state=state, **options)
+    torch.testing.assert_close(torch.cat([head, tail], 1), full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(tail, tail_ref, rtol=1e-10, atol=1e-10)
+    for key in full_state:
+        torch.testing.assert_close(tail_state[key], full_state[key], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(tail_state_ref[key], full_state[key], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_taylor_steps_continue_the_chunk_form(normalize):
+    q, k, v = qkv(T=20)
+    options = {"feature_map": "taylor", "normalize": normalize}
+    full, full_state = linear_attn(q, k, v, chunk_size=8, output_final_state=True, **options)
+    _, state = linear_attn(q[:, :16], k[:, :16], v[:, :16], chunk_size=8,
+                           output_final_state=True, **options)
+    for t in range(16, 20):
+        o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state, **options)
+        torch.testing.assert_close(o_t, full[:, t], rtol=1e-10, atol=1e-10)
+    for key in full_state:
+        torch.testing.assert_close(state[key], full_state[key], rtol=1e-10, atol=1e-10)
+
+
+def test_taylor_state_shape_is_checked():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"initial_state\['S'\].*\(2, 3, 21, 5\)"):
+        linear_attn(q, k, v, feature_map="taylor",
+                    initial_state={"S": torch.zeros(2, 3, 4, 5, dtype=torch.float64)})
+
+
+def test_flops_count_the_features_after_the_map():
+    taylor_16 = linear_attn_flops(1, 1024, 2, 16, 64, "fwd", feature_map="taylor")
+    assert taylor_16 == linear_attn_flops(1, 1024, 2, 273, 64, "fwd")
+    assert linear_attn_flops(1, 1024, 2, 64, 64, "fwd", feature_map="taylor",
+                             feature_dim=16) == taylor_16
+    assert linear_attn_flops(1, 10, 2, 16, 64, "decode", feature_map="taylor",
+                             normalize=True) == 2 * (4 * 273 * 64 + 4 * 273)
