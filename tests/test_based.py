@@ -1,12 +1,14 @@
-"""The Taylor feature map (Based) and linear attention with it."""
+"""Based: the Taylor feature map, linear attention with it, and the `based` registry entry."""
 
 import math
 
 import pytest
 import torch
 
+from hla_bench.registry import get
 from mixers.linear_attn import (FEATURE_MAPS, feature_size, linear_attn, linear_attn_flops,
                                 linear_attn_naive, linear_attn_step, state_shapes)
+from tasks.train import state_bytes
 
 taylor = FEATURE_MAPS["taylor"]
 
@@ -129,3 +131,70 @@ def test_flops_count_the_features_after_the_map():
                              feature_dim=16) == taylor_16
     assert linear_attn_flops(1, 10, 2, 16, 64, "decode", feature_map="taylor",
                              normalize=True) == 2 * (4 * 273 * 64 + 4 * 273)
+
+
+# --- the registry entries ------------------------------------------------------------------
+
+def test_based_entry_options():
+    options = get("based").resolve_options({})
+    assert {key: options[key] for key in ("feature_map", "feature_dim", "normalize", "eps",
+                                          "qk_norm", "short_conv", "output_norm")} == {
+        "feature_map": "taylor", "feature_dim": 16, "normalize": True, "eps": 1e-12,
+        "qk_norm": "none", "short_conv": 4, "output_norm": False}
+    assert get("based").family == "linear"
+
+
+def test_based_op_is_normalised_taylor_linear_attention():
+    q, k, v = qkv(D=16, T=19)
+    o, _ = get("based").op(chunk_size=8)(q, k, v)
+    expected, _ = linear_attn_naive(q, k, v, feature_map="taylor", normalize=True, eps=1e-12)
+    torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_based_layer_hands_its_op_raw_feature_dim_q_k_and_head_dim_v():
+    torch.manual_seed(0)
+    layer = get("based").layer(32, 2)
+    assert (layer.key_dim, layer.head_dim, layer.qk_norm, layer.out_norm) == (16, 16, "none", None)
+    assert layer.split == (2 * 16, 2 * 16, 2 * 16) and layer.conv.kernel_size == 4
+    layer = get("based").layer(64, 2)                       # head dim 32, feature dim 16
+    assert layer.split == (2 * 16, 2 * 16, 2 * 32)
+    seen = {}
+    op = layer.op
+
+    def recording_op(q, k, v, **kwargs):
+        seen.update(q=q, k=k, v=v)
+        return op(q, k, v, **kwargs)
+
+    layer.op = recording_op
+    x = torch.randn(2, 9, 64)
+    y = layer(x)
+    q, k, v = layer.conv(layer.qkv(x)).split(layer.split, dim=-1)
+    torch.testing.assert_close(seen["q"], q.reshape(2, 9, 2, 16))    # no norm, no scaling
+    torch.testing.assert_close(seen["k"], k.reshape(2, 9, 2, 16))
+    assert seen["v"].shape == (2, 9, 2, 32) and y.shape == x.shape
+
+
+def test_linear_attn_feature_dim_projects_q_and_k():
+    assert get("linear-attn").layer(64, 2).key_dim == 32
+    layer = get("linear-attn").layer(64, 2, feature_dim=8, feature_map="taylor")
+    assert (layer.key_dim, layer.head_dim) == (8, 32)
+    assert layer(torch.randn(1, 5, 64)).shape == (1, 5, 64)
+
+
+def test_based_state_bytes_count_273_features():
+    """The recall harness asks with the head dim (64 here); q, k are 16 wide, phi 273."""
+    assert state_bytes("based", {}, d_model=64, n_heads=1, n_layers=2, seq_len=64) == \
+        2 * (273 * 64 + 273) * 4
+    assert state_bytes("based", {"feature_dim": 8}, 128, 2, 1, 64) == \
+        2 * (73 * 64 + 73) * 4
+
+
+def test_based_op_and_decoder_refuse_q_k_of_another_width():
+    q, k, v = qkv(D=8)
+    with pytest.raises(ValueError, match="feature_dim=16"):
+        get("based").op()(q, k, v)
+    decoder = get("based").decoder()
+    state = decoder.init_state(2, 3, 8, 5, 10, "cpu", torch.float64)
+    assert state["S"].shape == (2, 3, 273, 5)
+    with pytest.raises(ValueError, match="feature_dim=16"):
+        decoder.step(q[:, 0], k[:, 0], v[:, 0], state)

@@ -166,8 +166,17 @@ def test_layer_runs_under_bf16_autocast(name, monkeypatch):
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
 
 
+def key_width(name, mixer_options=None):
+    """Width of q and k for a mixer's op and decoder: its feature_dim where it fixes one
+    (based's layer projects q, k to 16 per head), else 8."""
+    return get(name).resolve_options(mixer_options or {}).get("feature_dim") or 8
+
+
 STREAMING = [name for name in AVAILABLE if get(name).family != "softmax"]
 OPTION_CASES = [("linear-attn", {"feature_map": "elu1", "normalize": True}),
+                ("linear-attn", {"feature_map": "taylor", "normalize": True}),
+                ("linear-attn", {"feature_map": "taylor", "feature_dim": 4}),
+                ("based", {"feature_dim": 6, "chunk_size": 8}),
                 ("hla2", {"normalize": True, "decay": 0.9}),
                 ("hla2", {"decay": 0.9, "decay_form": "paper"}),
                 ("hla2-unmasked", {"normalize": True}),
@@ -182,7 +191,7 @@ OPTION_CASES = [("linear-attn", {"feature_map": "elu1", "normalize": True}),
                          [(name, {}) for name in STREAMING] + OPTION_CASES)
 def test_decoder_step_continues_the_op_after_a_prefill(name, mixer_options):
     mixer = get(name)
-    q, k, v = qkv(T=21, dtype=torch.float64)
+    q, k, v = qkv(T=21, D=key_width(name, mixer_options), dtype=torch.float64)
     op = mixer.op(**mixer_options)
     full, _ = op(q, k, v)
     _, state = op(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
@@ -193,10 +202,11 @@ def test_decoder_step_continues_the_op_after_a_prefill(name, mixer_options):
 @pytest.mark.parametrize("name", STREAMING)
 def test_decoder_state_size_is_independent_of_context(name):
     decoder = get(name).decoder()
-    sizes = [decoder.state_bytes(decoder.init_state(2, 3, 8, 6, n, "cpu", torch.float32))
+    D = key_width(name)
+    sizes = [decoder.state_bytes(decoder.init_state(2, 3, D, 6, n, "cpu", torch.float32))
              for n in (16, 4096)]
-    state = decoder.init_state(2, 3, 8, 6, 16, "cpu", torch.float32)
-    o, _ = decoder.step(*(torch.randn(2, 3, d) for d in (8, 8, 6)), state)
+    state = decoder.init_state(2, 3, D, 6, 16, "cpu", torch.float32)
+    o, _ = decoder.step(*(torch.randn(2, 3, d) for d in (D, D, 6)), state)
     assert sizes[0] == sizes[1] > 0
     assert o.shape == (2, 3, 6)
 

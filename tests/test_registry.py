@@ -14,7 +14,7 @@ from hla_bench.registry import (Mixer, MixerUnavailableError, UnknownMixerError,
 
 BUILTINS = {
     "hla2": "hla", "hla2-unmasked": "hla", "ahla2": "hla", "hla3": "hla",
-    "sdpa": "softmax", "flash-attn": "softmax", "linear-attn": "linear",
+    "sdpa": "softmax", "flash-attn": "softmax", "linear-attn": "linear", "based": "linear",
     "mamba2-ssd": "ssm", "fla-linear-attn": "fla", "fla-simple-gla": "fla",
     "fla-gla": "fla", "fla-delta-rule": "fla", "fla-gated-delta-rule": "fla",
 }
@@ -88,7 +88,7 @@ def test_softmax_flops_formula():
         sdpa.model_flops(1, 8, 1, 8, 8, "train")
 
 
-@pytest.mark.parametrize("name", ["linear-attn", "mamba2-ssd", "fla-linear-attn"])
+@pytest.mark.parametrize("name", ["linear-attn", "based", "mamba2-ssd", "fla-linear-attn"])
 def test_linear_time_flops_grow_linearly(name):
     mixer = get(name)
     short, long = (mixer.model_flops(1, n, 2, 64, 64, "fwd") for n in (1024, 4096))
