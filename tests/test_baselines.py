@@ -154,6 +154,36 @@ def test_output_norm_makes_the_layer_blind_to_the_ops_scale(output_norm):
     assert torch.allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5) == output_norm
 
 
+@pytest.mark.parametrize("name,options,positive", [
+    ("linear-attn", {"feature_map": "elu1"}, True),
+    ("based", {"output_norm": True}, True),
+    ("linear-attn", {}, False),
+    ("hla2", {}, False),
+    ("ahla2", {}, False),
+    ("hla3", {}, False),
+])
+def test_output_norm_leaves_normalize_only_the_sign_of_the_denominator(name, options, positive):
+    """RMSNorm cancels the op's division by its denominator except for the sign: normalize
+    under output_norm is a no-op for positive kernels and a per-token, per-head sign flip
+    where the denominator is negative for signed weights."""
+    x = torch.randn(2, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for normalize in (False, True):
+        torch.manual_seed(0)
+        layer = get(name).layer(32, 2, normalize=normalize, **options).double()
+        assert layer.out_norm is not None
+        op = layer.op
+        seen = {}
+        layer.op = lambda q, k, v, **kw: seen.setdefault("o", op(q, k, v, **kw))
+        layer(x)
+        outputs.append(layer.out_norm(seen["o"][0]))               # [B, T, H, Dv]
+    plain, normalized = outputs
+    same = (plain - normalized).abs().amax(-1) < 1e-6
+    flipped = (plain + normalized).abs().amax(-1) < 1e-6
+    assert bool((same | flipped).all())
+    assert bool(same.all()) == positive
+
+
 @pytest.mark.parametrize("name", AVAILABLE)
 def test_layer_runs_under_bf16_autocast(name, monkeypatch):
     """Training uses bf16 autocast, which on CUDA runs F.normalize in fp32: the layer must
