@@ -1,10 +1,19 @@
-"""`hla-bench recall` (train and score mixers on synthetic recall tasks) and `hla-bench tasks`."""
+"""`hla-bench recall` (train and score mixers on synthetic recall tasks) and `hla-bench tasks`.
+
+A recall config (YAML, see configs/recall-*.yaml and configs/zoology-*.yaml) names the
+mixers, widths, learning rates, seeds, the model, the training protocol and the task
+settings; `validate_config` checks every key and value before any run starts. Runs that
+differ only in learning rate and seed train together as one stacked model
+(`hla_bench.training`, `tasks.train`).
+"""
 
 from __future__ import annotations
 
-import platform
+import copy
+import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 import torch
@@ -17,35 +26,359 @@ from rich.text import Text
 
 import tasks
 from hla_bench import registry
-from hla_bench.recall_report import render_recall
-from tasks.train import RunSpec, assign_devices, default_workers, run_sweep, summarize
+from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.training import (FAILED, assign_devices, default_workers, failed_result,
+                                plan_groups, run_groups)
+from tasks.model import INITS, STATE_MIXERS
+from tasks.train import SCHEDULES, RunSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ROLE_STYLES = {"key": "bold cyan", "value": "bold green", "query": "bold magenta",
                "filler": "dim", "noise": "yellow", "special": "bold red"}
-DEFAULTS = {
-    "mixers": ["sdpa", "linear-attn", "hla2", "mamba2-ssd"],
-    "mixer_options": {},
-    "d_model": [64],
-    "lrs": [1e-3, 3e-3],
-    "model": {"n_layers": 2, "n_heads": 1, "mlp": True},
-    "train": {"epochs": 8, "num_train": None, "num_test": None, "batch_size": 64, "eval_every": 0},
-    "settings": [{"task": "mqar", "params": {}}],
-    "device": "auto",
-    "workers": None,
-    "workers_per_gpu": 4,
-    "seed": 0,
+
+
+# --- config schema -----------------------------------------------------------------------
+
+def _int(minimum: int) -> Callable[[Any], str | None]:
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            return f"an int >= {minimum}"
+        return None
+    return check
+
+
+def _number(low: float, high: float | None = None, *, open_low: bool = False,
+            open_high: bool = True) -> Callable[[Any], str | None]:
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "a number"
+        if (value <= low if open_low else value < low) or (
+                high is not None and (value >= high if open_high else value > high)):
+            left, right = "(" if open_low else "[", ")" if open_high else "]"
+            return f"a number in {left}{low}, {'inf' if high is None else high}{right}"
+        return None
+    return check
+
+
+def _choice(choices) -> Callable[[Any], str | None]:
+    return lambda value: None if value in choices else f"one of {', '.join(choices)}"
+
+
+def _optional(check):
+    return lambda value: None if value is None else check(value)
+
+
+def _bool(value) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
+
+
+def _list(item_check, *, unique: bool = True):
+    def check(value):
+        if not isinstance(value, list) or not value:
+            return "a non-empty list"
+        for item in value:
+            problem = item_check(item)
+            if problem:
+                return f"a list of {problem} (got {item!r})"
+        if unique and len(set(map(repr, value))) != len(value):
+            return "a list without duplicates"
+        return None
+    return check
+
+
+def _str(value) -> str | None:
+    return None if isinstance(value, str) and value else "a non-empty string"
+
+
+MODEL_FIELDS = {
+    "n_layers": (2, _int(1)),
+    "n_heads": (1, _int(1)),
+    "state_mixer": ("mlp", _choice(STATE_MIXERS)),
+    "embed_dropout": (0.0, _number(0, 1)),
+    "init": ("default", _choice(INITS)),
 }
+TRAIN_FIELDS = {
+    "epochs": (8, _int(1)),
+    "num_train": (None, _optional(_int(1))),
+    "num_val": (1000, _int(1)),
+    "num_test": (None, _optional(_int(1))),
+    "batch_size": (64, _int(1)),
+    "eval_every": (0, _int(0)),
+    "schedule": ("warmup-cosine", _choice(SCHEDULES)),
+    "warmup_frac": (0.1, _number(0, 1)),
+    "weight_decay": (0.1, _number(0)),
+    "stop_accuracy": (0.99, _number(0, open_low=True, high=None)),
+    "shuffle": (True, _bool),
+}
+TOP_FIELDS = {
+    "name": ("recall", _str),
+    "description": ("", lambda v: None if isinstance(v, str) else "a string"),
+    "device": ("auto", lambda v: None if isinstance(v, str) and (
+        v in ("auto", "cpu", "cuda") or v.startswith("cuda:")) else "auto, cpu, cuda or cuda:N"),
+    "workers": (None, _optional(_int(1))),
+    "workers_per_gpu": (2, _int(1)),
+    "max_group": (32, _int(1)),
+    "graphs": (True, _bool),
+    "seeds": ([0], _list(_int(0))),
+    "mixers": (["sdpa", "linear-attn", "hla2", "mamba2-ssd"], _list(_str)),
+    "mixer_options": ({}, lambda v: None if isinstance(v, dict) else "a mapping"),
+    "d_model": ([64], _list(_int(1))),
+    "lrs": ([1e-3, 3e-3], _list(_number(0, open_low=True, high=None))),
+}
+SECTIONS = {"model": MODEL_FIELDS, "train": TRAIN_FIELDS}
+DEFAULT_SETTINGS = [{"task": "mqar", "params": {}}]
 
 
-def comma_list(kind):
+class ConfigError(ValueError):
+    """A recall config key or value that is not allowed; the message names it."""
+
+
+def _check_section(where: str, values: Any, fields: dict) -> dict:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} must be a mapping, got {values!r}")
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {', '.join(unknown)} "
+                          f"(accepted: {', '.join(fields)})")
+    for key, value in values.items():
+        problem = fields[key][1](value)
+        if problem:
+            raise ConfigError(f"{where}.{key} must be {problem}, got {value!r}")
+    return dict(values)
+
+
+def default_config() -> dict:
+    config = {key: copy.deepcopy(default) for key, (default, _) in TOP_FIELDS.items()}
+    for section, fields in SECTIONS.items():
+        config[section] = {key: default for key, (default, _) in fields.items()}
+    config["settings"] = copy.deepcopy(DEFAULT_SETTINGS)
+    return config
+
+
+def validate_config(loaded: Any, where: str = "config") -> dict:
+    """Defaults overridden by `loaded` (a parsed YAML mapping), every key and value checked;
+    ConfigError names the first problem."""
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values")
+    allowed = set(TOP_FIELDS) | set(SECTIONS) | {"settings"}
+    unknown = sorted(set(loaded) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {', '.join(unknown)} "
+                          f"(accepted: {', '.join(sorted(allowed))})")
+    config = default_config()
+    for key, value in loaded.items():
+        if key in SECTIONS:
+            config[key].update(_check_section(f"{where}.{key}", value, SECTIONS[key]))
+        elif key == "settings":
+            config["settings"] = _check_settings(value, where)
+        else:
+            problem = TOP_FIELDS[key][1](value)
+            if problem:
+                raise ConfigError(f"{where}.{key} must be {problem}, got {value!r}")
+            config[key] = value
+    _check_plan(config, where)
+    return config
+
+
+def _check_settings(settings: Any, where: str) -> list[dict]:
+    if not isinstance(settings, list) or not settings:
+        raise ConfigError(f"{where}.settings must be a non-empty list of task settings")
+    checked = []
+    for index, setting in enumerate(settings):
+        at = f"{where}.settings[{index}]"
+        if not isinstance(setting, dict) or "task" not in setting:
+            raise ConfigError(f"{at} must be a mapping with a `task`")
+        unknown = sorted(set(setting) - {"task", "params", "train", "model"})
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {', '.join(unknown)} "
+                              "(accepted: task, params, train, model)")
+        entry = {"task": setting["task"], "params": dict(setting.get("params") or {})}
+        for section, fields in SECTIONS.items():
+            if section in setting:
+                entry[section] = _check_section(f"{at}.{section}", setting[section], fields)
+        checked.append(entry)
+    return checked
+
+
+def _check_plan(config: dict, where: str) -> None:
+    """Names in the config that exist: tasks and their parameters, mixers and options."""
+    for index, setting in enumerate(config["settings"]):
+        try:
+            task = tasks.get(setting["task"])
+            task.make("test", 1, 0, **setting["params"])
+        except ValueError as error:
+            raise ConfigError(f"{where}.settings[{index}]: {error}") from None
+    options = config["mixer_options"]
+    unknown = sorted(set(options) - set(config["mixers"]))
+    if unknown:
+        raise ConfigError(f"{where}.mixer_options names mixers not in `mixers`: "
+                          f"{', '.join(unknown)}")
+    for mixer in config["mixers"]:
+        try:
+            entry = registry.get(mixer)
+            if options.get(mixer) is not None and not isinstance(options[mixer], dict):
+                raise ValueError(f"options of {mixer!r} must be a mapping")
+            entry.resolve_options(options.get(mixer) or {})
+        except (ValueError, registry.UnknownMixerError) as error:
+            raise ConfigError(f"{where}.mixers: {error}") from None
+        if entry.build_layer is None:
+            raise ConfigError(f"{where}.mixers: mixer {mixer!r} has no layer form to train")
+
+
+def load_config(path: str | None, overrides: dict) -> dict:
+    """Defaults, then the YAML file, then the command-line options given (checked alike)."""
+    loaded: dict = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML ({error})") from None
+    where = path or "options"
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values")
+    merged = copy.deepcopy(loaded)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section = next((s for s, fields in SECTIONS.items() if key in fields), None)
+        if section:
+            merged.setdefault(section, {})
+            if not isinstance(merged[section], dict):
+                raise ConfigError(f"{where}.{section} must be a mapping")
+            merged[section][key] = value
+        else:
+            merged[key] = value
+    return validate_config(merged, where)
+
+
+def setting_label(task: str, params: dict) -> str:
+    return " ".join([task] + [f"{key}={value}" for key, value in sorted(params.items())])
+
+
+def plan_runs(config: dict, device: str) -> list[dict]:
+    """One spec per (setting, mixer, d_model, lr, seed)."""
+    specs = []
+    for setting in config["settings"]:
+        task = tasks.get(setting["task"])
+        params = setting["params"]
+        model = {**config["model"], **setting.get("model", {})}
+        train = {**config["train"], **setting.get("train", {})}
+        for mixer in config["mixers"]:
+            for d_model in config["d_model"]:
+                for lr in config["lrs"]:
+                    for seed in config["seeds"]:
+                        specs.append(RunSpec(
+                            task=task.name, mixer=mixer, d_model=int(d_model), lr=float(lr),
+                            params=dict(params),
+                            mixer_options=dict(config["mixer_options"].get(mixer) or {}),
+                            seed=int(seed), device=device,
+                            setting=setting_label(task.name, params), run_id=len(specs),
+                            **model, **train).as_dict())
+    return specs
+
+
+def run_key(run: dict) -> str:
+    """What identifies a run across sweeps: its spec without the run id and device."""
+    spec = {key: run.get(key) for key in RunSpec.__dataclass_fields__ if key not in ("run_id", "device")}
+    return yaml.safe_dump(spec, sort_keys=True)
+
+
+# --- the results file --------------------------------------------------------------------
+
+PROTOCOL_KEYS = ("model", "train")
+
+
+def read_results(out: str) -> dict:
+    """A recall results file, validated (RecallFileError, ConfigError otherwise)."""
+    try:
+        data = yaml.safe_load(Path(out).read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read {out}: {error}") from None
+    validate_recall(data)
+    if data.get("end") is not True:
+        raise RecallFileError(f"{out} is incomplete (no end marker): it was cut while being "
+                              "written")
+    return data
+
+
+def existing_runs(out: str | None, resume: bool, overwrite: bool, config: dict) -> list[dict]:
+    """The runs a sweep keeps from `out`: all of them with --resume (after checking that the
+    file's protocol matches), none otherwise. An existing file needs --resume or --overwrite;
+    a file that is not a recall results file is never written over."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if not out:
+        if resume:
+            raise ConfigError("--resume needs --out: the results file to continue")
+        return []
+    path = Path(out)
+    if not path.exists():
+        return []
+    if path.is_dir():
+        raise ConfigError(f"--out {out} is a folder")
+    try:
+        data = read_results(out)
+    except (RecallFileError, ConfigError) as error:
+        raise ConfigError(f"--out {out} exists and is not a whole recall results file ({error}); "
+                          "it is not written over") from None
+    if not resume:
+        if overwrite:
+            return []
+        raise ConfigError(f"--out {out} exists: pass --resume to continue it or --overwrite "
+                          "to replace it")
+    differing = [f"{section}.{key}: {data['config'].get(section, {}).get(key)!r} in the file, "
+                 f"{config[section].get(key)!r} now"
+                 for section in PROTOCOL_KEYS for key in sorted(set(config[section]) |
+                                                                set(data["config"].get(section, {})))
+                 if data["config"].get(section, {}).get(key) != config[section].get(key)]
+    if differing:
+        raise ConfigError(f"cannot resume {out}: its protocol differs: " + "; ".join(differing))
+    return list(data["runs"])
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a unique temporary file in the same folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
+    try:
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def environment(device: str) -> dict:
+    from hla_bench.results import capture_environment
+
+    return capture_environment(device)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device cuda asked for, but no CUDA device is visible")
+    return device
+
+
+# --- the command -------------------------------------------------------------------------
+
+def _comma_list(kind):
     def parse(ctx, param, value):
         if value is None:
             return None
+        items = [item.strip() for item in value.split(",")]
+        if any(not item for item in items):
+            raise click.BadParameter(f"empty item in {value!r}")
         try:
-            return [kind(item) for item in value.split(",") if item.strip()]
+            return [kind(item) for item in items]
         except ValueError:
-            raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}, got {value!r}")
+            raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}, "
+                                     f"got {value!r}") from None
     return parse
 
 
@@ -59,213 +392,168 @@ def parse_params(ctx, param, values) -> dict:
     return params
 
 
-def environment(device: str) -> dict:
-    """The harness's environment capture when present, else a minimal one."""
-    try:
-        from hla_bench.results import capture_environment
-    except ImportError:
-        return {"python": platform.python_version(), "torch": str(torch.__version__),
-                "platform": platform.platform(), "device": device,
-                "gpu_count": torch.cuda.device_count()}
-    return capture_environment(device)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda asked for, but no CUDA device is visible")
-    return device
-
-
-def setting_label(task: str, params: dict) -> str:
-    return " ".join([task] + [f"{key}={value}" for key, value in sorted(params.items())])
-
-
-def build_config(config_file: str | None, overrides: dict) -> dict:
-    """Defaults, then the YAML config, then the command-line options given."""
-    config = {key: (dict(value) if isinstance(value, dict) else value) for key, value in DEFAULTS.items()}
-    if config_file:
-        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
-        unknown = sorted(set(loaded) - set(DEFAULTS) - {"name", "description"})
-        if unknown:
-            raise click.UsageError(f"{config_file}: unknown keys {', '.join(unknown)}")
-        for key, value in loaded.items():
-            config[key] = {**config[key], **value} if key in ("model", "train") else value
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if key in DEFAULTS["model"]:
-            config["model"][key] = value
-        elif key in DEFAULTS["train"]:
-            config["train"][key] = value
-        else:
-            config[key] = value
-    return config
-
-
-def plan_runs(config: dict, device: str) -> list[dict]:
-    """One spec per (setting, mixer, d_model, lr), each checked against its task."""
-    specs = []
-    for setting in config["settings"]:
-        task = tasks.get(setting["task"])
-        params = dict(setting.get("params") or {})
-        task.make("test", 1, 0, **params)  # bad parameters fail here, before any run starts
-        for mixer in config["mixers"]:
-            registry.get(mixer)
-            for d_model in config["d_model"]:
-                for lr in config["lrs"]:
-                    specs.append(RunSpec(
-                        task=task.name, mixer=mixer, d_model=int(d_model), lr=float(lr),
-                        params=params, mixer_options=dict(config["mixer_options"].get(mixer) or {}),
-                        seed=int(config["seed"]), device=device,
-                        setting=setting_label(task.name, params), run_id=len(specs),
-                        **config["model"], **config["train"]).as_dict())
-    return specs
-
-
-def run_key(run: dict) -> str:
-    """What identifies a run across sweeps: its spec without the run id and device."""
-    spec = {key: run[key] for key in RunSpec.__dataclass_fields__ if key not in ("run_id", "device")}
-    return yaml.safe_dump(spec, sort_keys=True)
-
-
-def finished_runs(out: str | None, resume: bool) -> dict[str, dict]:
-    """The successful runs of the results file a resumed sweep continues, by run key."""
-    if not resume:
-        return {}
-    if not out:
-        raise click.UsageError("--resume needs --out: the results file to continue")
-    if not Path(out).exists():
-        return {}
-    try:
-        runs = yaml.safe_load(Path(out).read_text())["runs"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError) as error:
-        raise click.UsageError(f"cannot resume from {out}: {error}") from None
-    return {run_key(run): run for run in runs if run.get("status") == "ok"}
-
-
-def unavailable_result(spec: dict, reason: str) -> dict:
-    return {**spec, "status": "unavailable", "error": reason, "score": None, "curve": []}
-
-
-def run_with_progress(specs: list[dict], workers: int, console: Console,
-                      on_result=lambda result: None) -> list[dict]:
-    """The sweep under a rich display: an overall bar, one bar per running run, and a line
-    per finished run; `on_result(result)` sees each finished run."""
+def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
+                      on_results, **options) -> bool:
+    """The groups under a rich display: an overall bar of runs, a bar per running group,
+    and a line per finished run."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    total = sum(len(group) for group in groups)
+    names = {tuple(spec["run_id"] for spec in group):
+             escape(f"{group[0]['mixer']} d={group[0]['d_model']} x{len(group)} "
+                    f"[{group[0]['setting']}]") for group in groups}
     with Progress(*columns, console=console, transient=False) as progress:
-        overall = progress.add_task("[bold]all runs", total=len(specs), info="")
-        bars: dict[int, int] = {}
-        by_id = {spec["run_id"]: spec for spec in specs}
+        overall = progress.add_task("[bold]all runs", total=total, info="")
+        bars: dict[tuple, int] = {}
 
-        def on_event(run_id: int, event: dict) -> None:
-            spec = by_id[run_id]
-            name = escape(f"{spec['mixer']} d={spec['d_model']} lr={spec['lr']:g} [{spec['setting']}]")
-            if event["event"] == "start":
-                bars[run_id] = progress.add_task(name, total=event["total"], info="")
-            elif event["event"] == "eval" and run_id in bars:
-                progress.update(bars[run_id], completed=event["step"], total=event["total"],
-                                info=f"acc {event['accuracy']:.3f}")
-            elif event["event"] == "done":
-                if run_id in bars:
-                    progress.remove_task(bars.pop(run_id))
-                result = event["result"]
-                outcome = (f"acc {result['score']:.3f} in {result['steps']} steps, {result['seconds']:.0f}s"
-                           if result["status"] == "ok" else f"[red]{result['status']}: {escape(result.get('error', ''))}")
-                progress.console.print(f"  {name}: {outcome}")
-                progress.advance(overall)
-                on_result(result)
+        def on_event(ids: list[int], event: dict) -> None:
+            key = tuple(ids)
+            if event["event"] == "start" and key in names:
+                bars[key] = progress.add_task(names[key], total=event["total"], info="")
+            elif event["event"] in ("eval", "resumed") and key in bars:
+                info = (f"best val {event['accuracy']:.3f}, {event['active']} training"
+                        if event["event"] == "eval" else "resumed")
+                progress.update(bars[key], completed=event["step"], info=info)
 
-        return run_sweep(specs, workers, on_event)
+        def on_group(results: list[dict]) -> None:
+            key = tuple(r["run_id"] for r in results)
+            if key in bars:
+                progress.remove_task(bars.pop(key))
+            for result in results:
+                where = escape(f"{result['mixer']} d={result['d_model']} lr={result['lr']:g} "
+                               f"seed={result['seed']} [{result['setting']}]")
+                outcome = (f"test {result['test_accuracy']:.3f} (val {result['val_accuracy']:.3f}) "
+                           f"in {result['steps']} steps" if result["status"] == "ok" else
+                           f"[red]{result['status']}: {escape(result.get('error', ''))}[/]")
+                progress.console.print(f"  {where}: {outcome}")
+            progress.advance(overall, len(results))
+            on_results(results)
+
+        return run_groups(groups, workers, on_event, on_group, **options)
 
 
 @click.command()
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="YAML sweep config (see configs/recall-*.yaml); options below override it.")
-@click.option("--task", help="Task name (see `hla-bench tasks list`); replaces the config's settings.")
-@click.option("--mixers", callback=comma_list(str), help="Comma-separated mixer names.")
-@click.option("--d-model", "d_model", callback=comma_list(int), help="Comma-separated model widths.")
+              help="YAML sweep config (configs/recall-*.yaml, configs/zoology-*.yaml); the "
+                   "options below override it.")
+@click.option("--task", help="Task name (see `hla-bench tasks list`): one setting of it replaces "
+              "the config's settings. Without it, the task options below apply to every setting.")
+@click.option("--mixers", callback=_comma_list(str), help="Comma-separated mixer names.")
+@click.option("--d-model", "d_model", callback=_comma_list(int), help="Comma-separated model widths.")
 @click.option("--seq-len", type=int, help="Task sequence length.")
 @click.option("--num-kv-pairs", type=int, help="MQAR key-value pairs.")
 @click.option("--vocab-size", type=int, help="Task vocabulary size.")
 @click.option("--param", "extra_params", multiple=True, callback=parse_params,
               help="Any other task parameter, KEY=VALUE (repeatable).")
-@click.option("--lrs", callback=comma_list(float), help="Comma-separated learning rates.")
+@click.option("--lrs", callback=_comma_list(float), help="Comma-separated learning rates.")
+@click.option("--seeds", callback=_comma_list(int), help="Comma-separated run seeds "
+              "(initialisation, data and batch order); tables show mean and spread over them.")
 @click.option("--epochs", type=int)
 @click.option("--num-train", type=int, help="Training examples (default: the task's).")
+@click.option("--num-val", type=int, help="Validation examples, drawn from the training "
+              "stream (the lr is chosen on them).")
 @click.option("--num-test", type=int, help="Test examples (default: the task's).")
 @click.option("--batch-size", type=int)
 @click.option("--eval-every", type=int, help="Evaluate every N steps (0: once per epoch).")
 @click.option("--n-layers", type=int)
 @click.option("--n-heads", type=int)
-@click.option("--mlp/--no-mlp", default=None, help="MLP after each mixer (default on).")
-@click.option("--device", help="cpu, cuda or auto (default).")
-@click.option("--workers", type=int, help="Parallel worker processes (default: 1 per 2 CPU cores, "
-                                          "or --workers-per-gpu per GPU).")
+@click.option("--state-mixer", type=click.Choice(STATE_MIXERS),
+              help="After each mixer: mlp, swiglu, identity (Zoology's) or none.")
+@click.option("--device", help="cpu, cuda, cuda:N or auto (default).")
+@click.option("--workers", type=int, help="Worker processes (default: 1 per 2 CPU cores, or "
+                                          "--workers-per-gpu per GPU).")
 @click.option("--workers-per-gpu", type=int)
-@click.option("--seed", type=int)
+@click.option("--max-group", type=int, help="Most runs trained as one stack (default 32).")
+@click.option("--graphs/--no-graphs", default=None,
+              help="Replay each training step as a CUDA graph (default on CUDA).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results YAML here.")
-@click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write PNG plots here.")
-@click.option("--resume", is_flag=True,
-              help="Keep the finished runs of the --out file (a sweep cut short); run the rest.")
-def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, plots_dir,
-           resume, **options):
-    """Train a tiny LM per mixer on synthetic recall tasks; report the best test accuracy over
-    learning rates per (task setting, mixer, d_model), as Zoology does."""
+@click.option("--resume", is_flag=True, help="Continue the --out file: keep its runs, run "
+              "the missing ones (a group cut at --time-limit continues from its checkpoint).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out results file.")
+@click.option("--time-limit", type=float, help="Stop after this many seconds: running groups "
+              "save a checkpoint at their next evaluation; --resume continues them.")
+@click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write plots here.")
+def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
+           overwrite, time_limit, plots_dir, **options):
+    """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
+    d_model) the test accuracy of the learning rate chosen on validation, with its spread
+    over seeds, beside the one chosen on test as Zoology does."""
     console = Console()
     try:
-        config = build_config(config_file, options)
-        if task or seq_len or num_kv_pairs or vocab_size or extra_params:
-            params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
-                                                    ("vocab_size", vocab_size)) if value is not None}
-            config["settings"] = [{"task": task or "mqar", "params": {**params, **extra_params}}]
+        config = load_config(config_file, options)
+        params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
+                                                ("vocab_size", vocab_size)) if value is not None}
+        params.update(extra_params)
+        if task:  # one setting of this task instead of the config's
+            config["settings"] = [{"task": task, "params": params}]
+        elif params:  # these parameters in every setting of the config
+            config["settings"] = [{**setting, "params": {**setting["params"], **params}}
+                                  for setting in config["settings"]]
+        if task or params:
+            config = validate_config(config, config_file or "options")
+        if time_limit is not None and time_limit <= 0:
+            raise ConfigError("--time-limit must be > 0 seconds")
         device = resolve_device(config["device"])
         specs = assign_devices(plan_runs(config, device), device)
-    except (ValueError, registry.UnknownMixerError) as error:
-        raise click.UsageError(str(error))
+        kept = existing_runs(out, resume, overwrite, config)
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(Path(out).parent, os.W_OK):
+                raise ConfigError(f"--out {out}: its folder is not writable")
+    except (ConfigError, RecallFileError, OSError) as error:
+        raise click.UsageError(str(error)) from None
     workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
-    console.print(f"[bold]recall sweep[/]: {len(specs)} runs on {device}, {workers} worker(s)")
 
-    finished = finished_runs(out, resume)
-    runnable, results = [], {}
+    finished = {run_key(run): run for run in kept if run.get("status") == "ok"}
+    runs: dict[str, dict] = {run_key(run): run for run in kept}   # everything kept, by key
+    runnable = []
     for spec in specs:
-        reason = registry.get(spec["mixer"]).unavailable_reason()
+        key = run_key(spec)
+        reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])
+        if key in finished:
+            continue
         if reason:
-            results[spec["run_id"]] = unavailable_result(spec, reason)
-        elif run_key(spec) in finished:
-            results[spec["run_id"]] = {**finished[run_key(spec)], "run_id": spec["run_id"]}
+            runs[key] = failed_result(spec, "unavailable", reason)
         else:
             runnable.append(spec)
+    # cheapest first (width x length), so a sweep cut at --time-limit has finished the most
+    groups = sorted(plan_groups(runnable, config["max_group"]),
+                    key=lambda g: g[0]["d_model"] * tasks.get(g[0]["task"]).resolve_params(
+                        g[0]["params"])["seq_len"])
+    console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({len(runnable)} to train in "
+                  f"{len(groups)} groups) on {device}, {workers} worker(s)")
     if finished:
-        console.print(f"resuming: {len(finished)} finished run(s) kept from {out}")
+        console.print(f"resuming: {len(finished)} finished run(s) kept from {escape(out)}")
     started = time.perf_counter()
     env = environment(device)
+    deadline = time.time() + time_limit if time_limit else None
 
-    def results_data(complete: bool) -> dict:
-        """The results so far; written after every finished run, so a killed sweep keeps
-        what it finished."""
-        runs = [results[spec["run_id"]] for spec in specs if spec["run_id"] in results]
+    def save(complete: bool) -> dict:
+        """The results so far; written after every finished group, atomically."""
         data = {"kind": "recall", "schema_version": SCHEMA_VERSION,
                 "config": {**config, "device": device, "workers": workers},
                 "environment": {**env, "complete": complete},
                 "seconds": round(time.perf_counter() - started, 1),
-                "summary": summarize(runs), "runs": runs}
+                "runs": list(runs.values()), "end": True}
         if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
+            write_atomic(Path(out), yaml.safe_dump(data, sort_keys=False))
         return data
 
-    def on_result(result: dict) -> None:
-        results[result["run_id"]] = result
-        results_data(complete=False)
+    def on_results(results: list[dict]) -> None:
+        for result in results:
+            runs[run_key(result)] = result
+        save(complete=False)
 
-    run_with_progress(runnable, min(workers, max(1, len(runnable))), console, on_result)
-    data = results_data(complete=True)
+    save(complete=False)
+    complete = run_with_progress(
+        groups, min(workers, max(1, len(groups))), console, on_results, deadline=deadline,
+        checkpoint_dir=f"{out}.checkpoints" if out else None, graphs=config["graphs"])
+    data = save(complete=complete)
     render_recall(data, console, plots_dir=plots_dir)
     if out:
-        console.print(f"results written to {out}")
+        console.print(f"results written to {escape(out)}")
+    if not complete:
+        console.print("[yellow]stopped at --time-limit[/]: rerun with --resume to continue")
 
 
 @click.group("tasks")
@@ -278,7 +566,7 @@ def list_tasks():
     """Every registered task with its default parameters."""
     table = Table(title="synthetic tasks")
     for column in ("name", "description", "defaults", "train/test", "source"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "name")
     for task in tasks.all_tasks():
         defaults = ", ".join(f"{key}={value}" for key, value in task.params.items())
         table.add_row(task.name, task.description, defaults, f"{task.num_train}/{task.num_test}",
@@ -294,8 +582,9 @@ def list_tasks():
 @click.option("--param", "extra_params", multiple=True, callback=parse_params,
               help="Any other task parameter, KEY=VALUE (repeatable).")
 @click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--index", type=int, default=0, show_default=True, help="Which example to show.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--index", type=click.IntRange(0, 99_999), default=0, show_default=True,
+              help="Which example to show.")
 def show_task(name, seq_len, num_kv_pairs, vocab_size, extra_params, split, seed, index):
     """Decode one example: tokens colored by role, each scored label after its position."""
     try:
@@ -327,3 +616,4 @@ def show_task(name, seq_len, num_kv_pairs, vocab_size, extra_params, split, seed
 
 
 commands = [recall, tasks_group]
+__all__ = ["recall", "tasks_group", "summarize", "FAILED"]

@@ -2,6 +2,11 @@
 
 `[B, T, d_model]` -> q, k, v projections -> heads `[B, T, H, D]` -> optional short causal
 convolution and q/k normalisation -> op -> merge heads -> output projection.
+
+Stacked form: `forward_stacked(params, x)` runs N independent copies of a layer at once, with
+the copies' parameters stacked on a leading dimension (`params[name]` is `[N, *shape]` for
+each of the layer's parameter names) and x `[N, B, T, d_model]`. The N copies share the op,
+whose batch rows are independent, so they go through one op call with N * B rows.
 """
 
 from __future__ import annotations
@@ -26,6 +31,30 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
         x = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))
         return self.conv(x).transpose(1, 2)
+
+
+def stacked_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """N linear maps at once: x `[N, ..., in]`, weight `[N, out, in]`, bias `[N, out]`."""
+    N, rows = x.shape[0], x[0].numel() // x.shape[-1]
+    flat = x.reshape(N, rows, x.shape[-1])
+    if bias is None:
+        out = torch.bmm(flat, weight.transpose(1, 2))
+    else:
+        out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+def stacked_causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """N depthwise causal convolutions: x `[N, B, T, C]`, weight `[N, C, 1, k]` (a stacked
+    `ShortConv.conv.weight`); y_t = sum_j w_j x_{t-k+1+j}, zero before the start."""
+    k, T = weight.shape[-1], x.shape[2]
+    padded = F.pad(x, (0, 0, k - 1, 0))
+    taps = weight.to(x.dtype).squeeze(2).unsqueeze(1).unsqueeze(1)      # [N, 1, 1, C, k]
+    out = padded[:, :, 0:T] * taps[..., 0]
+    for j in range(1, k):
+        out = out + padded[:, :, j:j + T] * taps[..., j]
+    return out
 
 
 class MixerLayer(nn.Module):
@@ -91,3 +120,25 @@ class MixerLayer(nn.Module):
         if self.out_norm is not None:
             o = self.out_norm(o)
         return self.out(o.reshape(B, T, -1))
+
+    def forward_stacked(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """N copies of this layer (stacked `params`, x `[N, B, T, d_model]`) through one op
+        call over N * B rows; equals running each copy's `forward` on its own x."""
+        N, B, T, _ = x.shape
+        qkv = stacked_linear(x, params["qkv.weight"], params.get("qkv.bias"))
+        if self.conv is not None:
+            qkv = stacked_causal_conv(qkv, params["conv.conv.weight"])
+        q, k, v = qkv.split(self.split, dim=-1)
+        q, k = (t.reshape(N * B, T, self.n_heads, self.key_dim) for t in (q, k))
+        v = v.reshape(N * B, T, self.n_heads, self.head_dim)
+        if self.qk_norm == "l2":
+            q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
+        elif self.qk_norm == "scale":
+            q = q * self.key_dim ** -0.5
+        o, _ = self.op(q, k, v, **self.op_kwargs())
+        o = o.reshape(N, B * T, self.n_heads, self.head_dim)
+        if self.out_norm is not None:
+            o = F.rms_norm(o, (self.head_dim,), eps=self.out_norm.eps)
+            o = o * params["out_norm.weight"].to(o.dtype)[:, None, None, :]
+        out = stacked_linear(o.reshape(N, B * T, -1), params["out.weight"], params.get("out.bias"))
+        return out.view(N, B, T, -1)

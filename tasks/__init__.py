@@ -2,13 +2,15 @@
 
 A `Task` turns (split, number of examples, seed, parameters) into `(inputs, labels)`
 LongTensors of shape `[N, T]`; labels are -100 (ignored) except at the target tokens the
-task scores. Train and test data come from disjoint seeds (`split_seed`).
+task scores. Train and test data come from disjoint seeds (`split_seed`). `Task.splits`
+also carves a validation split from the training stream (for choosing learning rates
+without looking at test) and guarantees it shares no example with train or test.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +28,25 @@ def split_seed(seed: int, split: str) -> int:
     return 2 * seed + SPLITS.index(split)
 
 
+class Splits(NamedTuple):
+    """(inputs, labels) of each split; `val` comes from the training stream."""
+
+    train: tuple[torch.Tensor, torch.Tensor]
+    val: tuple[torch.Tensor, torch.Tensor]
+    test: tuple[torch.Tensor, torch.Tensor]
+
+
+def _row_keys(inputs: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, int]]:
+    """A 128-bit hash per example (its inputs and labels): equal examples have equal keys,
+    so filtering by key removes every duplicate (and, with negligible odds, a non-duplicate)."""
+    both = torch.cat([inputs, labels], 1).numpy().astype(np.uint64)
+    multipliers = np.random.default_rng(0).integers(1, 2**63, size=(2, both.shape[1]),
+                                                    dtype=np.uint64) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        first, second = ((both * m).sum(1, dtype=np.uint64) for m in multipliers)
+    return list(zip(first.tolist(), second.tolist()))
+
+
 @dataclass(frozen=True)
 class Task:
     """One synthetic task.
@@ -35,6 +56,8 @@ class Task:
     "query", "filler", "noise", "special") for display. `readout` is "causal" (a label
     at position t is predicted from tokens <= t) or "last" (every label is predicted from
     the last position's state, an encoder-style target such as MAD's compression).
+    `context_values(inputs, **params)` (optional) gives `[N, K]` the value tokens present
+    in each example's context, for the in-context value rate of a model's answers.
     """
 
     name: str
@@ -46,6 +69,7 @@ class Task:
     num_test: int = 1_280
     readout: str = "causal"
     source: str = ""
+    context_values: Callable[..., np.ndarray] | None = None
 
     def resolve_params(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Defaults overridden by `params`; unknown names raise ValueError."""
@@ -64,6 +88,24 @@ class Task:
         rng = np.random.default_rng(split_seed(seed, split))
         inputs, labels = self.generate(rng, num_examples, split, seed, **self.resolve_params(params))
         return torch.as_tensor(inputs, dtype=torch.long), torch.as_tensor(labels, dtype=torch.long)
+
+    def splits(self, num_train: int, num_val: int, num_test: int, seed: int = 0,
+               **params: Any) -> Splits:
+        """Train, validation and test data of one seed. The first `num_train` examples of
+        the training stream train; validation is drawn after them from the same stream
+        (same distribution), minus any example that also occurs in train or test, so
+        choosing on it never looks at test. `num_val` may be 0 (an empty split)."""
+        if not isinstance(num_val, int) or num_val < 0:
+            raise ValueError(f"num_val must be a non-negative int, got {num_val!r}")
+        inputs, labels = self.make("train", num_train + num_val, seed, **params)
+        test = self.make("test", num_test, seed, **params)
+        train = inputs[:num_train], labels[:num_train]
+        val_x, val_y = inputs[num_train:], labels[num_train:]
+        if num_val:
+            seen = set(_row_keys(*train)) | set(_row_keys(*test))
+            keep = torch.tensor([key not in seen for key in _row_keys(val_x, val_y)])
+            val_x, val_y = val_x[keep], val_y[keep]
+        return Splits(train, (val_x, val_y), test)
 
     def vocab_size(self, **params: Any) -> int:
         return int(self.resolve_params(params)["vocab_size"])

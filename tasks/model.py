@@ -1,37 +1,72 @@
-"""A tiny language model around one registered mixer, for the synthetic tasks.
+"""A tiny language model around one sequence-mixer layer, for the synthetic tasks.
 
-Token embedding (+ learned positions for softmax attention, which has no notion of order
-otherwise), `n_layers` pre-norm blocks (mixer, optional MLP), final norm, head tied to the
-embedding. With `readout="last"` every position is predicted from the last position's state
-(MAD's auto-encoder readout for compression).
+Token embedding (+ learned positions when asked: softmax attention has no notion of order
+otherwise), embedding dropout, `n_layers` pre-norm blocks, final norm, head tied to the
+embedding. A block is `x + mixer(norm(x))` followed by its state mixer:
+
+- "mlp": `x + mlp(x)`, a pre-norm 4x GELU MLP;
+- "swiglu": `x + swiglu(x)`, a pre-norm SwiGLU MLP (hidden 4x, as MAD's channel mixer);
+- "identity": `x + norm2(x)`: Zoology's block with `torch.nn.Identity` as its state
+  mixer, whose output (the normalised residual) is added back to the residual stream;
+- "none": nothing.
+
+The mixer layer comes from a factory (`make_mixer()`, called once per block), so this
+module knows no mixer registry. With `readout="last"` every position is predicted from the
+last position's state (MAD's auto-encoder readout for compression).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hla_bench import registry
 from tasks import IGNORE
 
 READOUTS = ("causal", "last")
+STATE_MIXERS = ("mlp", "swiglu", "identity", "none")
+INITS = ("default", "zoology")
+
+
+class SwiGLU(nn.Module):
+    """silu(x W1) * (x W3), then W2; hidden width `hidden`."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def state_mixer_module(kind: str, d_model: int) -> nn.Module | None:
+    """The block's state mixer (with its own pre-norm), or None for "none"."""
+    if kind == "mlp":
+        return nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                             nn.Linear(4 * d_model, d_model))
+    if kind == "swiglu":
+        return nn.Sequential(nn.LayerNorm(d_model), SwiGLU(d_model, 4 * d_model))
+    if kind == "identity":
+        return nn.LayerNorm(d_model)
+    return None
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)) when enabled."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + state_mixer(x)."""
 
-    def __init__(self, d_model: int, mixer: nn.Module, mlp: bool):
+    def __init__(self, d_model: int, mixer: nn.Module, state_mixer: str):
         super().__init__()
         self.mixer_norm, self.mixer = nn.LayerNorm(d_model), mixer
-        self.mlp = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                 nn.Linear(4 * d_model, d_model)) if mlp else None
+        self.state_mixer = state_mixer_module(state_mixer, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x))
-        return x + self.mlp(x) if self.mlp is not None else x
+        return x + self.state_mixer(x) if self.state_mixer is not None else x
 
 
 def sincos_positions(length: int, dim: int) -> torch.Tensor:
@@ -59,27 +94,50 @@ class LastStateDecoder(nn.Module):
         return self.mlp(last + self.positions[: hidden.shape[1]].to(hidden.dtype))
 
 
-class TinyLM(nn.Module):
-    """Embedding, mixer blocks and a tied head; `loss` scores labelled positions only."""
+def output_projection(mixer: nn.Module) -> nn.Linear | None:
+    """The mixer layer's projection back into the residual stream (`out` or `out_proj`)."""
+    for name in ("out", "out_proj"):
+        module = getattr(mixer, name, None)
+        if isinstance(module, nn.Linear):
+            return module
+    return None
 
-    def __init__(self, vocab_size: int, d_model: int, mixer: str, *, n_layers: int = 2,
-                 n_heads: int = 1, mlp: bool = True, mixer_options: dict | None = None,
-                 max_len: int = 2048, readout: str = "causal"):
+
+class TinyLM(nn.Module):
+    """Embedding, mixer blocks and a tied head; `loss` scores labelled positions only.
+
+    init "default": every Linear and Embedding weight ~ N(0, 0.02), biases 0. "zoology":
+    the same, and each mixer's output projection ~ N(0, 0.02 / sqrt(2 n_layers)) (GPT-2's
+    residual scaling, as Zoology initialises its models).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, make_mixer: Callable[[], nn.Module], *,
+                 n_layers: int = 2, state_mixer: str = "mlp", positions: bool = False,
+                 embed_dropout: float = 0.0, max_len: int = 2048, readout: str = "causal",
+                 init: str = "default"):
         super().__init__()
-        if readout not in READOUTS:
-            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
-        if n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
-        entry = registry.get(mixer)
-        self.max_len = max_len
+        for name, value, choices in (("readout", readout, READOUTS),
+                                     ("state_mixer", state_mixer, STATE_MIXERS),
+                                     ("init", init, INITS)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        if not isinstance(n_layers, int) or n_layers < 1:
+            raise ValueError(f"n_layers must be an int >= 1, got {n_layers!r}")
+        if not 0 <= embed_dropout < 1:
+            raise ValueError(f"embed_dropout must lie in [0, 1), got {embed_dropout!r}")
+        self.max_len, self.embed_dropout, self.state_mixer = max_len, float(embed_dropout), state_mixer
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.positions = nn.Embedding(max_len, d_model) if entry.family == "softmax" else None
-        self.blocks = nn.ModuleList(
-            Block(d_model, entry.layer(d_model, n_heads, **(mixer_options or {})), mlp)
-            for _ in range(n_layers))
+        self.positions = nn.Embedding(max_len, d_model) if positions else None
+        self.blocks = nn.ModuleList(Block(d_model, make_mixer(), state_mixer)
+                                    for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model)
         self.decoder = LastStateDecoder(d_model, max_len) if readout == "last" else None
         self.apply(self._init_weights)
+        if init == "zoology":
+            for block in self.blocks:
+                projection = output_projection(block.mixer)
+                if projection is not None:
+                    nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * n_layers))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -96,6 +154,7 @@ class TinyLM(nn.Module):
         x = self.embed(inputs)
         if self.positions is not None:
             x = x + self.positions.weight[:T]
+        x = F.dropout(x, self.embed_dropout, self.training)
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
@@ -123,7 +182,12 @@ class TinyLM(nn.Module):
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor,
              count: int | None = None) -> torch.Tensor:
         logits, targets = self.labelled_logits(inputs, labels, count)
-        return F.cross_entropy(logits.float(), targets)
+        return F.cross_entropy(at_least_float32(logits), targets)
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or kept in float64: the loss never runs in a 16-bit dtype."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def labelled_rows(labels: torch.Tensor, count: int) -> torch.Tensor:

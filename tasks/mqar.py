@@ -87,6 +87,11 @@ def mqar_roles(inputs, labels, *, num_kv_pairs: int, **_) -> list[str]:
     return roles
 
 
+def mqar_context_values(inputs, *, num_kv_pairs: int, **_) -> np.ndarray:
+    """The values of each example's key-value pairs, `[N, num_kv_pairs]`."""
+    return np.asarray(inputs)[:, 1:2 * num_kv_pairs:2]
+
+
 MQAR = register(Task(
     name="mqar",
     description="Multi-query associative recall (Zoology): recall each queried key's value",
@@ -97,4 +102,5 @@ MQAR = register(Task(
     num_train=100_000,
     num_test=3_000,
     source="Arora et al. 2023, Zoology, arXiv 2312.04927",
+    context_values=mqar_context_values,
 ))

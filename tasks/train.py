@@ -1,35 +1,57 @@
-"""Train the tiny LM on a task, score it, and run sweeps of independent runs in parallel.
+"""Train tiny LMs on a task and score them: many runs of one shape at once.
 
 A run is a plain dict (`RunSpec.as_dict()`), so it crosses process boundaries and lands in
-the result YAML unchanged. `train_run` is deterministic given the spec's seed (model init
-from `torch.manual_seed`, data and batch order from seeded generators).
+the result YAML unchanged. Runs that differ only in learning rate and seed form a group
+(`group_key`); `train_group` trains a group as one stacked model (`tasks.stacked`): one
+launch per op for all of its runs, each run with its own initialisation (`torch.manual_seed`
+of its seed before its model is built), its own data (its seed's splits) and batch order,
+its own learning rate, and its own early stop (a stopped run leaves the stack). On CUDA
+the training step is captured as a CUDA graph and replayed.
+
+Protocol: each run evaluates its validation split every `eval_every` steps (0: once per
+epoch) and stops early once validation accuracy exceeds `stop_accuracy`; its test split is
+scored once, when it stops. A run records its curve (loss and validation accuracy per
+evaluation), steps to 0.5 and 0.9 validation accuracy, the final training loss, and on test
+the accuracy and the in-context value rate (the share of answers that are some value of the
+example's context, where the task defines its context values).
+
+This module knows no mixer registry: the caller passes `build_model(spec) -> TinyLM`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
-import queue as queue_module
 import time
-import traceback
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 import tasks
-from hla_bench import registry
-from tasks import IGNORE
+from tasks import IGNORE, Splits
 from tasks.model import TinyLM
+from tasks.stacked import FlatAdamW, StackedLM
 
 STOP_ACCURACY = 0.99
+SCHEDULES = ("warmup-cosine", "epoch-cosine", "constant")
+MILESTONES = (0.5, 0.9)
+# Spec fields that may differ between the runs of one group.
+PER_RUN_FIELDS = ("lr", "seed", "run_id")
 
 
 @dataclass
 class RunSpec:
-    """Everything one training run needs. `eval_every` is in steps (0: once per epoch)."""
+    """Everything one training run needs.
+
+    `eval_every` is in steps (0: once per epoch). `schedule`: "warmup-cosine" (linear warmup
+    over `warmup_frac` of the steps, then cosine to 0, per step), "epoch-cosine" (Zoology's
+    CosineAnnealingLR stepped once per epoch over `epochs`, no warmup) or "constant".
+    `shuffle`: a fresh batch order every epoch (False: the same batches in the same order,
+    as Zoology's loader). `num_val` validation examples come from the training stream.
+    """
 
     task: str
     mixer: str
@@ -39,15 +61,20 @@ class RunSpec:
     mixer_options: dict = field(default_factory=dict)
     n_layers: int = 2
     n_heads: int = 1
-    mlp: bool = True
+    state_mixer: str = "mlp"
+    embed_dropout: float = 0.0
+    init: str = "default"
     epochs: int = 8
     num_train: int | None = None
+    num_val: int = 0
     num_test: int | None = None
     batch_size: int = 64
     eval_every: int = 0
+    schedule: str = "warmup-cosine"
     warmup_frac: float = 0.1
     weight_decay: float = 0.1
     stop_accuracy: float = STOP_ACCURACY
+    shuffle: bool = True
     seed: int = 0
     device: str = "cpu"
     setting: str = ""
@@ -57,47 +84,24 @@ class RunSpec:
         return asdict(self)
 
 
-_DATA_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+SPEC_FIELDS = tuple(f.name for f in fields(RunSpec))
 
 
-def task_data(task: str, split: str, num_examples: int, seed: int, params: dict):
-    """(inputs, labels) of one split, cached per process (runs of a sweep share data)."""
-    key = (task, split, num_examples, seed, tuple(sorted(params.items())))
+def group_key(spec: dict) -> str:
+    """What runs of one group share: every spec field but learning rate, seed and id."""
+    return repr(sorted((key, repr(spec[key])) for key in SPEC_FIELDS if key not in PER_RUN_FIELDS))
+
+
+_DATA_CACHE: dict[tuple, Splits] = {}
+
+
+def task_splits(task: str, seed: int, num_train: int, num_val: int, num_test: int,
+                params: dict) -> Splits:
+    """Train, validation and test data of one seed, cached per process."""
+    key = (task, seed, num_train, num_val, num_test, tuple(sorted(params.items())))
     if key not in _DATA_CACHE:
-        _DATA_CACHE[key] = tasks.get(task).make(split, num_examples, seed, **params)
+        _DATA_CACHE[key] = tasks.get(task).splits(num_train, num_val, num_test, seed, **params)
     return _DATA_CACHE[key]
-
-
-def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
-                seq_len: int) -> int | None:
-    """Recurrent state (KV cache for softmax attention) per sequence of the whole layer stack,
-    from the mixer's decoder; None when the mixer has no decoder or it cannot run here."""
-    entry = registry.get(mixer)
-    if entry.build_decoder is None:
-        return None
-    head_dim = d_model // n_heads
-    try:
-        decoder = entry.decoder(**mixer_options)
-        state = decoder.init_state(1, n_heads, head_dim, head_dim, seq_len, "cpu", torch.float32)
-        return int(decoder.state_bytes(state)) * n_layers
-    except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
-        return None
-
-
-@torch.no_grad()
-def evaluate(model: TinyLM, inputs: torch.Tensor, labels: torch.Tensor, batch_size: int,
-             autocast: bool) -> float:
-    """Accuracy over the labelled positions of a whole split."""
-    model.eval()
-    correct = total = 0
-    for start in range(0, len(inputs), batch_size):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits, targets = model.labelled_logits(inputs[start:start + batch_size],
-                                                    labels[start:start + batch_size])
-        correct += int((logits.argmax(-1) == targets).sum())
-        total += targets.numel()
-    model.train()
-    return correct / max(total, 1)
 
 
 def warmup_cosine(step: int, total: int, warmup: int) -> float:
@@ -107,174 +111,392 @@ def warmup_cosine(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def train_run(spec: dict, progress: Callable[[dict], None] | None = None) -> dict:
-    """Train and score one run; returns the spec's result: status, score (best test accuracy
-    on labelled positions), curve (one point per evaluation), sizes and timings."""
-    spec = RunSpec(**spec)
-    task = tasks.get(spec.task)
-    params = task.resolve_params(spec.params)
-    num_train = spec.num_train or task.num_train
-    num_test = spec.num_test or task.num_test
-    device = torch.device(spec.device)
-    autocast = device.type == "cuda"
-    started = time.perf_counter()
-
-    train_x, train_y = task_data(spec.task, "train", num_train, spec.seed, params)
-    labelled_per_example = (train_y != IGNORE).sum(1)  # on the host: no GPU wait per step
-    train_x, train_y = train_x.to(device), train_y.to(device)
-    test_x, test_y = (t.to(device) for t in task_data(spec.task, "test", num_test, spec.seed, params))
-    torch.manual_seed(spec.seed)
-    model = TinyLM(params["vocab_size"], spec.d_model, spec.mixer, n_layers=spec.n_layers,
-                   n_heads=spec.n_heads, mlp=spec.mlp, mixer_options=spec.mixer_options,
-                   max_len=train_x.shape[1], readout=task.readout).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay,
-                                  fused=device.type == "cuda")
-    steps_per_epoch = math.ceil(num_train / spec.batch_size)
-    total = spec.epochs * steps_per_epoch
-    warmup = max(1, int(spec.warmup_frac * total))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, warmup))
-    eval_every = spec.eval_every or steps_per_epoch
-    order = torch.Generator().manual_seed(spec.seed)
-
-    curve, losses, step, best = [], [], 0, 0.0
-    if progress:
-        progress({"event": "start", "total": total})
-    while step < total:
-        permutation = torch.randperm(num_train, generator=order)
-        on_device = permutation.to(device)  # one copy per epoch (a copy syncs the stream)
-        for batch, batch_on_device in zip(permutation.split(spec.batch_size),
-                                          on_device.split(spec.batch_size)):
-            count = int(labelled_per_example[batch].sum())
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model.loss(train_x[batch_on_device], train_y[batch_on_device], count)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.detach())
-            step += 1
-            if step % eval_every == 0 or step == total:
-                accuracy = evaluate(model, test_x, test_y, 4 * spec.batch_size, autocast)
-                best = max(best, accuracy)
-                curve.append({"step": step, "epoch": round(step / steps_per_epoch, 3),
-                              "loss": round(float(torch.stack(losses).mean()), 5),
-                              "accuracy": round(accuracy, 5)})
-                losses = []
-                if progress:
-                    progress({"event": "eval", "step": step, "total": total, "accuracy": accuracy})
-                if accuracy > spec.stop_accuracy:
-                    total = step  # early stop
-            if step >= total:
-                break
-
-    seq_len = train_x.shape[1]
-    return {
-        **spec.as_dict(),  # the spec as planned, so a resumed sweep recognises the run
-        "resolved": {"params": params, "num_train": num_train, "num_test": num_test},
-        "status": "ok", "score": round(best, 5), "final_accuracy": curve[-1]["accuracy"],
-        "steps": step, "early_stopped": best > spec.stop_accuracy,
-        "seconds": round(time.perf_counter() - started, 2), "seq_len": seq_len,
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "state_bytes": state_bytes(spec.mixer, spec.mixer_options, spec.d_model, spec.n_heads,
-                                   spec.n_layers, seq_len),
-        "curve": curve,
-    }
+def lr_factors(schedule: str, epochs: int, steps_per_epoch: int, warmup_frac: float) -> list[float]:
+    """The learning-rate factor of every step of a full run."""
+    total = epochs * steps_per_epoch
+    if schedule == "warmup-cosine":
+        warmup = max(1, int(warmup_frac * total))
+        return [warmup_cosine(step, total, warmup) for step in range(total)]
+    if schedule == "epoch-cosine":
+        return [0.5 * (1 + math.cos(math.pi * (step // steps_per_epoch) / epochs))
+                for step in range(total)]
+    if schedule == "constant":
+        return [1.0] * total
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
-def safe_run(spec: dict, progress: Callable[[dict], None] | None = None) -> dict:
-    """`train_run`, with a failure (error, out of memory) recorded as the run's status."""
-    try:
-        return train_run(spec, progress)
-    except torch.cuda.OutOfMemoryError as error:
-        status, message = "oom", str(error).splitlines()[0]
-    except Exception as error:  # noqa: BLE001 - a sweep records any failing run and goes on
-        status, message = "error", f"{type(error).__name__}: {error}"
-        traceback.print_exc()
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return {**spec, "status": status, "error": message, "score": None, "curve": []}
+def first_step_reaching(curve: list[dict], threshold: float) -> int | None:
+    """The first evaluated step whose validation accuracy is at least `threshold`."""
+    return next((point["step"] for point in curve if point["accuracy"] >= threshold), None)
 
 
-def _init_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
+class Interrupted(Exception):
+    """Training stopped at a deadline; the group's checkpoint holds its state."""
 
 
-def _worker_run(spec: dict, events) -> dict:
-    return safe_run(spec, lambda event: events.put((spec["run_id"], event)))
+@dataclass
+class _Group:
+    """The data of a group on its device: seeds' splits stacked, one row per seed."""
+
+    seeds: list[int]
+    train_x: torch.Tensor            # [S, n_train, T]
+    train_y: torch.Tensor
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    test: list[tuple[torch.Tensor, torch.Tensor]]
+    max_rows_per_example: int        # labelled positions of the fullest training example
 
 
-def default_workers(device: str, workers_per_gpu: int = 4) -> int:
-    """Workers for a sweep: `workers_per_gpu` per visible GPU on CUDA, one per 2 cores on CPU."""
-    if device.startswith("cuda"):
-        return max(1, torch.cuda.device_count()) * workers_per_gpu
-    return max(1, (os.cpu_count() or 2) // 2)
+def _load_group_data(spec: RunSpec, seeds: list[int], params: dict, num_train: int,
+                     num_test: int, device: torch.device) -> _Group:
+    splits = [task_splits(spec.task, seed, num_train, spec.num_val, num_test, params)
+              for seed in seeds]
+    train_x = torch.stack([s.train[0] for s in splits]).to(device)
+    train_y = torch.stack([s.train[1] for s in splits]).to(device)
+    rows = max(int((s.train[1] != IGNORE).sum(1).max()) for s in splits)
+    to = lambda pair: tuple(t.to(device) for t in pair)  # noqa: E731
+    return _Group(seeds, train_x, train_y, [to(s.val) for s in splits],
+                  [to(s.test) for s in splits], rows)
 
 
-def assign_devices(specs: list[dict], device: str) -> list[dict]:
-    """Spread runs over the visible GPUs round-robin when `device` is plain "cuda"."""
-    if device != "cuda":
-        return [{**spec, "device": device} for spec in specs]
-    count = max(1, torch.cuda.device_count())
-    return [{**spec, "device": f"cuda:{i % count}"} for i, spec in enumerate(specs)]
+class _Step:
+    """One training step of the active stacked models over batches of `batch` rows. Every
+    input it reads (batch position, global step, batch order, learning-rate table) lives in
+    device tensors that the trainer updates in place, so on CUDA the step is captured as a
+    graph and replayed with no host data: its first `WARM_STEPS` calls run eagerly on a side
+    stream (cuBLAS, autotuners and the allocator warm up on real steps, which count), the
+    next is captured and replayed."""
+
+    WARM_STEPS = 2
+
+    def __init__(self, trainer: "_GroupTrainer", batch: int, graph: bool):
+        self.trainer, self.batch, self.use_graph = trainer, batch, graph
+        self.span = torch.arange(batch, device=trainer.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager_steps = 0
+
+    def run(self) -> None:
+        t = self.trainer
+        rows = t.order.index_select(1, t.batch_index * t.batch_size + self.span)  # [S, b]
+        rows = rows.index_select(0, t.model_seed)                               # [N, b]
+        seed_rows = t.model_seed[:, None]
+        tokens, labels = t.data.train_x[seed_rows, rows], t.data.train_y[seed_rows, rows]
+        t.model.zero_grad()
+        with t.autocast():
+            losses = t.model.losses(tokens, labels, self.batch * t.data.max_rows_per_example)
+        losses.sum().backward()
+        t.optimizer.step(t.lr_table.index_select(0, t.global_step.view(1))[0]
+                         .index_select(0, t.columns))
+        with torch.no_grad():
+            t.loss_sum.add_(losses.detach())
+            t.batch_index.add_(1)
+            t.global_step.add_(1)
+
+    def __call__(self) -> None:
+        if not self.use_graph:
+            self.run()
+        elif self.graph is not None:
+            self.graph.replay()
+        elif self.eager_steps < self.WARM_STEPS:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.eager_steps += 1
+        else:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.trainer.pool):
+                    self.run()
+            except RuntimeError as error:  # an op that syncs with the host cannot be captured
+                self.trainer.graph_failure = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                self.use_graph = False
+                torch.cuda.synchronize()
+                self.run()
+                return
+            self.graph = graph
+            self.trainer.graphed = True
+            graph.replay()  # the capture recorded the step without running it
 
 
-def run_sweep(specs: list[dict], workers: int = 1,
-              on_event: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """Run every spec; returns results in spec order. `on_event(run_id, event)` sees
-    "start", "eval" and "done" events. With `workers` > 1 the runs go to spawned worker
-    processes (so mixers must be importable there: built-ins or entry-point plugins)."""
-    notify = on_event or (lambda run_id, event: None)
-    results: dict[int, dict] = {}
-    if workers <= 1:
+def in_context_hits(predictions: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
+                    values: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Per model, the answers that equal one of their example's context values.
+
+    predictions, valid, rows `[N, R]` (rows: flat positions b * seq_len + t of the answers),
+    values `[N, B, K]` (each example's context values); returns `[N]` counts."""
+    example = rows.div(seq_len, rounding_mode="floor")                     # [N, R]
+    candidates = values.gather(1, example[..., None].expand(-1, -1, values.shape[-1]))
+    return ((candidates == predictions[..., None]).any(-1) & valid).sum(1)
+
+
+class _GroupTrainer:
+    """The state of one group's training: stacked models, optimizer, counters, curves."""
+
+    def __init__(self, specs: list[RunSpec], build_model: Callable[[dict], TinyLM],
+                 graphs: bool, progress: Callable[[dict], None] | None):
+        first = specs[0]
+        task = tasks.get(first.task)
+        self.specs, self.task, self.progress = specs, task, progress or (lambda event: None)
+        self.params = task.resolve_params(first.params)
+        self.device = torch.device(first.device)
+        self.cuda = self.device.type == "cuda"
+        num_train = first.num_train or task.num_train
+        num_test = first.num_test or task.num_test
+        self.seeds = sorted({spec.seed for spec in specs})
+        self.data = _load_group_data(first, self.seeds, self.params, num_train, num_test,
+                                     self.device)
+        self.batch_size = first.batch_size
+        self.steps_per_epoch = math.ceil(num_train / self.batch_size)
+        self.total = first.epochs * self.steps_per_epoch
+        self.eval_every = first.eval_every or self.steps_per_epoch
+        self.sizes = {"num_train": num_train, "num_val": len(self.data.val[0][0]),
+                      "num_test": num_test}
+
+        models = []
         for spec in specs:
-            results[spec["run_id"]] = safe_run(spec, lambda event, i=spec["run_id"]: notify(i, event))
-            notify(spec["run_id"], {"event": "done", "result": results[spec["run_id"]]})
-        return [results[spec["run_id"]] for spec in specs]
+            torch.manual_seed(spec.seed)
+            models.append(build_model(spec.as_dict()))
+        self.n_params = sum(p.numel() for p in models[0].parameters())
+        self.model = StackedLM(models).to(self.device)
+        self.optimizer = FlatAdamW(self.model, weight_decay=first.weight_decay)
+        factors = torch.tensor(lr_factors(first.schedule, first.epochs, self.steps_per_epoch,
+                                          first.warmup_frac), dtype=torch.float64)
+        base = torch.tensor([spec.lr for spec in specs], dtype=torch.float64)
+        dtype = self.model.flat.dtype  # float32 parameters, or float64 in exactness tests
+        self.lr_table = (factors[:, None] * base[None, :]).to(self.device, dtype)
 
-    import multiprocessing
+        self.active = list(range(len(specs)))       # indices into specs, in stack order
+        self.columns = torch.arange(len(specs), device=self.device)
+        self.model_seed = self._seed_rows(self.active)
+        self.batch_index = torch.zeros((), dtype=torch.long, device=self.device)
+        self.global_step = torch.zeros((), dtype=torch.long, device=self.device)
+        self.loss_sum = torch.zeros(len(specs), device=self.device, dtype=dtype)
+        self.order = torch.arange(num_train, device=self.device).expand(len(self.seeds), -1)
+        self.order_generators = [torch.Generator().manual_seed(seed) for seed in self.seeds]
+        self.step, self.last_eval = 0, 0
+        self.curves: list[list[dict]] = [[] for _ in specs]
+        self.results: dict[int, dict] = {}
+        self.use_graphs = graphs and self.cuda
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.programs: dict[int, _Step] = {}
+        self.graphed, self.graph_failure = False, None
+        self.started = time.perf_counter()
+        self.train_seconds = 0.0
 
-    context = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    with context.Manager() as manager:
-        events = manager.Queue()
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(threads,)) as pool:
-            pending = {pool.submit(_worker_run, spec, events): spec for spec in specs}
-            while pending:
-                done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(events, notify)
-                for future in done:
-                    spec = pending.pop(future)
-                    try:
-                        result = future.result()
-                    except BrokenProcessPool as error:
-                        result = {**spec, "status": "crashed", "error": str(error), "score": None,
-                                  "curve": []}
-                    results[spec["run_id"]] = result
-                    notify(spec["run_id"], {"event": "done", "result": result})
-            _drain(events, notify)
-    return [results[spec["run_id"]] for spec in specs]
+    # --- helpers ---------------------------------------------------------------------
 
+    def autocast(self):
+        if self.cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
-def _drain(events, notify) -> None:
-    while True:
+    def _seed_rows(self, active: list[int]) -> torch.Tensor:
+        """The data row (index into the group's seeds) of each run in `active`."""
+        return torch.tensor([self.seeds.index(self.specs[i].seed) for i in active],
+                            device=self.device)
+
+    def _program(self, batch: int) -> _Step:
+        if batch not in self.programs:
+            self.programs[batch] = _Step(self, batch, self.use_graphs and self.graph_failure is None)
+        return self.programs[batch]
+
+    def _new_epoch_order(self) -> None:
+        if self.specs[0].shuffle:
+            orders = [torch.randperm(self.sizes["num_train"], generator=g)
+                      for g in self.order_generators]
+            self.order = torch.stack(orders).to(self.device)
+        self.batch_index.zero_()
+
+    def _keep(self, keep: list[int]) -> None:
+        """Only the stack slots `keep` stay (a stopped run leaves the stack); the captured
+        graphs belong to the old stack and are dropped."""
+        index = torch.as_tensor(keep, device=self.device)
+        self.active = [self.active[slot] for slot in keep]
+        self.model = self.model.select(keep)
+        self.optimizer = self.optimizer.select(self.model, keep)
+        self.columns = self.columns.index_select(0, index)
+        self.model_seed = self.model_seed.index_select(0, index)
+        self.loss_sum = self.loss_sum.index_select(0, index)
+        self.programs = {}
+
+    # --- training --------------------------------------------------------------------
+
+    def run(self, deadline: float | None, checkpoint: Path | None) -> list[dict]:
+        self.progress({"event": "start", "total": self.total, "runs": len(self.specs)})
+        if checkpoint is not None and checkpoint.exists():
+            self._load(checkpoint)
+        self.model.train()
+        while self.active and self.step < self.total:
+            self.train_to(min(self.total, self.last_eval + self.eval_every))
+            if self.step - self.last_eval >= self.eval_every or self.step >= self.total:
+                self._evaluate()
+            if (deadline is not None and time.time() > deadline and self.active
+                    and self.step < self.total):
+                if checkpoint is not None:
+                    self._save(checkpoint)
+                raise Interrupted(f"deadline reached at step {self.step} of {self.total}")
+        for index in list(self.active):
+            self._finish(index, early=False)
+        if checkpoint is not None and checkpoint.exists():
+            checkpoint.unlink()
+        return [self.results[i] for i in range(len(self.specs))]
+
+    def train_to(self, target: int) -> None:
+        """Train every active run up to global step `target` (a new batch order at each
+        epoch start)."""
+        started = time.perf_counter()
+        while self.step < target:
+            in_epoch = self.step % self.steps_per_epoch
+            if in_epoch == 0:
+                self._new_epoch_order()
+            rows_left = self.sizes["num_train"] - in_epoch * self.batch_size
+            self._program(min(self.batch_size, rows_left))()
+            self.step += 1
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.train_seconds += time.perf_counter() - started
+
+    @torch.no_grad()
+    def _accuracy(self, split: list[tuple[torch.Tensor, torch.Tensor]],
+                  context: bool = False) -> tuple[list[float], list[float | None]]:
+        """Accuracy, and with `context` the in-context value rate (None where the task
+        defines no context values), of every active model on its seed's `split`."""
+        self.model.eval()
+        n = len(self.active)
+        correct, total, hits = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        seeds = [self.seeds.index(self.specs[i].seed) for i in self.active]
+        values_fn = self.task.context_values if context else None
+        for start in range(0, len(split[0][0]), self.batch_size):
+            tokens = torch.stack([split[s][0][start:start + self.batch_size] for s in seeds])
+            labels = torch.stack([split[s][1][start:start + self.batch_size] for s in seeds])
+            N, B, T = tokens.shape
+            with self.autocast():
+                logits, targets, _, rows = self.model.labelled_logits(
+                    tokens, labels, int((labels != IGNORE).sum((1, 2)).max()))
+            predictions, valid = logits.argmax(-1), targets != IGNORE
+            correct += ((predictions == targets) & valid).sum(1).cpu()
+            total += valid.sum(1).cpu()
+            if values_fn is not None:
+                values = values_fn(tokens.reshape(N * B, T).cpu().numpy(), **self.params)
+                values = torch.as_tensor(np.asarray(values), device=tokens.device).view(N, B, -1)
+                hits += in_context_hits(predictions, valid, rows, values, T).cpu()
+        self.model.train()
+        accuracy = (correct / total.clamp_min(1)).tolist()
+        if values_fn is None:
+            return accuracy, [None] * n
+        return accuracy, (hits / total.clamp_min(1)).tolist()
+
+    def _evaluate(self) -> None:
+        accuracy, _ = self._accuracy(self.data.val)
+        mean_loss = (self.loss_sum / max(1, self.step - self.last_eval)).tolist()
+        self.loss_sum.zero_()
+        self.last_eval = self.step
+        stopped = []
+        for slot, index in enumerate(self.active):
+            self.curves[index].append({"step": self.step,
+                                       "epoch": round(self.step / self.steps_per_epoch, 3),
+                                       "loss": round(mean_loss[slot], 5),
+                                       "accuracy": round(accuracy[slot], 5)})
+            if accuracy[slot] > self.specs[index].stop_accuracy:
+                stopped.append(index)
+        self.progress({"event": "eval", "step": self.step, "total": self.total,
+                       "accuracy": max(accuracy), "active": len(self.active)})
+        for index in stopped:
+            self._finish(index, early=True)
+
+    def _finish(self, index: int, early: bool) -> None:
+        """Score run `index` on test, once, and take it out of the stack."""
+        slot = self.active.index(index)
+        stack, active = self.model, self.active
+        self.model, self.active = stack.select([slot]), [index]
         try:
-            run_id, event = events.get_nowait()
-        except queue_module.Empty:
-            return
-        notify(run_id, event)
+            (test_accuracy,), (rate,) = self._accuracy(self.data.test, context=True)
+        finally:
+            self.model, self.active = stack, active
+        spec, curve = self.specs[index], self.curves[index]
+        self.results[index] = {
+            **spec.as_dict(),
+            "resolved": {"params": self.params, **self.sizes},
+            "status": "ok",
+            "val_accuracy": curve[-1]["accuracy"] if curve else None,
+            "test_accuracy": round(test_accuracy, 5),
+            "in_context_rate": None if rate is None else round(rate, 5),
+            "steps": self.step, "early_stopped": early,
+            **{f"steps_to_{m}": first_step_reaching(curve, m) for m in MILESTONES},
+            "final_train_loss": curve[-1]["loss"] if curve else None,
+            "n_params": self.n_params, "seq_len": int(self.data.train_x.shape[-1]),
+            "curve": curve,
+        }
+        remaining = [s for s in range(len(self.active)) if s != slot]
+        if remaining:
+            self._keep(remaining)
+        else:
+            self.active = []
+        self.progress({"event": "finished", "run_id": spec.run_id, "step": self.step})
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def _save(self, path: Path) -> None:
+        """Everything a later call needs to continue exactly here (atomic write)."""
+        state = {
+            "run_ids": [spec.run_id for spec in self.specs], "active": self.active,
+            "flat": self.model.flat.cpu(),
+            "optimizer": {k: v.cpu() for k, v in self.optimizer.state().items()},
+            "columns": self.columns.cpu(), "step": self.step, "last_eval": self.last_eval,
+            "curves": self.curves, "results": self.results, "loss_sum": self.loss_sum.cpu(),
+            "order_generators": [g.get_state() for g in self.order_generators],
+            "order": self.order.cpu(), "batch_index": int(self.batch_index),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else None,
+            "train_seconds": self.train_seconds,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{time.time_ns()}.tmp")
+        torch.save(state, temporary)
+        temporary.replace(path)
+
+    def _load(self, path: Path) -> None:
+        state = torch.load(path, weights_only=False)
+        if state["run_ids"] != [spec.run_id for spec in self.specs]:
+            return  # a checkpoint of another plan: start over
+        self.results, self.curves = state["results"], state["curves"]
+        self.active = list(range(len(self.specs)))
+        self._keep([self.active.index(i) for i in state["active"]])
+        self.model.flat.copy_(state["flat"].to(self.device))
+        self.optimizer.load_state({k: v.to(self.device) for k, v in state["optimizer"].items()})
+        self.columns = state["columns"].to(self.device)
+        self.step, self.last_eval = state["step"], state["last_eval"]
+        self.loss_sum = state["loss_sum"].to(self.device)
+        for generator, saved in zip(self.order_generators, state["order_generators"]):
+            generator.set_state(saved)
+        self.order = state["order"].to(self.device)
+        self.batch_index.fill_(state["batch_index"])
+        self.global_step.fill_(self.step)
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None and self.cuda:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.train_seconds = state["train_seconds"]
+        self.progress({"event": "resumed", "step": self.step})
 
 
-def summarize(runs: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
-    """Best run over learning rates: {setting: {mixer: {d_model: {score, lr, state_bytes}}}}.
-    A (setting, mixer, d_model) whose runs all failed gets score None and the failure status."""
-    table: dict[str, dict[str, dict[int, dict]]] = {}
-    for run in runs:
-        cell = table.setdefault(run["setting"], {}).setdefault(run["mixer"], {}).get(run["d_model"])
-        score = run.get("score")
-        if cell is None or (score is not None and (cell["score"] is None or score > cell["score"])):
-            table[run["setting"]][run["mixer"]][run["d_model"]] = {
-                "score": score, "lr": run["lr"], "status": run["status"],
-                "state_bytes": run.get("state_bytes"), "steps": run.get("steps")}
-    return table
+def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
+                progress: Callable[[dict], None] | None = None, graphs: bool = True,
+                deadline: float | None = None, checkpoint: str | Path | None = None) -> list[dict]:
+    """Train the runs `specs` (one group: they differ only in lr, seed and run id) as one
+    stack; returns one result per spec, in order. `deadline` (a `time.time()` value) stops
+    training at the next evaluation after it, saving `checkpoint` (raises `Interrupted`);
+    a later call with the same checkpoint path continues from it."""
+    runs = [RunSpec(**spec) for spec in specs]
+    keys = {group_key(run.as_dict()) for run in runs}
+    if len(keys) != 1:
+        raise ValueError("train_group needs runs that differ only in lr, seed and run_id")
+    trainer = _GroupTrainer(runs, build_model, graphs, progress)
+    results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)
+    seconds = round(time.perf_counter() - trainer.started, 2)
+    for result in results:
+        result.update({"seconds": seconds, "train_seconds": round(trainer.train_seconds, 2),
+                       "group_size": len(runs), "graphs": trainer.graphed})
+        if trainer.graph_failure:
+            result["graph_failure"] = trainer.graph_failure
+    return results

@@ -1,5 +1,5 @@
-"""Tiny LM, training loop, sweeps, result YAML and the `recall` / `tasks` commands."""
-
+"""Tiny LM, the recall protocol (validation split, scoring, in-context rate), result YAML,
+resume and the `recall` / `tasks` commands."""
 
 import pytest
 import torch
@@ -8,14 +8,16 @@ import yaml
 from click.testing import CliRunner
 from rich.console import Console
 
+import tasks
 from hla_bench import registry
 from hla_bench.cli import main
-from hla_bench.recall_report import render_recall
+from hla_bench.recall import ConfigError, load_config, validate_config
+from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.training import build_model, default_workers, run_groups, state_bytes
 from mixers.layer import MixerLayer
 from tasks import IGNORE
 from tasks.model import TinyLM, labelled_rows
-from tasks.train import (RunSpec, default_workers, run_sweep, state_bytes, summarize,
-                         train_run, warmup_cosine)
+from tasks.train import RunSpec, in_context_hits, lr_factors, train_group, warmup_cosine
 
 
 def softmax_op(**_):
@@ -48,7 +50,6 @@ registry.register(registry.Mixer(
 registry.register(registry.Mixer(
     "test-broken", "linear", "fails in forward (test)", build_op=broken_op,
     build_layer=lambda d, h, **o: MixerLayer(d, h, broken_op())), replace=True)
-
 registry.register(registry.Mixer(
     "test-needs-cuda", "linear", "needs CUDA (test)", build_op=broken_op,
     build_layer=lambda d, h, **o: MixerLayer(d, h, broken_op()), requires=("cuda",)), replace=True)
@@ -58,12 +59,18 @@ TINY = dict(task="mqar", params=dict(vocab_size=16, seq_len=8, num_kv_pairs=2))
 
 def tiny_spec(**changes) -> dict:
     return RunSpec(**{**dict(mixer="test-softmax", d_model=32, lr=3e-3, epochs=2, num_train=256,
-                             num_test=64, eval_every=2, stop_accuracy=1.1, **TINY), **changes}).as_dict()
+                             num_val=32, num_test=64, eval_every=2, stop_accuracy=1.1, **TINY),
+                      **changes}).as_dict()
+
+
+def softmax_model(vocab=32, d=32, **options):
+    return TinyLM(vocab, d, lambda: MixerLayer(d, 1, softmax_op(), qk_norm="none"),
+                  positions=True, **options)
 
 
 def test_labelled_logits_give_the_full_logits_loss_and_gradient():
     torch.manual_seed(0)
-    model = TinyLM(32, 32, "test-softmax")
+    model = softmax_model()
     inputs = torch.randint(0, 32, (4, 16))
     labels = torch.full((4, 16), IGNORE)
     labels[:, 5::4] = torch.randint(0, 32, (4, 3))
@@ -85,111 +92,214 @@ def test_labelled_rows_in_order_and_exact_count():
 
 
 def test_positions_only_for_softmax_and_last_state_readout():
-    assert TinyLM(32, 32, "test-softmax").positions is not None
-    assert TinyLM(32, 32, "test-broken").positions is None
-    model = TinyLM(16, 32, "test-softmax", readout="last", max_len=8)
+    assert build_model(tiny_spec()).positions is not None
+    assert build_model(tiny_spec(mixer="hla2")).positions is None
+    model = TinyLM(16, 32, lambda: MixerLayer(32, 1, softmax_op(), qk_norm="none"),
+                   readout="last", max_len=8)
     inputs = torch.randint(0, 16, (2, 8))
     changed = inputs.clone()
     changed[:, 0] = (changed[:, 0] + 1) % 16
     assert model(inputs).shape == (2, 8, 16)
     assert not torch.allclose(model(inputs)[:, 0], model(changed)[:, 0])  # first logit sees the end
     with pytest.raises(ValueError, match="readout"):
-        TinyLM(16, 32, "test-softmax", readout="mean")
+        softmax_model(readout="mean")
     with pytest.raises(ValueError, match="exceeds max_len"):
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-def test_warmup_cosine_schedule():
+def test_zoology_block_adds_the_normalised_residual():
+    """Zoology's identity state mixer: each block adds norm2(x) after the mixer."""
+    torch.manual_seed(0)
+    model = softmax_model(state_mixer="identity", n_layers=1)
+    block = model.blocks[0]
+    x = torch.randn(2, 8, 32)
+    after_mixer = x + block.mixer(block.mixer_norm(x))
+    torch.testing.assert_close(block(x), after_mixer + block.state_mixer(after_mixer))
+    assert isinstance(block.state_mixer, torch.nn.LayerNorm)
+    assert softmax_model(state_mixer="none").blocks[0].state_mixer is None
+
+
+def test_zoology_init_scales_the_output_projections():
+    torch.manual_seed(0)
+    model = TinyLM(64, 256, lambda: MixerLayer(256, 1, softmax_op()), n_layers=2, init="zoology")
+    std = model.blocks[0].mixer.out.weight.std().item()
+    assert std == pytest.approx(0.02 / 2, rel=0.05)
+    assert model.blocks[0].mixer.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_schedules():
     assert warmup_cosine(0, 100, 10) == pytest.approx(0.1)
     assert warmup_cosine(9, 100, 10) == pytest.approx(1.0)
     assert warmup_cosine(55, 100, 10) == pytest.approx(0.5)
-    assert warmup_cosine(100, 100, 10) == pytest.approx(0.0)
+    epoch = lr_factors("epoch-cosine", 4, 3, 0.0)
+    assert epoch[:3] == [1.0, 1.0, 1.0] and epoch[3] == pytest.approx(0.5 * (1 + 2 ** -0.5))
+    assert epoch[6] == pytest.approx(0.5) and len(epoch) == 12  # Zoology: per epoch, T_max = epochs
+    assert lr_factors("constant", 2, 3, 0.1) == [1.0] * 6
+    with pytest.raises(ValueError, match="schedule"):
+        lr_factors("linear", 2, 3, 0.1)
+
+
+def test_validation_split_never_overlaps_train_or_test():
+    task = tasks.get("mqar")
+    # a tiny vocabulary makes repeated examples likely, so the filter has work to do
+    splits = task.splits(600, 400, 400, 0, vocab_size=12, seq_len=8, num_kv_pairs=2)
+    rows = lambda pair: {tuple(torch.cat(pair, 1)[i].tolist()) for i in range(len(pair[0]))}  # noqa: E731
+    train, val, test = rows(splits.train), rows(splits.val), rows(splits.test)
+    assert val and not (val & test) and not (val & train)
+    raw = task.make("train", 1000, 0, vocab_size=12, seq_len=8, num_kv_pairs=2)
+    assert len(splits.val[0]) < 400  # duplicates were dropped from validation...
+    assert torch.equal(splits.train[0], raw[0][:600])  # ...and training is the stream's start
+    assert (splits.val[0] == raw[0][600:][:len(splits.val[0])]).all(1).any()
+
+
+def test_in_context_hits_on_a_constructed_example():
+    # 1 model, 2 examples of 4 tokens; context values (5, 6) and (7, 8)
+    values = torch.tensor([[[5, 6], [7, 8]]])
+    rows = torch.tensor([[1, 3, 5, 6]])          # answers at (b0,t1) (b0,t3) (b1,t1) (b1,t2)
+    predictions = torch.tensor([[6, 9, 5, 8]])   # value of its context, not a value, a value of
+    valid = torch.tensor([[True, True, True, False]])  # the other example's context, unscored
+    assert in_context_hits(predictions, valid, rows, values, 4).tolist() == [1]
+    context = tasks.get("mqar").context_values(torch.tensor([[1, 9, 2, 10, 0, 1]]).numpy(),
+                                               num_kv_pairs=2)
+    assert context.tolist() == [[9, 10]]
 
 
 def test_softmax_learns_tiny_mqar():
     torch.set_num_threads(2)
-    result = train_run(RunSpec(mixer="test-softmax", d_model=64, lr=3e-3, epochs=2, num_train=20_000,
-                               num_test=200, eval_every=50, **TINY).as_dict())
-    assert result["status"] == "ok" and result["score"] > 0.9, result["curve"]
+    result, = train_group([RunSpec(mixer="test-softmax", d_model=64, lr=3e-3, epochs=2,
+                                   num_train=20_000, num_val=200, num_test=200, eval_every=50,
+                                   **TINY).as_dict()], build_model)
+    assert result["status"] == "ok" and result["test_accuracy"] > 0.9, result["curve"]
     assert result["curve"][0]["accuracy"] < 0.8  # it learned, it did not start there
     assert result["early_stopped"] == (result["steps"] < 626)
-
-
-def test_runs_are_deterministic_and_record_curve_and_sizes():
-    first, second = train_run(tiny_spec()), train_run(tiny_spec())
-    assert first["curve"] == second["curve"] and len(first["curve"]) == 4
-    assert [point["step"] for point in first["curve"]] == [2, 4, 6, 8]
-    assert first["score"] == max(point["accuracy"] for point in first["curve"])
-    assert first["state_bytes"] == 2 * (2 * 8 * 32 * 4)  # K and V caches, 2 layers, float32
-    assert first["n_params"] > 0 and first["seq_len"] == 8
-    assert train_run(tiny_spec(seed=1))["curve"] != first["curve"]
+    assert result["steps_to_0.5"] <= result["steps_to_0.9"] <= result["steps"]
+    assert result["in_context_rate"] >= result["test_accuracy"]
 
 
 def test_state_bytes_without_decoder_is_none():
     assert state_bytes("test-broken", {}, 32, 1, 2, 16) is None
+    assert state_bytes("test-softmax", {}, 32, 1, 2, 8) == 2 * (2 * 8 * 32 * 4)
 
 
-def test_failing_run_is_recorded_and_the_sweep_goes_on():
-    specs = [tiny_spec(mixer="test-broken", run_id=0), tiny_spec(run_id=1)]
-    events = []
-    results = run_sweep(specs, workers=1, on_event=lambda run_id, event: events.append((run_id, event["event"])))
-    assert results[0]["status"] == "error" and "always fails" in results[0]["error"]
-    assert results[1]["status"] == "ok"
-    assert (1, "start") in events and (0, "done") in events and (1, "done") in events
-    cells = summarize(results)[""]
+def test_failing_group_is_recorded_and_the_sweep_goes_on():
+    groups = [[tiny_spec(mixer="test-broken", run_id=0)], [tiny_spec(run_id=1)]]
+    finished, events = [], []
+    complete = run_groups(groups, 1, lambda ids, event: events.append((ids, event["event"])),
+                          finished.extend)
+    assert complete
+    assert finished[0]["status"] == "error" and "always fails" in finished[0]["error"]
+    assert finished[1]["status"] == "ok"
+    assert ([1], "start") in events
+    cells = summarize(finished)[finished[0]["setting"]]
     assert cells["test-broken"][32]["score"] is None and cells["test-softmax"][32]["score"] is not None
 
 
 def test_parallel_workers_report_failures():
-    specs = [tiny_spec(mixer="not-in-worker", run_id=i) for i in range(2)]
-    results = run_sweep(specs, workers=2)
-    assert [r["status"] for r in results] == ["error", "error"]
-    assert all("UnknownMixerError" in r["error"] for r in results)
-
-
-def test_summary_keeps_the_best_learning_rate():
-    runs = [{"setting": "s", "mixer": "m", "d_model": 64, "lr": lr, "score": score, "status": "ok"}
-            for lr, score in ((1e-3, 0.5), (3e-3, 0.9), (1e-2, None))]
-    assert summarize(runs)["s"]["m"][64]["lr"] == 3e-3
+    groups = [[tiny_spec(mixer="not-in-worker", run_id=i)] for i in range(2)]
+    finished = []
+    run_groups(groups, 2, lambda ids, event: None, finished.extend)
+    assert [r["status"] for r in finished] == ["error", "error"]
+    assert all("UnknownMixerError" in r["error"] for r in finished)
     assert default_workers("cpu") >= 1
+
+
+def run(setting="s", mixer="m", d_model=64, seed=0, **fields):
+    return {"setting": setting, "mixer": mixer, "d_model": d_model, "seed": seed,
+            "status": "ok", "steps": 10, **fields}
+
+
+def test_summary_picks_the_lr_on_validation_and_reports_the_test_pick_beside_it():
+    runs = [run(lr=1e-3, val_accuracy=0.9, test_accuracy=0.80),
+            run(lr=3e-3, val_accuracy=0.8, test_accuracy=0.95),   # best on test
+            run(lr=1e-3, seed=1, val_accuracy=0.5, test_accuracy=0.60),
+            run(lr=3e-3, seed=1, val_accuracy=0.7, test_accuracy=0.70),
+            run(lr=1e-2, status="error", val_accuracy=None, test_accuracy=None)]
+    cell = summarize(runs)["s"]["m"][64]
+    assert cell["lrs"] == [1e-3, 3e-3] and cell["seeds"] == [0, 1]
+    assert cell["score"]["mean"] == pytest.approx(0.75) and cell["score"]["n"] == 2
+    assert cell["score"]["std"] == pytest.approx(0.0707107, rel=1e-5)
+    assert cell["test_picked"]["mean"] == pytest.approx((0.95 + 0.70) / 2)
+    failed = summarize([run(status="oom", error="CUDA out of memory")])["s"]["m"][64]
+    assert failed["score"] is None and failed["status"] == "oom"
+
+
+def test_recall_file_validation():
+    with pytest.raises(RecallFileError, match="kind: recall"):
+        validate_recall({"kind": "bench"})
+    with pytest.raises(RecallFileError, match="runs"):
+        validate_recall({"kind": "recall", "config": {}, "environment": {}, "runs": 5})
+    with pytest.raises(RecallFileError, match=r"runs\[0\] lacks setting"):
+        validate_recall({"kind": "recall", "config": {}, "environment": {},
+                         "runs": [{"mixer": "m"}]})
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"train": {"epoch": 1}}, "unknown key epoch"),
+    ({"lrs": 0.01}, "lrs must be a non-empty list"),
+    ({"lrs": [-1.0]}, "lrs must be a list of a number in"),
+    ({"d_model": [0]}, "d_model must be a list of an int >= 1"),
+    ({"train": {"epochs": 0}}, "epochs must be an int >= 1"),
+    ({"train": {"batch_size": 0}}, "batch_size must be an int >= 1"),
+    ({"workers": -3}, "workers must be an int >= 1"),
+    ({"seeds": [0, 0]}, "without duplicates"),
+    ({"model": {"state_mixer": "moe"}}, "state_mixer must be one of"),
+    ({"train": {"schedule": "linear"}}, "schedule must be one of"),
+    ({"mixers": ["sdpa"], "mixer_options": {"sdpa": {"backend": 3, "nope": 1}}}, "no option 'nope'"),
+    ({"mixer_options": {"hla2x": {}}}, "names mixers not in"),
+    ({"settings": [{"task": "mqar", "params": {"seq_len": 15}}]}, "seq_len must be an even"),
+    ({"settings": [{"task": "mqar", "trian": {}}]}, "unknown key trian"),
+    ({"bogus": 1}, "unknown key bogus"),
+])
+def test_config_validation_names_the_problem(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(changes)
+
+
+def test_configs_in_the_repository_are_valid():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if "settings" in data:  # a recall config
+            config = load_config(str(path), {})
+            assert config["name"] == path.stem
 
 
 def recall_args(tmp_path, *extra):
     return ["recall", "--task", "mqar", "--mixers", "test-softmax", "--d-model", "32",
             "--seq-len", "8", "--num-kv-pairs", "2", "--vocab-size", "16", "--lrs", "3e-3,1e-2",
-            "--epochs", "1", "--num-train", "128", "--num-test", "64", "--device", "cpu",
-            "--workers", "1", "--out", str(tmp_path / "recall.yaml"), *extra]
+            "--epochs", "1", "--num-train", "128", "--num-val", "32", "--num-test", "64",
+            "--device", "cpu", "--workers", "1", "--out", str(tmp_path / "recall.yaml"), *extra]
 
 
 def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
-    result = CliRunner().invoke(main, recall_args(tmp_path, "--plots-dir", str(tmp_path / "plots")))
+    result = CliRunner().invoke(main, recall_args(tmp_path, "--plots-dir", str(tmp_path / "plots"),
+                                                  "--seeds", "0,1"))
     assert result.exit_code == 0, result.output
-    assert "recall sweep: 2 runs on cpu, 1 worker(s)" in result.output
-    assert "test-softmax d=32 lr=0.003 [mqar" in result.output
+    assert "recall sweep: 4 runs (4 to train in 1 groups) on cpu" in result.output
     data = yaml.safe_load((tmp_path / "recall.yaml").read_text())
-    assert data["kind"] == "recall" and data["schema_version"] == 1
-    assert data["config"]["lrs"] == [3e-3, 1e-2] and len(data["runs"]) == 2
-    assert all(run["status"] == "ok" and run["curve"] for run in data["runs"])
-    assert {"python", "torch"} <= set(data["environment"])
+    assert data["kind"] == "recall" and data["schema_version"] == 2 and data["end"] is True
+    assert data["config"]["lrs"] == [3e-3, 1e-2] and len(data["runs"]) == 4
+    assert all(run["status"] == "ok" and run["curve"] and run["group_size"] == 4
+               for run in data["runs"])
+    assert {"python", "torch"} <= set(data["environment"]) and data["environment"]["complete"]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "recall_accuracy_vs_d_model.png", "recall_accuracy_vs_state.png"]
     console = Console(record=True, width=200)
     render_recall(data, console)
     text = console.export_text()
-    best = max(run["score"] for run in data["runs"])
-    assert "test-softmax" in text and f"{best:.3f}" in text
+    cell = summarize(data["runs"])[data["runs"][0]["setting"]]["test-softmax"][32]
+    assert "test-softmax" in text and f"{cell['score']['mean']:.3f}" in text
     report = CliRunner().invoke(main, ["report", str(tmp_path / "recall.yaml")])
     assert report.exit_code == 0, report.output
     assert "test-softmax" in report.output
     markdown = CliRunner().invoke(main, ["report", str(tmp_path / "recall.yaml"), "--markdown"])
     assert markdown.exit_code == 0, markdown.output
-    best_lr = max(data["runs"], key=lambda run: run["score"])["lr"]
-    assert "| mixer | d=32 | state |" in markdown.output
-    assert f"| test-softmax | {best:.3f} ({best_lr:g}) |" in markdown.output
+    assert "| mixer | d_model | state | val-picked |" in markdown.output
+    assert f"| test-softmax | 32 | 4.0 KiB | {cell['score']['mean']:.3f}±" in markdown.output
 
 
-def test_resume_keeps_finished_runs(tmp_path):
-    """A recall sweep cut short continues from its results file: finished runs are kept."""
+def test_resume_keeps_every_run_and_adds_only_the_missing(tmp_path):
     assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
     path = tmp_path / "recall.yaml"
     data = yaml.safe_load(path.read_text())
@@ -202,28 +312,77 @@ def test_resume_keeps_finished_runs(tmp_path):
     runs = yaml.safe_load(path.read_text())["runs"]
     assert len(runs) == 2 and runs[0]["curve"] == kept["curve"] and runs[1]["status"] == "ok"
     assert runs[0]["seconds"] == kept["seconds"]  # not trained again
+    # another plan on resume keeps what the file holds
+    other = CliRunner().invoke(main, recall_args(tmp_path, "--resume", "--lrs", "1e-3"))
+    assert other.exit_code == 0, other.output
+    assert len(yaml.safe_load(path.read_text())["runs"]) == 3
+
+
+def test_existing_out_needs_resume_or_overwrite_and_protocols_must_match(tmp_path):
+    path = tmp_path / "recall.yaml"
+    assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
+    again = CliRunner().invoke(main, recall_args(tmp_path))
+    assert again.exit_code == 2 and "pass --resume to continue it or --overwrite" in again.output
+    assert CliRunner().invoke(main, recall_args(tmp_path, "--overwrite")).exit_code == 0
+    changed = CliRunner().invoke(main, recall_args(tmp_path, "--resume", "--batch-size", "32"))
+    assert changed.exit_code == 2 and "train.batch_size: 64 in the file, 32 now" in changed.output
+    config = tmp_path / "c.yaml"
+    config.write_text("mixers: [sdpa]\n")
+    for target in (config, tmp_path / "notes.md"):
+        target.write_text("mixers: [sdpa]\n") if target.suffix == ".md" else None
+        refused = CliRunner().invoke(main, recall_args(tmp_path, "--overwrite", "--out", str(target)))
+        assert refused.exit_code == 2 and "it is not written over" in refused.output
+        assert target.read_text() == "mixers: [sdpa]\n"
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])  # cut while being written
+    cut = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
+    assert cut.exit_code == 2 and "not a whole recall results file" in cut.output
     no_out = [arg for arg in recall_args(tmp_path) if arg not in ("--out", str(path))]
     bad = CliRunner().invoke(main, no_out + ["--resume"])
     assert bad.exit_code == 2 and "--resume needs --out" in bad.output
 
 
-def test_recall_cli_from_config_and_bad_input(tmp_path):
+def test_time_limit_checkpoints_and_resume_finishes(tmp_path):
+    path = tmp_path / "recall.yaml"
+    stopped = CliRunner().invoke(main, recall_args(tmp_path, "--time-limit", "0.001"))
+    assert stopped.exit_code == 0, stopped.output
+    assert "stopped at --time-limit" in stopped.output
+    data = yaml.safe_load(path.read_text())
+    assert data["environment"]["complete"] is False
+    resumed = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
+    assert resumed.exit_code == 0, resumed.output
+    data = yaml.safe_load(path.read_text())
+    assert data["environment"]["complete"] is True and len(data["runs"]) == 2
+    assert not list((tmp_path / "recall.yaml.checkpoints").glob("*.pt"))
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--lrs", "-1", "lrs must be a list of a number"), ("--d-model", "0", "d_model must be"),
+    ("--epochs", "0", "epochs must be an int >= 1"), ("--batch-size", "0", "batch_size must be"),
+    ("--workers", "-3", "workers must be an int >= 1"), ("--lrs", "1e-3,,3e-3", "empty item"),
+    ("--mixers", "no-such-mixer", "unknown mixer 'no-such-mixer'"),
+    ("--seq-len", "15", "seq_len must be an even"), ("--time-limit", "-1", "--time-limit must be"),
+])
+def test_recall_cli_rejects_bad_input_before_any_run(tmp_path, option, value, message):
+    bad = CliRunner().invoke(main, recall_args(tmp_path, option, value))
+    assert bad.exit_code == 2 and message in bad.output, bad.output
+    assert not (tmp_path / "recall.yaml").exists()
+
+
+def test_recall_cli_from_config(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
         "mixers": ["test-softmax"], "d_model": [32], "lrs": [3e-3], "device": "cpu", "workers": 1,
-        "train": {"epochs": 1, "num_train": 64, "num_test": 32},
-        "settings": [{"task": "compression", "params": {"seq_len": 8}}]}))
+        "train": {"epochs": 1, "num_train": 64, "num_val": 16, "num_test": 32},
+        "settings": [{"task": "compression", "params": {"seq_len": 8}, "train": {"batch_size": 16}}]}))
     result = CliRunner().invoke(main, ["recall", "--config", str(config), "--out", str(tmp_path / "o.yaml")])
     assert result.exit_code == 0, result.output
-    run = yaml.safe_load((tmp_path / "o.yaml").read_text())["runs"][0]
-    assert run["task"] == "compression" and run["status"] == "ok" and run["seq_len"] == 8
-    bad = CliRunner().invoke(main, recall_args(tmp_path, "--mixers", "no-such-mixer"))
-    assert bad.exit_code == 2 and "unknown mixer 'no-such-mixer'" in bad.output
-    bad = CliRunner().invoke(main, recall_args(tmp_path, "--seq-len", "15"))
-    assert bad.exit_code == 2 and "seq_len must be an even" in bad.output
+    run_ = yaml.safe_load((tmp_path / "o.yaml").read_text())["runs"][0]
+    assert run_["task"] == "compression" and run_["status"] == "ok" and run_["seq_len"] == 8
+    assert run_["batch_size"] == 16 and run_["in_context_rate"] is None
     config.write_text("mixers: [sdpa]\nbogus: 1\n")
     bad = CliRunner().invoke(main, ["recall", "--config", str(config)])
-    assert bad.exit_code == 2 and "unknown keys bogus" in bad.output
+    assert bad.exit_code == 2 and "unknown key bogus" in bad.output
 
 
 def test_tasks_show_and_list():
@@ -235,12 +394,14 @@ def test_tasks_show_and_list():
     assert listed.exit_code == 0 and "mqar" in listed.output and "memorization" in listed.output
     bad = runner.invoke(main, ["tasks", "show", "mqar", "--seq-len", "63"])
     assert bad.exit_code == 2 and "seq_len must be an even" in bad.output
+    huge = runner.invoke(main, ["tasks", "show", "mqar", "--index", "99999999"])
+    assert huge.exit_code == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the test mixer is available with CUDA")
 def test_unavailable_mixer_is_recorded_not_run(tmp_path):
     result = CliRunner().invoke(main, recall_args(tmp_path, "--mixers", "test-needs-cuda", "--lrs", "1e-3"))
     assert result.exit_code == 0, result.output
-    run = yaml.safe_load((tmp_path / "recall.yaml").read_text())["runs"][0]
-    assert run["status"] == "unavailable" and "CUDA" in run["error"] and run["curve"] == []
+    run_ = yaml.safe_load((tmp_path / "recall.yaml").read_text())["runs"][0]
+    assert run_["status"] == "unavailable" and "CUDA" in run_["error"] and run_["curve"] == []
     assert "unavailable" in result.output

@@ -3,6 +3,9 @@
 in_proj -> (z, x, B, C, dt); short causal conv + SiLU on (x, B, C); dt = softplus(dt + bias);
 SSD with A = -exp(A_log) and a D skip; gated RMSNorm of y * SiLU(z); out_proj.
 B and C are shared by all heads (one group), as in Mamba-2.
+
+`forward_stacked` runs N copies with stacked parameters (see `mixers.layer`): their heads
+go side by side into one SSD call, with one B/C group per copy.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mixers.layer import ShortConv
+from mixers.layer import ShortConv, stacked_causal_conv, stacked_linear
 from mixers.mamba2 import ssd, ssd_parameters
 
 
@@ -52,3 +55,21 @@ class Mamba2Block(nn.Module):
         y = y.reshape(Bsz, T, inner).to(u.dtype) * F.silu(z)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
         return self.out_proj(y)
+
+    def forward_stacked(self, params: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+        """N copies of this block (stacked `params`, u `[N, Bsz, T, d_model]`): N * H heads
+        and N groups in one SSD call; equals each copy's `forward` on its own u."""
+        M, Bsz, T, _ = u.shape
+        inner, N, H, P = self.n_heads * self.head_dim, self.d_state, self.n_heads, self.head_dim
+        z, xBC, dt = stacked_linear(u, params["in_proj.weight"]).split([inner, inner + 2 * N, H], -1)
+        x, B, C = F.silu(stacked_causal_conv(xBC, params["conv.conv.weight"])).split([inner, N, N], -1)
+        dt = F.softplus(dt + params["dt_bias"][:, None, None, :])               # [M, Bsz, T, H]
+        heads = lambda t: t.permute(1, 2, 0, 3).reshape(Bsz, T, M * t.shape[-1])  # noqa: E731
+        x = x.reshape(M, Bsz, T, H, P).permute(1, 2, 0, 3, 4).reshape(Bsz, T, M * H, P)
+        y, _ = ssd(x, heads(dt), -torch.exp(params["A_log"]).reshape(M * H),
+                   B.permute(1, 2, 0, 3), C.permute(1, 2, 0, 3), D=params["D"].reshape(M * H),
+                   impl=self.impl, chunk_size=self.chunk_size)
+        y = y.reshape(Bsz, T, M, inner).permute(2, 0, 1, 3).to(u.dtype) * F.silu(z)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * params["norm_weight"][:, None, None, :]
+        return stacked_linear(y, params["out_proj.weight"])

@@ -1,0 +1,152 @@
+"""Aggregate training throughput of a recall sweep: one run per process (each model trained
+alone, eagerly, with torch's fused AdamW) against stacked groups (the runs of a group as one
+model, the step replayed as a CUDA graph), on the same runs.
+
+For each cell (task setting x d_model) of a recall config, every run of the cell (all its
+mixers and learning rates) trains exactly `--steps` steps (no evaluation, no early stop) in
+each mode, over `--workers-alone` and `--workers-stacked` worker processes. Throughput is
+the runs' total steps over the wall time from the first training step to the last (setup,
+data generation and warm-up excluded: each worker reports when its timed steps began and
+ended). Writes one YAML with both rates per cell and their ratio.
+
+    python benchmarks/recall_throughput.py --config configs/zoology-smoke.yaml \
+        --cells 64:64,256:128 --steps 300 --out throughput.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+import yaml
+
+WARMUP_STEPS = 5
+
+
+def _init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _alone(spec: dict, steps: int) -> dict:
+    """One run the way a one-run-per-process sweep trains it: TinyLM, fused AdamW, bf16
+    autocast, a host loop over batches."""
+    from hla_bench.training import build_model
+    from tasks.train import RunSpec, task_splits
+    import tasks
+
+    run = RunSpec(**spec)
+    params = tasks.get(run.task).resolve_params(run.params)
+    data = task_splits(run.task, run.seed, run.num_train, run.num_val, run.num_test, params)
+    device = torch.device(run.device)
+    x, y = (t.to(device) for t in data.train)
+    torch.manual_seed(run.seed)
+    model = build_model(spec).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay,
+                                  fused=device.type == "cuda")
+    count = int((data.train[1][:run.batch_size] != -100).sum())
+    batches = math.ceil(run.num_train / run.batch_size)
+
+    def step(index: int) -> None:
+        rows = slice((index % batches) * run.batch_size, (index % batches + 1) * run.batch_size)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model.loss(x[rows], y[rows], count if rows.stop <= run.num_train else None)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for index in range(WARMUP_STEPS):
+        step(index)
+    torch.cuda.synchronize()
+    start = time.time()
+    for index in range(steps):
+        step(index)
+    torch.cuda.synchronize()
+    return {"start": start, "end": time.time(), "model_steps": steps}
+
+
+def _stacked(group: list[dict], steps: int) -> dict:
+    """One group the way `tasks.train` trains it (stacked, CUDA graph)."""
+    from hla_bench.training import build_model
+    from tasks.train import RunSpec, _GroupTrainer
+
+    trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
+                            progress=None)
+    trainer.train_to(WARMUP_STEPS)  # eager warm-up steps and the capture
+    start = time.time()
+    trainer.train_to(WARMUP_STEPS + steps)
+    return {"start": start, "end": time.time(), "model_steps": steps * len(group),
+            "graphed": trainer.graphed, "graph_failure": trainer.graph_failure}
+
+
+def _rate(reports: list[dict]) -> dict:
+    start, end = min(r["start"] for r in reports), max(r["end"] for r in reports)
+    steps = sum(r["model_steps"] for r in reports)
+    return {"model_steps": steps, "seconds": round(end - start, 3),
+            "steps_per_s": round(steps / (end - start), 1)}
+
+
+def _pool(function, items, workers: int, steps: int) -> list[dict]:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
+                             initargs=(max(1, 16 // workers),)) as pool:
+        return list(pool.map(function, items, [steps] * len(items)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--cells", required=True,
+                        help="seq_len:d_model,... (each seq_len names a setting of the config)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--num-train", type=int, default=20_000,
+                        help="training examples generated per seed (throughput does not "
+                             "depend on it)")
+    parser.add_argument("--workers-alone", type=int, default=12)
+    parser.add_argument("--workers-stacked", type=int, default=2)
+    parser.add_argument("--mixers", help="comma-separated subset of the config's mixers")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    from hla_bench import registry
+    from hla_bench.recall import load_config, plan_runs
+    from hla_bench.training import plan_groups
+
+    config = load_config(args.config, {})
+    if args.mixers:
+        config["mixers"] = args.mixers.split(",")
+    specs = plan_runs(config, "cuda:0")
+    specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]
+    report = {"config": args.config, "steps": args.steps, "num_train": args.num_train,
+              "workers_alone": args.workers_alone, "workers_stacked": args.workers_stacked,
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": []}
+    for cell in args.cells.split(","):
+        seq_len, d_model = (int(v) for v in cell.split(":"))
+        runs = [{**s, "num_train": args.num_train,
+                 "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"] / args.num_train) + 1}
+                for s in specs if s["params"]["seq_len"] == seq_len and s["d_model"] == d_model]
+        if not runs:
+            raise SystemExit(f"no runs of the config at seq_len {seq_len}, d_model {d_model}")
+        groups = plan_groups(runs, config["max_group"])
+        entry = {"seq_len": seq_len, "d_model": d_model, "setting": runs[0]["setting"],
+                 "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
+        try:
+            entry["stacked"] = _rate(stacked := _pool(_stacked, groups, args.workers_stacked,
+                                                      args.steps))
+            entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
+                                              if r["graph_failure"]})
+            entry["alone"] = _rate(_pool(_alone, runs, args.workers_alone, args.steps))
+            entry["speedup"] = round(entry["stacked"]["steps_per_s"] / entry["alone"]["steps_per_s"], 2)
+        except Exception as error:  # noqa: BLE001 - one cell's failure is recorded, the rest run
+            entry["error"] = f"{type(error).__name__}: {error}"
+        report["cells"].append(entry)
+        print(entry, flush=True)
+        Path(args.out).write_text(yaml.safe_dump(report, sort_keys=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The harness side of recall training: models from the registry, groups of runs on a pool
+of worker processes, and the summary of a sweep's runs.
+
+`tasks.train.train_group` trains one group (runs that differ only in lr and seed) as one
+stacked model. Here a sweep's runs are planned into groups (`plan_groups`), the groups go
+to worker processes (spawned: CUDA needs it), and every finished run comes back as an event
+so the caller can store it at once. A group that runs out of memory is split in two and
+retried; any other failure is recorded on each of its runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import queue as queue_module
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import tasks
+from hla_bench import registry
+from tasks.model import TinyLM
+from tasks.train import Interrupted, RunSpec, group_key, train_group
+
+FAILED = ("error", "oom", "crashed", "unavailable")
+
+
+def build_model(spec: dict) -> TinyLM:
+    """The tiny LM of one run, its mixer layers from the registry (softmax attention gets
+    learned positions; the other families carry order in their state)."""
+    run = RunSpec(**spec)
+    task = tasks.get(run.task)
+    params = task.resolve_params(run.params)
+    entry = registry.get(run.mixer)
+    return TinyLM(params["vocab_size"], run.d_model,
+                  lambda: entry.layer(run.d_model, run.n_heads, **run.mixer_options),
+                  n_layers=run.n_layers, state_mixer=run.state_mixer,
+                  positions=entry.family == "softmax", embed_dropout=run.embed_dropout,
+                  max_len=int(params["seq_len"]), readout=task.readout, init=run.init)
+
+
+def stackable(spec: dict) -> bool:
+    """Whether runs of `spec`'s shape can train stacked (their mixer layer says how)."""
+    run = RunSpec(**spec)
+    try:
+        layer = registry.get(run.mixer).layer(run.d_model, run.n_heads, **run.mixer_options)
+    except registry.MixerUnavailableError:
+        return False  # it cannot run here at all; the sweep records why
+    return callable(getattr(layer, "forward_stacked", None))
+
+
+def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
+                seq_len: int) -> int | None:
+    """Recurrent state (KV cache for softmax attention) per sequence of the whole layer stack,
+    from the mixer's decoder; None when the mixer has no decoder or it cannot run here."""
+    try:
+        entry = registry.get(mixer)
+    except registry.UnknownMixerError:
+        return None
+    if entry.build_decoder is None:
+        return None
+    head_dim = d_model // n_heads
+    try:
+        decoder = entry.decoder(**mixer_options)
+        state = decoder.init_state(1, n_heads, head_dim, head_dim, seq_len, "cpu", torch.float32)
+        return int(decoder.state_bytes(state)) * n_layers
+    except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
+        return None
+
+
+def plan_groups(specs: list[dict], max_runs: int) -> list[list[dict]]:
+    """Specs grouped by `group_key` (first-seen order), at most `max_runs` a group; runs of
+    a mixer that cannot train stacked form groups of one."""
+    groups: dict[str, list[dict]] = {}
+    for spec in specs:
+        groups.setdefault(group_key(spec), []).append(spec)
+    planned = []
+    for members in groups.values():
+        size = max(1, max_runs) if stackable(members[0]) else 1
+        planned += [members[start:start + size] for start in range(0, len(members), size)]
+    return planned
+
+
+def group_name(group: list[dict]) -> str:
+    """A stable file name for a group's checkpoint (from its runs' specs)."""
+    text = "\n".join(repr(sorted((k, repr(v)) for k, v in spec.items() if k != "device"))
+                     for spec in group)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def failed_result(spec: dict, status: str, message: str) -> dict:
+    return {**spec, "status": status, "error": message, "test_accuracy": None,
+            "val_accuracy": None, "curve": []}
+
+
+def run_group(group: list[dict], progress: Callable[[dict], None], *,
+              deadline: float | None = None, checkpoint_dir: str | None = None,
+              graphs: bool = True) -> list[dict] | None:
+    """Train one group; returns its results, or None when stopped at the deadline (its
+    checkpoint holds the state). Out of memory splits the group in two and retries."""
+    checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
+    try:
+        results = train_group(group, build_model, progress=progress, graphs=graphs,
+                              deadline=deadline, checkpoint=checkpoint)
+    except Interrupted:
+        return None
+    except Exception as error:  # noqa: BLE001 - a sweep records any failing group, goes on
+        oom = isinstance(error, torch.cuda.OutOfMemoryError) or isinstance(error, MemoryError) \
+            or "out of memory" in str(error).lower() or "can't allocate memory" in str(error)
+        if oom and len(group) > 1:
+            _release_memory()
+            half = len(group) // 2
+            parts = [run_group(part, progress, deadline=deadline, checkpoint_dir=checkpoint_dir,
+                               graphs=graphs) for part in (group[:half], group[half:])]
+            return None if any(part is None for part in parts) else parts[0] + parts[1]
+        if not oom:
+            traceback.print_exc()
+        status = "oom" if oom else "error"
+        message = str(error).splitlines()[0] if oom else f"{type(error).__name__}: {error}"
+        results = [failed_result(spec, status, message) for spec in group]
+    finally:
+        _release_memory()
+    for result in results:
+        result["state_bytes"] = state_bytes(result["mixer"], result["mixer_options"],
+                                            result["d_model"], result["n_heads"],
+                                            result["n_layers"], result.get("seq_len") or
+                                            tasks.get(result["task"]).resolve_params(
+                                                result["params"])["seq_len"])
+    return results
+
+
+def _release_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --- worker processes ----------------------------------------------------------------
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Workers die with the sweep: the kernel kills them when the parent dies (Linux), and
+    a watchdog thread exits when the parent pid changes (elsewhere, or if that failed)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _init_worker(threads: int, parent: int, device: str | None) -> None:
+    _exit_with_parent(parent)
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+
+
+def _worker(group: list[dict], events, options: dict) -> list[dict] | None:
+    ids = [spec["run_id"] for spec in group]
+    return run_group(group, lambda event: events.put((ids, event)), **options)
+
+
+def run_groups(groups: list[list[dict]], workers: int,
+               on_event: Callable[[list[int], dict], None],
+               on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
+               checkpoint_dir: str | None = None, graphs: bool = True) -> bool:
+    """Run every group; `on_event(run_ids, event)` sees progress, `on_results(results)` each
+    finished group. Returns False when the deadline stopped some group (checkpointed) or
+    left some unstarted. One worker runs in this process; more are spawned processes."""
+    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs}
+    complete = True
+    if workers <= 1:
+        for group in groups:
+            if deadline is not None and time.time() > deadline:
+                return False
+            ids = [spec["run_id"] for spec in group]
+            results = run_group(group, lambda event, ids=ids: on_event(ids, event), **options)
+            if results is None:
+                complete = False
+            else:
+                on_results(results)
+        return complete
+
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with context.Manager() as manager:
+        events = manager.Queue()
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                 initargs=(threads, os.getpid(), None)) as pool:
+            todo = list(groups)
+            pending: dict = {}
+            while todo or pending:
+                while todo and len(pending) < workers:
+                    if deadline is not None and time.time() > deadline:
+                        complete, todo = False, []
+                        break
+                    group = todo.pop(0)
+                    pending[pool.submit(_worker, group, events, options)] = group
+                if not pending:
+                    break
+                done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(events, on_event)
+                for future in done:
+                    group = pending.pop(future)
+                    try:
+                        results = future.result()
+                    except BrokenProcessPool as error:
+                        results = [failed_result(spec, "crashed", str(error)) for spec in group]
+                    if results is None:
+                        complete = False
+                    else:
+                        on_results(results)
+            _drain(events, on_event)
+    return complete
+
+
+def _drain(events, notify) -> None:
+    while True:
+        try:
+            ids, event = events.get_nowait()
+        except queue_module.Empty:
+            return
+        notify(ids, event)
+
+
+def default_workers(device: str, workers_per_gpu: int = 2) -> int:
+    """Workers for a sweep: `workers_per_gpu` per visible GPU on CUDA, one per 2 cores on CPU."""
+    if device.startswith("cuda"):
+        return max(1, torch.cuda.device_count()) * workers_per_gpu
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def assign_devices(specs: list[dict], device: str) -> list[dict]:
+    """Spread groups over the visible GPUs round-robin when `device` is plain "cuda" (the
+    runs of one group stay on one device)."""
+    if device != "cuda":
+        return [{**spec, "device": device} for spec in specs]
+    count = max(1, torch.cuda.device_count())
+    keys: dict[str, int] = {}
+    placed = []
+    for spec in specs:
+        slot = keys.setdefault(group_key(spec), len(keys))
+        placed.append({**spec, "device": f"cuda:{slot % count}"})
+    return placed

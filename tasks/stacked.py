@@ -1,0 +1,273 @@
+"""N tiny LMs of one architecture as one computation, for training many runs at once.
+
+`StackedLM(models)` copies the parameters of N `TinyLM`s (same parameter names and shapes)
+into one buffer `flat [N, P]` (row n holds model n's parameters in `named_parameters` order)
+and exposes each parameter as a view `[N, *shape]` of it. Each view's `.grad` is a view of a
+second buffer `grad [N, P]`, into which backward accumulates in place, so one optimizer
+(`FlatAdamW`) updates every parameter of every model with a handful of elementwise kernels,
+each model with its own learning rate.
+
+`losses(tokens, labels)` takes `[N, B, T]` tokens and labels (model n reads its own batch)
+and returns `[N]` mean cross-entropies over each model's labelled positions; their sum has,
+for model n's parameters, exactly model n's own gradient. Mixer layers run stacked through
+their `forward_stacked(params, x)` (x `[N, B, T, d_model]`); a single model (N = 1) runs any
+mixer through `torch.func.functional_call`, so every mixer can train here.
+
+Invariant: stacking, training and unstacking N models gives what training each alone with
+`torch.optim.AdamW` gives (tests/test_stacked.py checks it to float64 rounding).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from tasks import IGNORE
+from tasks.model import Block, LastStateDecoder, SwiGLU, TinyLM, at_least_float32
+
+# Stacked parameters are strided rows of one buffer, and so are their gradients (in place,
+# by design); autograd warns that such gradients do not follow its layout contract.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
+
+_ELEMENTWISE = {nn.GELU: lambda m, x: F.gelu(x, approximate=m.approximate),
+                nn.SiLU: lambda m, x: F.silu(x), nn.ReLU: lambda m, x: F.relu(x),
+                nn.Identity: lambda m, x: x}
+
+
+def stack_unsupported_reason(model: TinyLM, count: int) -> str | None:
+    """Why `count` copies of `model` cannot run stacked, or None when they can."""
+    if count == 1:
+        return None
+    for index, block in enumerate(model.blocks):
+        if not callable(getattr(block.mixer, "forward_stacked", None)):
+            return (f"the mixer layer of block {index} ({type(block.mixer).__name__}) has no "
+                    "forward_stacked")
+    return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Per-model vectors `[N, d]` broadcast over `[N, B, T, d]`."""
+    return x[:, None, None, :]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x `[N, ..., in]` through N linear maps (weight `[N, out, in]`, bias `[N, out]`)."""
+    N = x.shape[0]
+    flat = x.reshape(N, -1, x.shape[-1])
+    out = (torch.bmm(flat, weight.transpose(1, 2)) if bias is None
+           else torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2)))
+    return out.view(*x.shape[:-1], weight.shape[1])
+
+
+class StackedLM:
+    """N `TinyLM`s with stacked parameters; the first model is the structural template."""
+
+    def __init__(self, models: list[TinyLM]):
+        if not models:
+            raise ValueError("StackedLM needs at least one model")
+        self.template = models[0]
+        self.count = len(models)
+        reason = stack_unsupported_reason(self.template, self.count)
+        if reason:
+            raise ValueError(f"cannot stack {self.count} models: {reason}")
+        shapes = [(name, tuple(p.shape)) for name, p in self.template.named_parameters()]
+        for model in models[1:]:
+            other = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+            if other != shapes:
+                raise ValueError("stacked models must have the same parameter names and shapes")
+        self.shapes = dict(shapes)
+        self.size = sum(math.prod(shape) for shape in self.shapes.values())
+        rows = [torch.cat([p.detach().reshape(-1) for p in model.parameters()]) for model in models]
+        self.flat = torch.stack(rows)                         # [N, P]
+        self.grad = torch.zeros_like(self.flat)
+        self._bind()
+        self.training = True
+
+    def _bind(self) -> None:
+        """Parameter views `[N, *shape]` of `flat`, with `.grad` views of `grad`."""
+        self.params: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            size = math.prod(shape)
+            view = self.flat[:, offset:offset + size].view(self.count, *shape)
+            param = view.detach().requires_grad_(True)
+            param.grad = self.grad[:, offset:offset + size].view(self.count, *shape)
+            self.params[name] = param
+            offset += size
+
+    # --- structure -------------------------------------------------------------------
+
+    def to(self, device: torch.device | str) -> "StackedLM":
+        self.template.to(device)
+        self.flat, self.grad = self.flat.to(device), self.grad.to(device)
+        self._bind()
+        return self
+
+    def select(self, keep: list[int]) -> "StackedLM":
+        """The stacked models at `keep` (a new StackedLM on the same device)."""
+        chosen = object.__new__(StackedLM)
+        chosen.template, chosen.count, chosen.shapes, chosen.size = (
+            self.template, len(keep), self.shapes, self.size)
+        index = torch.as_tensor(keep, device=self.flat.device)
+        chosen.flat = self.flat.index_select(0, index)
+        chosen.grad = torch.zeros_like(chosen.flat)
+        chosen.training = self.training
+        chosen._bind()
+        return chosen
+
+    def unstack(self, index: int) -> dict[str, torch.Tensor]:
+        """Model `index`'s parameters as a state dict (copies)."""
+        return {name: p[index].detach().clone() for name, p in self.params.items()}
+
+    def train(self, mode: bool = True) -> "StackedLM":
+        self.training = mode
+        self.template.train(mode)
+        return self
+
+    def eval(self) -> "StackedLM":
+        return self.train(False)
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    # --- forward ---------------------------------------------------------------------
+
+    def _sub(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {name[len(prefix):]: p for name, p in self.params.items() if name.startswith(prefix)}
+
+    def _apply(self, module: nn.Module, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """`module` (a part of the template) for every model: x `[N, B, T, d]`."""
+        p = self.params
+        if isinstance(module, nn.LayerNorm):
+            y = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+            return torch.addcmul(_rows(p[prefix + "bias"]), y, _rows(p[prefix + "weight"]))
+        if isinstance(module, nn.Linear):
+            return _linear(x, p[prefix + "weight"], p.get(prefix + "bias"))
+        if isinstance(module, nn.Sequential):
+            for index, child in enumerate(module):
+                x = self._apply(child, f"{prefix}{index}.", x)
+            return x
+        if isinstance(module, SwiGLU):
+            gate = F.silu(_linear(x, p[prefix + "w1.weight"], None))
+            return _linear(gate * _linear(x, p[prefix + "w3.weight"], None),
+                           p[prefix + "w2.weight"], None)
+        if type(module) in _ELEMENTWISE:
+            return _ELEMENTWISE[type(module)](module, x)
+        raise TypeError(f"no stacked form for {type(module).__name__} ({prefix or 'model'})")
+
+    def _mixer(self, block: Block, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        params = self._sub(prefix)
+        if self.count == 1 and not callable(getattr(block.mixer, "forward_stacked", None)):
+            single = {name: value[0] for name, value in params.items()}
+            return functional_call(block.mixer, single, (x[0],)).unsqueeze(0)
+        return block.mixer.forward_stacked(params, x)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final normalised states `[N, B, T, d]` of every model for its own tokens."""
+        model, p = self.template, self.params
+        N, B, T = tokens.shape
+        if T > model.max_len:
+            raise ValueError(f"sequence length {T} exceeds max_len {model.max_len}")
+        embed = p["embed.weight"]                                      # [N, V, d]
+        vocab = embed.shape[1]
+        offsets = torch.arange(N, device=tokens.device).mul_(vocab).view(N, 1, 1)
+        x = F.embedding(tokens + offsets, embed.reshape(N * vocab, -1))
+        if model.positions is not None:
+            x = x + p["positions.weight"][:, None, :T]
+        x = F.dropout(x, model.embed_dropout, self.training)
+        for index, block in enumerate(model.blocks):
+            prefix = f"blocks.{index}."
+            x = x + self._mixer(block, prefix + "mixer.",
+                                self._apply(block.mixer_norm, prefix + "mixer_norm.", x))
+            if block.state_mixer is not None:
+                x = x + self._apply(block.state_mixer, prefix + "state_mixer.", x)
+        x = self._apply(model.norm, "norm.", x)
+        if model.decoder is not None:
+            decoder: LastStateDecoder = model.decoder
+            last = x[:, :, -1:] + decoder.positions[:T].to(x.dtype)
+            x = self._apply(decoder.mlp, "decoder.mlp.", last)
+        return x
+
+    def labelled_logits(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int):
+        """At each model's labelled positions: logits `[N, R, V]` (R = `max_rows`, at least
+        every model's count), targets `[N, R]` (IGNORE past a model's count), the counts
+        `[N]` and the flat positions `[N, R]` (b * T + t). Row r of model n is its r-th
+        labelled position in order."""
+        hidden = self.hidden(tokens)
+        N, B, T, d = hidden.shape
+        rows, counts = labelled_rows(labels.reshape(N, B * T), max_rows)
+        valid = torch.arange(max_rows, device=labels.device) < counts[:, None]
+        targets = torch.where(valid, labels.reshape(N, B * T).gather(1, rows), IGNORE)
+        picked = hidden.reshape(N, B * T, d).gather(1, rows[..., None].expand(-1, -1, d))
+        logits = torch.bmm(picked, self.params["embed.weight"].transpose(1, 2))
+        return logits, targets, counts, rows
+
+    def losses(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int) -> torch.Tensor:
+        """`[N]` mean cross-entropy of each model over its labelled positions."""
+        logits, targets, counts, _ = self.labelled_logits(tokens, labels, max_rows)
+        N, R, V = logits.shape
+        ce = F.cross_entropy(at_least_float32(logits).reshape(N * R, V), targets.reshape(-1),
+                             ignore_index=IGNORE, reduction="none").view(N, R)
+        return ce.sum(1) / counts.clamp_min(1)
+
+
+def labelled_rows(labels: torch.Tensor, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `[N, L]` labels: the positions `[N, max_rows]` of each row's labelled entries in
+    order (0 past its count) and the counts `[N]`, computed on the labels' device without a
+    host sync: a running count gives each labelled entry its slot; unlabelled entries go to
+    a spare slot past the end, which is dropped."""
+    N, L = labels.shape
+    labelled = labels != IGNORE
+    slots = torch.where(labelled, labelled.cumsum(1) - 1, max_rows)
+    rows = torch.zeros(N, max_rows + 1, dtype=torch.long, device=labels.device)
+    rows.scatter_(1, slots, torch.arange(L, device=labels.device).expand(N, -1))
+    return rows[:, :max_rows], labelled.sum(1)
+
+
+class FlatAdamW:
+    """torch.optim.AdamW's update (decoupled weight decay) on `StackedLM.flat` rows, one
+    learning rate per row. All state lives on the parameters' device and `step` reads the
+    learning rates from a device tensor, so a CUDA graph can capture it."""
+
+    def __init__(self, model: StackedLM, *, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.model, self.betas, self.eps, self.weight_decay = model, betas, eps, weight_decay
+        self.exp_avg = torch.zeros_like(model.flat)
+        self.exp_avg_sq = torch.zeros_like(model.flat)
+        self.steps = torch.zeros((), dtype=model.flat.dtype, device=model.flat.device)
+
+    def select(self, model: StackedLM, keep: list[int]) -> "FlatAdamW":
+        """This optimizer's state for the rows `keep`, bound to `model` (= old.select(keep))."""
+        chosen = FlatAdamW(model, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        index = torch.as_tensor(keep, device=self.exp_avg.device)
+        chosen.exp_avg = self.exp_avg.index_select(0, index)
+        chosen.exp_avg_sq = self.exp_avg_sq.index_select(0, index)
+        chosen.steps = self.steps.clone()
+        return chosen
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name, value in state.items():
+            getattr(self, name).copy_(value)
+
+    @torch.no_grad()
+    def step(self, lr: torch.Tensor) -> None:
+        """One update with learning rates `lr` `[N]` (a tensor on the parameters' device)."""
+        beta1, beta2 = self.betas
+        param, grad = self.model.flat, self.model.grad
+        lr = lr.to(param.dtype).view(-1, 1)
+        self.steps.add_(1)
+        correction1 = 1 - torch.pow(beta1, self.steps)
+        correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, self.steps))
+        param.mul_(1 - lr * self.weight_decay)
+        self.exp_avg.lerp_(grad, 1 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (self.exp_avg_sq.sqrt() / correction2_sqrt).add_(self.eps)
+        param.sub_(self.exp_avg / denom * (lr / correction1))

@@ -1,0 +1,235 @@
+"""Stacked training equals training each run alone: forward, losses, AdamW steps, repacking,
+checkpoints; in float64 on the CPU, for every mixer family that trains stacked."""
+
+import math
+
+import pytest
+import torch
+
+import tasks
+from hla_bench import registry
+from hla_bench.training import build_model, stackable
+from tasks import IGNORE
+from tasks.stacked import FlatAdamW, StackedLM, labelled_rows
+from tasks.train import RunSpec, _GroupTrainer, lr_factors, task_splits, train_group
+
+TINY = dict(task="mqar", params=dict(vocab_size=64, seq_len=32, num_kv_pairs=4))
+MIXERS = ["sdpa", "linear-attn", "based", "hla2", "ahla2", "hla3", "mamba2-ssd"]
+
+
+def spec(**changes) -> dict:
+    fields = dict(mixer="hla2", d_model=16, lr=3e-3, epochs=2, num_train=96, num_val=32,
+                  num_test=32, batch_size=40, eval_every=0, stop_accuracy=1.1, **TINY)
+    return RunSpec(**{**fields, **changes}).as_dict()
+
+
+def build64(run: dict):
+    return build_model(run).double()
+
+
+def group(mixer="hla2", lrs=(1e-3, 3e-3, 1e-2), seeds=(0, 1, 0), **changes):
+    return [spec(mixer=mixer, lr=lr, seed=seed, run_id=i, **changes)
+            for i, (lr, seed) in enumerate(zip(lrs, seeds))]
+
+
+def train_alone(run: dict, steps: int):
+    """The reference: one TinyLM, torch.optim.AdamW, the run's own batches, step by step."""
+    r = RunSpec(**run)
+    data = task_splits(r.task, r.seed, r.num_train, r.num_val, r.num_test,
+                       tasks.get(r.task).resolve_params(r.params))
+    x, y = data.train
+    torch.manual_seed(r.seed)
+    model = build64(run)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=r.lr, weight_decay=r.weight_decay,
+                                  foreach=False)
+    per_epoch = math.ceil(r.num_train / r.batch_size)
+    factors = lr_factors(r.schedule, r.epochs, per_epoch, r.warmup_frac)
+    generator = torch.Generator().manual_seed(r.seed)
+    losses = []
+    for step in range(steps):
+        if step % per_epoch == 0:
+            order = torch.randperm(r.num_train, generator=generator) if r.shuffle \
+                else torch.arange(r.num_train)
+        rows = order[(step % per_epoch) * r.batch_size:][:r.batch_size]
+        for group_ in optimizer.param_groups:
+            group_["lr"] = r.lr * factors[step]
+        loss = model.loss(x[rows], y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def assert_same_params(stacked: StackedLM, slot: int, model):
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(stacked.params[name][slot], value.detach(), rtol=1e-9,
+                                   atol=1e-11, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("state_mixer", ["identity", "mlp"])
+def test_stacked_losses_equal_each_model_alone(mixer, state_mixer):
+    runs = group(mixer, state_mixer=state_mixer, init="zoology", embed_dropout=0.0)
+    models = []
+    for run in runs:
+        torch.manual_seed(run["seed"])
+        models.append(build64(run))
+    stacked = StackedLM(models)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (3, 4, 32), generator=generator)
+    labels = torch.full((3, 4, 32), IGNORE)
+    labels[:, :, 9::7] = torch.randint(0, 64, (3, 4, 4), generator=generator)
+    labels[1, 0, 30] = 3  # one model with one more labelled position than the others
+    losses = stacked.losses(tokens, labels, max_rows=4 * 5)
+    for n, model in enumerate(models):
+        torch.testing.assert_close(losses[n], model.loss(tokens[n], labels[n]), rtol=1e-10,
+                                   atol=1e-12)
+    losses.sum().backward()
+    for n, model in enumerate(models):
+        model.zero_grad()
+        model.loss(tokens[n], labels[n]).backward()
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(stacked.params[name].grad[n], value.grad, rtol=1e-9,
+                                       atol=1e-12, msg=f"grad of {name}")
+
+
+def test_swiglu_and_last_state_readout_stack():
+    runs = [spec(mixer="linear-attn", task="compression", params={}, state_mixer="swiglu",
+                 seed=s, run_id=s) for s in (0, 1)]
+    models = []
+    for run in runs:
+        torch.manual_seed(run["seed"])
+        models.append(build64(run))
+    assert models[0].decoder is not None
+    stacked = StackedLM(models)
+    tokens = torch.randint(0, 16, (2, 3, models[0].max_len))
+    labels = torch.randint(0, 16, (2, 3, models[0].max_len))
+    losses = stacked.losses(tokens, labels, 3 * models[0].max_len)
+    for n, model in enumerate(models):
+        torch.testing.assert_close(losses[n], model.loss(tokens[n], labels[n]), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("mixer,schedule,shuffle", [
+    ("hla2", "warmup-cosine", True), ("sdpa", "epoch-cosine", False),
+    ("mamba2-ssd", "constant", True), ("based", "epoch-cosine", True)])
+def test_training_stacked_equals_training_each_alone(mixer, schedule, shuffle):
+    runs = group(mixer, schedule=schedule, shuffle=shuffle, epochs=3)
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    steps = 7  # past an epoch boundary (3 batches an epoch: 40, 40, 16 rows)
+    trainer.train_to(steps)
+    losses = trainer.loss_sum.clone()
+    for n, run in enumerate(runs):
+        model, alone = train_alone(run, steps)
+        assert_same_params(trainer.model, n, model)
+        assert losses[n].item() == pytest.approx(sum(alone), rel=1e-9)
+
+
+def test_a_run_leaving_the_stack_does_not_change_the_others():
+    runs = group("linear-attn")
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(2)
+    trainer._keep([0, 2])           # run 1 stops early
+    trainer.train_to(5)
+    assert trainer.active == [0, 2]
+    for slot, index in enumerate(trainer.active):
+        model, _ = train_alone(runs[index], 5)
+        assert_same_params(trainer.model, slot, model)
+
+
+def test_flat_adamw_is_torch_adamw_with_a_learning_rate_per_row():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(3, 2).double() for _ in range(2)]
+
+    class Holder(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.blocks, self.inner = [], linear
+
+    stacked = object.__new__(StackedLM)
+    stacked.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+                                for m in models])
+    stacked.grad = torch.zeros_like(stacked.flat)
+    optimizer = FlatAdamW(stacked, weight_decay=0.1)
+    references = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.1, foreach=False)
+                  for m, lr in zip(models, (1e-2, 3e-3))]
+    for _ in range(4):
+        grads = torch.randn_like(stacked.flat)
+        stacked.grad.copy_(grads)
+        optimizer.step(torch.tensor([1e-2, 3e-3], dtype=torch.float64))
+        for n, (model, reference) in enumerate(zip(models, references)):
+            offset = 0
+            for p in model.parameters():
+                p.grad = grads[n, offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            reference.step()
+    for n, model in enumerate(models):
+        expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(stacked.flat[n], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_labelled_rows_per_model_in_order():
+    labels = torch.tensor([[IGNORE, 3, IGNORE, 5], [1, IGNORE, IGNORE, IGNORE]])
+    rows, counts = labelled_rows(labels, 3)
+    assert rows.tolist() == [[1, 3, 0], [0, 0, 0]] and counts.tolist() == [2, 1]
+
+
+def test_train_group_results_are_reproducible_and_seeded(tmp_path):
+    runs = group("hla2", lrs=(3e-3, 3e-3), seeds=(0, 1), eval_every=2)
+    first = train_group(runs, build64, graphs=False)
+    again = train_group(runs, build64, graphs=False)
+    assert [r["curve"] for r in first] == [r["curve"] for r in again]
+    assert first[0]["curve"] != first[1]["curve"]  # seed 1: other init, data and order
+    alone = train_group(runs[1:], build64, graphs=False)
+    assert alone[0]["curve"] == first[1]["curve"]  # a run's result does not depend on its group
+    for result in first:
+        assert result["status"] == "ok" and result["steps"] == 6
+        assert [p["step"] for p in result["curve"]] == [2, 4, 6]
+        assert 0 <= result["test_accuracy"] <= 1 and 0 <= result["in_context_rate"] <= 1
+        assert result["final_train_loss"] == result["curve"][-1]["loss"]
+
+
+def test_early_stopped_runs_leave_and_are_scored(monkeypatch):
+    runs = group("linear-attn", lrs=(1e-3, 1e-2), seeds=(0, 0), stop_accuracy=-1.0)
+    results = train_group(runs, build64, graphs=False)
+    assert all(r["early_stopped"] and r["steps"] == 3 for r in results)
+    assert all(r["test_accuracy"] is not None for r in results)
+
+
+def test_checkpoint_resume_continues_where_the_deadline_stopped(tmp_path):
+    from tasks.train import Interrupted
+
+    runs = group("hla2", lrs=(1e-3, 3e-3), seeds=(0, 1), eval_every=2)
+    straight = train_group(runs, build64, graphs=False)
+    checkpoint = tmp_path / "group.pt"
+    with pytest.raises(Interrupted):
+        train_group(runs, build64, graphs=False, deadline=0.0, checkpoint=checkpoint)
+    assert checkpoint.exists()
+    resumed = train_group(runs, build64, graphs=False, checkpoint=checkpoint)
+    assert [r["curve"] for r in resumed] == [r["curve"] for r in straight]
+    assert not checkpoint.exists()
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_every_builtin_layer_trains_stacked(mixer):
+    assert stackable(spec(mixer=mixer))
+
+
+def test_a_mixer_without_a_stacked_form_trains_alone():
+    from mixers.layer import MixerLayer
+
+    class Plain(torch.nn.Module):
+        def __init__(self, d_model, n_heads):
+            super().__init__()
+            self.inner = MixerLayer(d_model, n_heads, lambda q, k, v: (v, None))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    registry.register(registry.Mixer("test-plain-layer", "linear", "no stacked form (test)",
+                                     build_op=lambda **o: None,
+                                     build_layer=lambda d, h, **o: Plain(d, h)), replace=True)
+    run = spec(mixer="test-plain-layer")
+    assert not stackable(run)
+    result, = train_group([run], build64, graphs=False)
+    assert result["status"] == "ok"

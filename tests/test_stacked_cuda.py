@@ -1,0 +1,47 @@
+"""Stacked training on CUDA: the captured step replays what the eager step computes, for
+every mixer that can run here (bf16 autocast both ways)."""
+
+import pytest
+import torch
+
+from hla_bench import registry
+from hla_bench.training import build_model
+from tasks.train import RunSpec, _GroupTrainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MIXERS = ["sdpa", "based", "linear-attn", "hla2", "ahla2", "hla3", "mamba2-ssd",
+          "fla-gla", "fla-delta-rule"]
+
+
+def group(mixer, d_model=64, **changes):
+    fields = dict(task="mqar", params=dict(vocab_size=512, seq_len=64, num_kv_pairs=4),
+                  mixer=mixer, d_model=d_model, epochs=2, num_train=640, num_val=64,
+                  num_test=64, batch_size=128, stop_accuracy=1.1, device="cuda")
+    return [RunSpec(lr=lr, seed=seed, run_id=i, **{**fields, **changes})
+            for i, (lr, seed) in enumerate([(1e-3, 0), (3e-3, 1), (1e-2, 0)])]
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_graph_replay_equals_the_eager_step(mixer):
+    reason = registry.get(mixer).unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    options = {"dropout": 0.0} if mixer == "sdpa" else {}
+    runs = group(mixer, mixer_options=options)
+    eager = _GroupTrainer(runs, build_model, graphs=False, progress=None)
+    graphed = _GroupTrainer(runs, build_model, graphs=True, progress=None)
+    eager.train_to(8)
+    graphed.train_to(8)
+    assert graphed.graphed and graphed.graph_failure is None, graphed.graph_failure
+    torch.testing.assert_close(graphed.loss_sum, eager.loss_sum, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(graphed.model.flat, eager.model.flat, rtol=0, atol=2e-3)
+    assert not torch.equal(graphed.model.flat, graphed.model.flat.new_zeros(()))
+
+
+def test_attention_dropout_is_captured():
+    runs = group("sdpa", mixer_options={"dropout": 0.1, "bias": True}, embed_dropout=0.1)
+    trainer = _GroupTrainer(runs, build_model, graphs=True, progress=None)
+    trainer.train_to(6)
+    assert trainer.graphed and trainer.graph_failure is None, trainer.graph_failure
+    assert torch.isfinite(trainer.model.flat).all()
