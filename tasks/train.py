@@ -318,7 +318,15 @@ class _GroupTrainer:
         self.columns = self.columns.index_select(0, index)
         self.model_seed = self.model_seed.index_select(0, index)
         self.loss_sum = self.loss_sum.index_select(0, index)
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget the captured steps. Their memory pool may still hold live blocks after the
+        graphs are gone, and CUDA's allocator refuses a new capture into such a pool: the
+        next captures get a pool of their own."""
         self.programs = {}
+        if self.use_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
 
     # --- training --------------------------------------------------------------------
 
