@@ -2,15 +2,15 @@
 alone, eagerly, with torch's fused AdamW) against stacked groups (the runs of a group as one
 model, the step replayed as a CUDA graph), on the same runs.
 
-For each cell (task setting x d_model) of a recall config, every run of the cell (all its
-mixers and learning rates) trains exactly `--steps` steps (no evaluation, no early stop) in
-each mode, over `--workers-alone` and `--workers-stacked` worker processes. Throughput is
-the runs' total steps over the wall time from the first training step to the last (setup,
-data generation and warm-up excluded: each worker reports when its timed steps began and
-ended). Writes one YAML with both rates per cell and their ratio.
+For each cell (task setting x d_model) of a recall config, the runs of `--mixers` at the
+config's learning rates train exactly `--steps` steps each (no evaluation, no early stop) in
+each mode, all at once on the GPU: one process per run alone, one process per group
+stacked. Throughput is the runs' total steps over the wall time from the first timed step
+to the last (setup, data generation and warm-up are excluded: each worker reports when its
+timed steps began and ended). Writes one YAML with both rates per cell and their ratio.
 
     python benchmarks/recall_throughput.py --config configs/zoology-smoke.yaml \
-        --cells 64:64,256:128 --steps 300 --out throughput.yaml
+        --cells 64:64,256:128 --steps 150 --out throughput.yaml
 """
 
 from __future__ import annotations
@@ -106,9 +106,8 @@ def main() -> None:
     parser.add_argument("--num-train", type=int, default=20_000,
                         help="training examples generated per seed (throughput does not "
                              "depend on it)")
-    parser.add_argument("--workers-alone", type=int, default=12)
-    parser.add_argument("--workers-stacked", type=int, default=2)
-    parser.add_argument("--mixers", help="comma-separated subset of the config's mixers")
+    parser.add_argument("--mixers", default="sdpa,linear-attn,hla2",
+                        help="comma-separated mixers of the config to train")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -117,12 +116,10 @@ def main() -> None:
     from hla_bench.training import plan_groups
 
     config = load_config(args.config, {})
-    if args.mixers:
-        config["mixers"] = args.mixers.split(",")
+    config["mixers"] = args.mixers.split(",")
     specs = plan_runs(config, "cuda:0")
     specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]
     report = {"config": args.config, "steps": args.steps, "num_train": args.num_train,
-              "workers_alone": args.workers_alone, "workers_stacked": args.workers_stacked,
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
@@ -135,11 +132,10 @@ def main() -> None:
         entry = {"seq_len": seq_len, "d_model": d_model, "setting": runs[0]["setting"],
                  "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
         try:
-            entry["stacked"] = _rate(stacked := _pool(_stacked, groups, args.workers_stacked,
-                                                      args.steps))
+            entry["stacked"] = _rate(stacked := _pool(_stacked, groups, len(groups), args.steps))
             entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
                                               if r["graph_failure"]})
-            entry["alone"] = _rate(_pool(_alone, runs, args.workers_alone, args.steps))
+            entry["alone"] = _rate(_pool(_alone, runs, len(runs), args.steps))
             entry["speedup"] = round(entry["stacked"]["steps_per_s"] / entry["alone"]["steps_per_s"], 2)
         except Exception as error:  # noqa: BLE001 - one cell's failure is recorded, the rest run
             entry["error"] = f"{type(error).__name__}: {error}"

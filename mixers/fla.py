@@ -73,8 +73,8 @@ class FlaKernel:
         return getattr(importlib.import_module(self.module), name)
 
     def run(self, name, extras, q, k, v, state, output_final_state, options):
-        if self.l2_qk:
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        if self.l2_qk:  # back to v's dtype: under autocast the norm runs in float32
+            q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
         o, final = self.function(name)(
             q=q, k=k, v=v, **extras(q, options), scale=options["scale"],
             initial_state=None if state is None else state["S"],

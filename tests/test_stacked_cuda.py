@@ -19,7 +19,7 @@ def group(mixer, d_model=64, **changes):
                   mixer=mixer, d_model=d_model, epochs=2, num_train=640, num_val=64,
                   num_test=64, batch_size=128, stop_accuracy=1.1, device="cuda")
     return [RunSpec(lr=lr, seed=seed, run_id=i, **{**fields, **changes})
-            for i, (lr, seed) in enumerate([(1e-3, 0), (3e-3, 1), (1e-2, 0)])]
+            for i, (lr, seed) in enumerate([(1e-4, 0), (3e-4, 1), (1e-3, 0)])]
 
 
 @pytest.mark.parametrize("mixer", MIXERS)

@@ -66,9 +66,11 @@ class Mamba2Block(nn.Module):
         dt = F.softplus(dt + params["dt_bias"][:, None, None, :])               # [M, Bsz, T, H]
         heads = lambda t: t.permute(1, 2, 0, 3).reshape(Bsz, T, M * t.shape[-1])  # noqa: E731
         x = x.reshape(M, Bsz, T, H, P).permute(1, 2, 0, 3, 4).reshape(Bsz, T, M * H, P)
-        y, _ = ssd(x, heads(dt), -torch.exp(params["A_log"]).reshape(M * H),
-                   B.permute(1, 2, 0, 3), C.permute(1, 2, 0, 3), D=params["D"].reshape(M * H),
-                   impl=self.impl, chunk_size=self.chunk_size)
+        # contiguous: mamba_ssm's kernels need unit strides (a stacked [M, 1] D is strided)
+        y, _ = ssd(x, heads(dt).contiguous(), -torch.exp(params["A_log"]).reshape(M * H),
+                   B.permute(1, 2, 0, 3).contiguous(), C.permute(1, 2, 0, 3).contiguous(),
+                   D=params["D"].reshape(M * H).contiguous(), impl=self.impl,
+                   chunk_size=self.chunk_size)
         y = y.reshape(Bsz, T, M, inner).permute(2, 0, 1, 3).to(u.dtype) * F.silu(z)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         y = y * params["norm_weight"][:, None, None, :]

@@ -31,8 +31,9 @@ def ahla2_chunk(q, k, v, P0, E0, decay, chunk_size):
         log_g = torch.log(decay.to(q.dtype))
     log_g = log_g.view(H, 1, 1)
     s = torch.arange(C, device=q.device)
-    lengths = torch.full((N,), C, device=q.device)
-    lengths[-1] = T - (N - 1) * C
+    # tokens per chunk (the last may be short); built on the device, so a CUDA graph can
+    # capture it (a Python-number write into a CUDA tensor is a host copy)
+    lengths = (T - torch.arange(N, device=q.device) * C).clamp(max=C)
     causal = s.view(-1, 1) >= s.view(1, -1)
     D_mask = torch.where(causal, torch.exp((s.view(-1, 1) - s.view(1, -1)).clamp(min=0) * log_g), 0)
     g_in = torch.exp((s + 1) * log_g).view(1, H, 1, C, 1)
