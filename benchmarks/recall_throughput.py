@@ -119,8 +119,11 @@ def main() -> None:
     config["mixers"] = args.mixers.split(",")
     specs = plan_runs(config, "cuda:0")
     specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]
-    report = {"config": args.config, "steps": args.steps, "num_train": args.num_train,
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cells": []}
+    from hla_bench.results import git_commit
+
+    report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
+              "num_train": args.num_train, "mixers": config["mixers"],
+              "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__), "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
         runs = [{**s, "num_train": args.num_train,
