@@ -250,6 +250,20 @@ class SweepConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    # What a resumed sweep must share with the points its results file holds under its
+    # name: the shape and the timing (the plan's mixers, modes and lengths may change; the
+    # point timeout too, since a point that timed out is measured again).
+    SETTING_FIELDS = ("heads", "head_dim", "value_dim", "batch", "tokens_per_batch",
+                      "decode_batch", "decode_steps", "decode_graph", "dtype", "device",
+                      "warmup", "repeats")
+
+    def settings(self) -> dict[str, Any]:
+        """The SETTING_FIELDS, resolved (value_dim, dtype and device as the points record)."""
+        values = {key: getattr(self, key) for key in self.SETTING_FIELDS}
+        values.update(value_dim=self.value_dim or self.head_dim, dtype=self.resolved_dtype(),
+                      device=self.resolved_device())
+        return values
+
     def batch_for(self, seq_len: int, mode: str) -> int:
         if mode == "decode" and self.decode_batch is not None:
             return self.decode_batch
@@ -742,9 +756,11 @@ def run_sweeps(sweeps: list[SweepConfig],
                on_point: Callable[[int, int, Point], None] | None = None,
                on_record: Callable[[list[dict[str, Any]]], None] | None = None,
                previous: list[dict[str, Any]] = (),
+               on_measured: Callable[[dict[str, Any]], None] | None = None,
                ) -> list[dict[str, Any]]:
-    """Run every planned point; `on_point(index, total, point)` is called before each and
-    `on_record(records_so_far)` after each (to save partial results of a long sweep).
+    """Run every planned point; `on_point(index, total, point)` is called before each,
+    `on_record(records_so_far)` after each, and `on_measured(record)` after each point
+    measured here (not taken from `previous`), to save it as soon as it exists.
     A point with a record in `previous` (same key, a kept status) is not measured again:
     a sweep cut short can be resumed from its results file. The eager decode points of one
     mixer in a sweep are measured together, in rounds (see run_decode_points)."""
@@ -753,8 +769,10 @@ def run_sweeps(sweeps: list[SweepConfig],
     oom_at: dict[tuple[str, str, str], int] = {}
     records: list[dict[str, Any]] = []
 
-    def add(record: dict[str, Any]) -> None:
+    def add(record: dict[str, Any], measured: bool) -> None:
         records.append(record)
+        if measured and on_measured is not None:
+            on_measured(record)
         if on_record is not None:
             on_record(records)
 
@@ -766,12 +784,12 @@ def run_sweeps(sweeps: list[SweepConfig],
                 todo, oom_at,
                 on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
             for record in resumed:
-                add(record or next(measured))
+                add(record or next(measured), record is None)
             continue
         for offset, (point, record) in enumerate(zip(group, resumed)):
             if on_point is not None:
                 on_point(start + offset, len(points), point)
-            add(record if record is not None else run_point(point, oom_at))
+            add(record if record is not None else run_point(point, oom_at), record is None)
     return records
 
 

@@ -157,7 +157,8 @@ def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp
                                 "bench fast fwd T=32"]
     resumed = results.load(out)["points"]
     assert resumed[0] == first[0]  # fast T=16 kept as it was
-    assert [(p["mixer"], p["seq_len"]) for p in resumed] == [(p["mixer"], p["seq_len"]) for p in first]
+    assert sorted((p["mixer"], p["seq_len"]) for p in resumed) == \
+        sorted((p["mixer"], p["seq_len"]) for p in first)
 
 
 def test_resume_needs_out(runner, fake_mixers):
@@ -189,3 +190,125 @@ def test_shipped_configs_parse_and_name_registered_mixers():
         for sweep in sweeps:
             sweep.check_mixers()
     assert bench.DEFAULT_CONFIG.name == "cpu-smoke.yaml" and bench.DEFAULT_CONFIG.exists()
+
+
+# ---------------------------------------------------------------- the results file
+
+
+BENCH = ["bench", "--heads", "1", "--head-dim", "4", "--device", "cpu", "--modes", "fwd",
+         "--warmup", "0", "--repeats", "1"]
+
+
+def _points(path):
+    return {(p["mixer"], p["mode"], p["seq_len"]): p for p in results.load(path)["points"]}
+
+
+def test_resume_with_another_plan_keeps_every_point(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    first = runner.invoke(main, [*BENCH, "--mixers", "fake-fast,fake-fast:scale=2:label=b",
+                                 "--seq-lens", "16,32", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    before = _points(out)
+    assert len(before) == 4
+    second = runner.invoke(main, [*BENCH, "--mixers", "fake-fast:scale=3:label=c",
+                                  "--seq-lens", "16", "--out", str(out), "--resume"])
+    assert second.exit_code == 0, second.output
+    after = _points(out)
+    assert len(after) == 5 and all(after[key] == point for key, point in before.items())
+    data = results.load(out)
+    assert data["complete"] is True and [s["name"] for s in data["sweeps"]] == ["bench"]
+    assert data["config"]["mixers"][0]["label"] == "c"
+    assert data["earlier_runs"][0]["config"]["mixers"][1]["label"] == "b"
+    assert "4 point(s) kept" in second.output
+
+
+def test_resume_with_other_timing_settings_is_refused(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    assert runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16",
+                                "--out", str(out)]).exit_code == 0
+    before = out.read_text()
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16", "--out", str(out), "--resume"]
+    result = runner.invoke(main, [*args, "--repeats", "20", "--heads", "2"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "sweeps.bench.repeats: file 1, this run 20" in text
+    assert "sweeps.bench.heads: file 1, this run 2" in text
+    assert out.read_text() == before
+
+
+def test_out_existing_needs_resume_or_overwrite(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16", "--out", str(out)]
+    assert runner.invoke(main, args).exit_code == 0
+    before = out.read_text()
+    again = runner.invoke(main, args)
+    assert again.exit_code == 2 and "already exists" in again.output
+    assert "--resume" in again.output and "--overwrite" in again.output
+    assert out.read_text() == before
+    both = runner.invoke(main, [*args, "--resume", "--overwrite"])
+    assert both.exit_code == 2 and "not both" in both.output
+    replaced = runner.invoke(main, [*BENCH, "--mixers", "fake-fast:label=z", "--seq-lens", "32",
+                                    "--out", str(out), "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert list(_points(out)) == [("z", "fwd", 32)]
+    alone = runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--overwrite"])
+    assert alone.exit_code == 2 and "--overwrite needs --out" in alone.output
+
+
+@pytest.mark.parametrize("flag", [[], ["--overwrite"], ["--resume"]])
+def test_a_config_or_markdown_file_is_never_overwritten(runner, fake_mixers, tmp_path, flag):
+    config = tmp_path / "self.yaml"
+    config.write_text("mixers: [fake-fast]\nseq_lens: [16]\nheads: 1\nhead_dim: 4\n"
+                      "device: cpu\nmodes: [fwd]\nrepeats: 1\nwarmup: 0\n")
+    before = config.read_text()
+    result = runner.invoke(main, ["run", str(config), "--out", str(config), *flag])
+    assert result.exit_code == 2 and "is not a results file" in result.output
+    assert config.read_text() == before
+    notes = tmp_path / "notes.md"
+    notes.write_text("# notes\n")
+    result = runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16",
+                                  "--out", str(notes), *flag])
+    assert result.exit_code == 2 and notes.read_text() == "# notes\n"
+
+
+def test_runs_without_out_never_share_a_file(runner, fake_mixers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16"]
+    for _ in range(3):
+        assert runner.invoke(main, args).exit_code == 0
+    written = sorted((tmp_path / "runs").iterdir())
+    assert len(written) == 3 and all(p.name.startswith("bench-") for p in written)
+    assert all(len(results.load(p)["points"]) == 1 for p in written)
+
+
+def test_a_file_being_written_is_refused_naming_the_writer(runner, fake_mixers, tmp_path):
+    import os
+
+    from hla_bench.store import ResultsStore
+
+    out = tmp_path / "r.yaml"
+    holder = ResultsStore.open(out, kind="bench", key=sweeps.point_key, settings={},
+                               mode="new", header={"schema_version": 2})
+    try:
+        for flag in ([], ["--resume"], ["--overwrite"]):
+            result = runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16",
+                                          "--out", str(out), *flag])
+            assert result.exit_code == 2, result.output
+            assert f"being written by pid {os.getpid()}" in " ".join(result.output.split())
+    finally:
+        holder.release()
+    assert not out.exists()
+
+
+def test_a_cut_short_file_is_refused_by_resume_and_report(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16,32", "--out", str(out)]
+    assert runner.invoke(main, args).exit_code == 0
+    text = out.read_text()
+    cut = text[:text.rindex("\n- sweep:")]  # cut at a line, after the first point
+    out.write_text(cut)
+    for command in ([*args, "--resume"], ["report", str(out)]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert "cut short" in result.output and "Traceback" not in result.output
+    assert out.read_text() == cut

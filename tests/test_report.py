@@ -152,23 +152,24 @@ def test_report_command_on_real_run(fake_mixers, tmp_path):
 def test_report_rejects_invalid_and_unknown_kind(synthetic, tmp_path):
     synthetic["points"][0]["status"] = "weird"
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(synthetic))
+    bad.write_text(yaml.safe_dump(synthetic, sort_keys=False))
     result = CliRunner().invoke(report.report, [str(bad)])
-    assert result.exit_code == 1 and "points[0].status" in result.output
+    assert result.exit_code == 2 and "points[0].status" in result.output
     other = tmp_path / "other.yaml"
     other.write_text("kind: poetry\n")
     result = CliRunner().invoke(report.report, [str(other)])
-    assert result.exit_code == 1 and "unknown results kind 'poetry'" in result.output
+    assert result.exit_code == 2 and "unknown results kind 'poetry'" in result.output
 
 
 def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     path = tmp_path / "recall.yaml"
-    path.write_text("kind: recall\ntasks: []\n")
+    path.write_text("kind: recall\nschema_version: 1\nruns: []\n")
     seen = []
     monkeypatch.setattr(report, "render_recall",
                         lambda data, console, plots_dir=None, markdown=False:
                         seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
-    assert seen[0][0] == {"kind": "recall", "tasks": []} and isinstance(seen[0][1], Console)
+    assert seen[0][0] == {"kind": "recall", "schema_version": 1, "runs": []}
+    assert isinstance(seen[0][1], Console)
     assert seen[0][2] == tmp_path / "p"
