@@ -58,11 +58,13 @@ def list_(as_json: bool) -> None:
 
 
 def _check(sweeps: list[SweepConfig]) -> None:
-    """Usage errors for unknown mixers or options or an absent device, before anything runs."""
+    """Usage errors for unknown mixers or options, options of layers only, option values a
+    mixer rejects, or an absent device: every spec of every sweep, before anything runs."""
     for sweep in sweeps:
         try:
             sweep.check_mixers()
             sweep.check_device()
+            sweep.check_options()
         except ValueError as error:
             raise click.UsageError(str(error)) from None
 

@@ -51,6 +51,11 @@ DTYPES = {
     "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
 }
 _SEQ_LEN = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+# Registry options only a mixer's layer reads (the recall command's models): the op and
+# decoder builders ignore them, so an op benchmark given one would time something other
+# than asked. d_state and expand size the Mamba-2 block around the SSD op.
+LAYER_ONLY_OPTIONS = ("qk_norm", "short_conv", "output_norm", "bias", "dropout",
+                      "feature_dim", "d_state", "expand")
 
 
 # ---------------------------------------------------------------- parsing
@@ -144,6 +149,11 @@ class MixerSpec:
         if not isinstance(options, Mapping):
             raise ValueError(f"mixer {data['name']!r}: options must be a mapping")
         return cls(str(data["name"]), str(data.get("label") or data["name"]), dict(options))
+
+
+def _spec_text(spec: MixerSpec) -> str:
+    """A spec as it is written on the command line: `hla2:impl=chunk`."""
+    return ":".join([spec.name, *(f"{key}={value}" for key, value in spec.options.items())])
 
 
 def parse_mixer_specs(text: str) -> list[MixerSpec]:
@@ -282,9 +292,63 @@ class SweepConfig:
         return self.dtype
 
     def check_mixers(self) -> None:
-        """Unknown mixer names or options raise ValueError before anything runs."""
+        """Unknown mixer names or options, and options only a layer uses, raise ValueError
+        before anything runs."""
         for spec in self.mixers:
             registry.get(spec.name).resolve_options(spec.options)
+            layer_only = [key for key in spec.options if key in LAYER_ONLY_OPTIONS]
+            if layer_only:
+                raise ValueError(
+                    f"mixer {spec.label!r}: option {', '.join(map(repr, layer_only))} of "
+                    f"{spec.name!r} applies to layers only (the models of the recall command); "
+                    "the fwd, fwdbwd and decode benchmarks time the op, which does not use it")
+
+    def check_options(self) -> None:
+        """Option values a mixer rejects raise ValueError before anything runs.
+
+        Only the op (and, when the sweep has decode points, the decoder) can tell a bad
+        value, so each spec with options is built and called once on a few tokens, on the
+        sweep's device and dtype. A ValueError or TypeError counts against the options only
+        when the same call with the mixer's defaults succeeds: a mixer that fails anyway
+        is a result of its points, as in any sweep. Mixers that cannot run here (a missing
+        package or device) are not probed; their points are recorded as unavailable."""
+        modes = ("fwd", "decode") if "decode" in self.modes else ("fwd",)
+        for spec in self.mixers:
+            mixer = registry.get(spec.name)
+            if not spec.options or mixer.unavailable_reason(spec.options):
+                continue
+            for mode in modes:
+                if mode == "decode" and mixer.build_decoder is None:
+                    continue
+                error = self._probe(mixer, spec.options, mode)
+                if error is not None and self._probe(mixer, {}, mode) is None:
+                    where = "its decoder" if mode == "decode" else "its op"
+                    raise ValueError(f"sweep {self.name!r}: mixer {spec.label!r} "
+                                     f"({_spec_text(spec)}): {where} rejects the options: "
+                                     f"{error}")
+
+    def _probe(self, mixer: registry.Mixer, options: dict[str, Any], mode: str) -> str | None:
+        """The message of the ValueError or TypeError one small call raises, else None."""
+        device, dtype = self.resolved_device(), DTYPES[self.resolved_dtype()]
+        heads, head_dim, value_dim = self.heads, self.head_dim, self.value_dim or self.head_dim
+        seq_len = min(16, min(self.seq_lens))
+        generator = torch.Generator().manual_seed(0)
+        try:
+            with time_limit(self.point_timeout_s), torch.no_grad():
+                if mode == "decode":
+                    decoder = mixer.decoder(**options)
+                    state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, device,
+                                               dtype)
+                    decoder.step(*_qkv((1, heads), head_dim, value_dim, device, dtype,
+                                       generator), state)
+                else:
+                    mixer.op(**options)(*_qkv((1, seq_len, heads), head_dim, value_dim,
+                                              device, dtype, generator))
+        except (ValueError, TypeError) as error:
+            return f"{type(error).__name__}: {error}" if isinstance(error, TypeError) else str(error)
+        except Exception:  # not the options' fault: left to the points to record
+            free_memory()
+        return None
 
     def check_device(self) -> None:
         """A malformed device, or CUDA asked for where there is none, raises ValueError."""

@@ -7,7 +7,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, results, sweeps
+from hla_bench import bench, registry, results, sweeps
 from hla_bench.cli import main
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
 
@@ -312,3 +312,107 @@ def test_a_cut_short_file_is_refused_by_resume_and_report(runner, fake_mixers, t
         assert result.exit_code == 2, result.output
         assert "cut short" in result.output and "Traceback" not in result.output
     assert out.read_text() == cut
+
+
+# ---------------------------------------------------------------- mixer specs
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hla2:impl=trtion", "impl must be one of 'auto', 'serial', 'scan', 'chunk', 'triton', "
+                         "got 'trtion'"),
+    ("hla2:decay=1.5", "decay must lie in (0, 1]"),
+    ("hla2:chunk_size=abc", "chunk_size must be a positive int, got 'abc'"),
+    ("sdpa:backend=maht", "backend must be one of"),
+    ("hla2:short_conv=0", "option 'short_conv' of 'hla2' applies to layers only"),
+    ("sdpa:bias=true", "option 'bias' of 'sdpa' applies to layers only"),
+    ("linear-attn:qk_norm=none:label=l2",
+     "option 'qk_norm' of 'linear-attn' applies to layers only"),
+    ("mamba2-ssd:d_state=16", "option 'd_state' of 'mamba2-ssd' applies to layers only"),
+])
+@pytest.mark.parametrize("modes", ["fwd,decode", "decode"])
+def test_bad_option_values_are_usage_errors_before_any_point(runner, tmp_path, monkeypatch,
+                                                             spec, message, modes):
+    """Decode points are checked against the op too, so the message lists the op's impls."""
+    monkeypatch.setattr(sweeps, "run_point", lambda *a: pytest.fail("a point ran"))
+    monkeypatch.setattr(sweeps, "run_decode_points", lambda *a: pytest.fail("a point ran"))
+    out = tmp_path / "r.yaml"
+    result = runner.invoke(main, ["bench", "--mixers", f"linear-attn,{spec}", "--seq-lens", "32",
+                                  "--modes", modes, "--heads", "2", "--head-dim", "8",
+                                  "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert message in text and "Traceback" not in text
+    assert "'torch'" not in text  # the decoder's own list of impls
+    assert not out.exists()
+
+
+def test_a_config_with_a_bad_backend_is_a_usage_error(runner, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("mixers: [{name: sdpa, options: {backend: maht}}]\nseq_lens: [32]\n"
+                      "heads: 1\nhead_dim: 4\ndevice: cpu\nmodes: [fwd]\n")
+    result = runner.invoke(main, ["run", str(config), "--out", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 2 and "backend must be one of" in result.output
+    assert not (tmp_path / "r.yaml").exists()
+
+
+def _picky_op(level, **_):
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level!r}")
+    return lambda q, k, v, initial_state=None, output_final_state=False: (v, None)
+
+
+class _PickyDecoder:
+    def __init__(self, steps):
+        if steps <= 0:
+            raise ValueError(f"steps must be positive, got {steps!r}")
+
+    def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
+        return None
+
+    def step(self, q, k, v, state):
+        return v, state
+
+    def state_bytes(self, state):
+        return 0
+
+
+@pytest.fixture
+def picky_mixers(fake_mixers):
+    """fake-picky: its op checks `level`, its decoder `steps`; fake-broken-options fails
+    whatever its options."""
+    added = [
+        registry.Mixer("fake-picky", "fake", "checks its options", _picky_op,
+                       build_decoder=lambda steps, **_: _PickyDecoder(steps),
+                       options={"level": 1, "steps": 1}),
+        registry.Mixer("fake-broken-options", "fake", "raises whatever its options",
+                       lambda **o: _picky_op(level=0), options={"level": 1}),
+    ]
+    for mixer in added:
+        registry.register(mixer, replace=True)
+    yield
+    for mixer in added:
+        registry._REGISTRY.pop(mixer.name, None)
+
+
+def test_options_are_blamed_only_when_the_defaults_work(runner, picky_mixers, tmp_path):
+    args = [*BENCH, "--seq-lens", "16", "--out", str(tmp_path / "r.yaml")]
+    bad = runner.invoke(main, [*args, "--mixers", "fake-picky:level=3"])
+    assert bad.exit_code == 2
+    assert "mixer 'fake-picky' (fake-picky:level=3): its op rejects the options: level must " \
+           "be 1 or 2, got 3" in " ".join(bad.output.split())
+    # a mixer that fails with its defaults too is a result of its points, not a usage error
+    broken = runner.invoke(main, [*args, "--mixers", "fake-broken-options:level=2"])
+    assert broken.exit_code == 0, broken.output
+    assert _points(tmp_path / "r.yaml")["fake-broken-options", "fwd", 16]["status"] == "error"
+
+
+def test_decoder_options_are_checked_when_the_sweep_decodes(runner, picky_mixers, tmp_path):
+    args = [*BENCH, "--mixers", "fake-picky:steps=0", "--seq-lens", "16"]
+    fwd = runner.invoke(main, [*args, "--out", str(tmp_path / "fwd.yaml")])
+    assert fwd.exit_code == 0, fwd.output
+    decode = runner.invoke(main, [*args, "--modes", "fwd,decode",
+                                  "--out", str(tmp_path / "decode.yaml")])
+    assert decode.exit_code == 2
+    assert "its decoder rejects the options: steps must be positive, got 0" in \
+        " ".join(decode.output.split())
+    assert not (tmp_path / "decode.yaml").exists()
