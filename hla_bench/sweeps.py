@@ -512,10 +512,20 @@ def memory_method(device: str) -> str:
     return "cpu peak-RSS rise (VmHWM after clear_refs, minus VmRSS before); approximate lower bound"
 
 
+# How allocation failures read: CUDA's caching allocator ("CUDA out of memory"), torch's
+# CPU allocator ("DefaultCPUAllocator: can't allocate memory" or "... not enough memory"),
+# and the OS's errno 12 as C libraries report it.
+_OOM_MESSAGES = ("out of memory", "defaultcpuallocator", "can't allocate memory",
+                 "cannot allocate memory", "not enough memory")
+
+
 def is_oom(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError):
+    """An allocation failure on any device: a point that needs more memory than there is
+    (larger T of the same mixer and mode need more still)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(text in message for text in _OOM_MESSAGES)
 
 
 def free_memory() -> None:
@@ -831,6 +841,11 @@ def run_sweeps(sweeps: list[SweepConfig],
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     points = plan(sweeps)
     oom_at: dict[tuple[str, str, str], int] = {}
+    for point in points:  # a kept out-of-memory point still rules out the larger T
+        record = kept.get(point_key(empty_record(point)))
+        if record is not None and record["status"] == "oom":
+            key = (point.sweep.name, point.spec.label, point.mode)
+            oom_at[key] = min(point.seq_len, oom_at.get(key, point.seq_len))
     records: list[dict[str, Any]] = []
 
     def add(record: dict[str, Any], measured: bool) -> None:
