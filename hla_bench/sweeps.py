@@ -351,14 +351,22 @@ class SweepConfig:
         return None
 
     def check_device(self) -> None:
-        """A malformed device, or CUDA asked for where there is none, raises ValueError."""
+        """A malformed device, one whose work cannot be timed (meta computes nothing), or
+        CUDA asked for where there is none (or a CUDA index past the last) raise ValueError."""
         try:
             device = torch.device(self.resolved_device())
         except RuntimeError as error:
             raise ValueError(f"sweep {self.name!r}: bad device {self.device!r} ({error})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"sweep {self.name!r}: device {self.device!r} cannot be timed "
+                             "(expected auto, cpu, cuda or cuda:N)")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"sweep {self.name!r}: device {self.device!r} asked for, "
                              "but CUDA is not available here")
+        if device.type == "cuda" and device.index is not None \
+                and device.index >= torch.cuda.device_count():
+            raise ValueError(f"sweep {self.name!r}: device {self.device!r} asked for, but "
+                             f"there are {torch.cuda.device_count()} CUDA device(s)")
 
 
 def parse_config(data: Mapping[str, Any]) -> list[SweepConfig]:

@@ -86,6 +86,8 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
     (["--mixers", "fake-fast", "--batch", "2", "--tokens-per-batch", "8"], "not both"),
     (["--mixers", "fake-fast", "--json", "--yaml"], "not both"),
     (["--mixers", "fake-fast", "--device", "gpu7"], "bad device 'gpu7'"),
+    (["--mixers", "fake-fast", "--device", "meta"], "device 'meta' cannot be timed"),
+    (["--mixers", "fake-fast", "--device", "mps"], "device 'mps' cannot be timed"),
 ])
 def test_bench_usage_errors_exit_2_without_traceback(runner, fake_mixers, tmp_path, args, message):
     result = runner.invoke(main, ["bench", *args, "--out", str(tmp_path / "r.yaml")])
