@@ -61,6 +61,11 @@ LAYER_ONLY_OPTIONS = ("qk_norm", "short_conv", "output_norm", "bias", "dropout",
 # ---------------------------------------------------------------- parsing
 
 
+def _is_int(value: Any) -> bool:
+    """An int that is not a bool (YAML's `true` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_seq_len(text: str | int) -> int:
     """`1k` -> 1024, `64k` -> 65536, `1m` -> 1048576, `300` -> 300."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -209,6 +214,13 @@ class SweepConfig:
         if duplicate:
             raise ValueError(f"sweep {self.name!r}: mixer label {duplicate!r} is used twice "
                              "(give variants a label=)")
+        for key in ("seq_lens", "modes"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                setattr(self, key, parse_seq_lens(value) if key == "seq_lens" else value)
+            elif not isinstance(value, (list, tuple)):
+                raise ValueError(f"sweep {self.name!r}: {key} must be a list (or a "
+                                 f"comma-separated string), got {value!r}")
         self.seq_lens = [parse_seq_len(t) for t in self.seq_lens]
         if not self.seq_lens:
             raise ValueError(f"sweep {self.name!r}: seq_lens is empty")
@@ -217,22 +229,26 @@ class SweepConfig:
             raise ValueError(f"sweep {self.name!r}: give batch or tokens_per_batch, not both")
         for key in ("batch", "tokens_per_batch", "decode_batch", "value_dim"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not _is_int(value) or value <= 0):
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
         for key in ("heads", "head_dim", "repeats", "decode_steps"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
         if not isinstance(self.decode_graph, bool):
             raise ValueError(f"sweep {self.name!r}: decode_graph must be true or false, "
                              f"got {self.decode_graph!r}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
+        if not _is_int(self.warmup) or self.warmup < 0:
             raise ValueError(f"sweep {self.name!r}: warmup must be a non-negative integer")
         timeout = self.point_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ValueError(f"sweep {self.name!r}: point_timeout_s must be a positive number "
                              f"of seconds, got {timeout!r}")
+        for key in ("name", "dtype", "device"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"sweep {self.name!r}: {key} must be a string, "
+                                 f"got {getattr(self, key)!r}")
         self.dtype = dtype_name(self.dtype)
         if self.baseline is not None and self.baseline not in labels:
             raise ValueError(f"sweep {self.name!r}: baseline {self.baseline!r} is not one of "
@@ -251,10 +267,13 @@ class SweepConfig:
         mixers = values.pop("mixers")
         if isinstance(mixers, str):
             values["mixers"] = parse_mixer_specs(mixers)
+        elif isinstance(mixers, list):
+            values["mixers"] = [MixerSpec.from_dict(item) for item in mixers]
+        elif mixers is None:
+            values["mixers"] = []
         else:
-            values["mixers"] = [MixerSpec.from_dict(item) for item in mixers or []]
-        if isinstance(values["seq_lens"], str):
-            values["seq_lens"] = parse_seq_lens(values["seq_lens"])
+            raise ValueError(f"sweep {data.get('name', 'sweep')!r}: mixers must be a list of "
+                             f"specs (or a comma-separated string), got {mixers!r}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

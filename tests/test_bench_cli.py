@@ -418,3 +418,23 @@ def test_decoder_options_are_checked_when_the_sweep_decodes(runner, picky_mixers
     assert "its decoder rejects the options: steps must be positive, got 0" in \
         " ".join(decode.output.split())
     assert not (tmp_path / "decode.yaml").exists()
+
+
+@pytest.mark.parametrize("line, message", [
+    ("seq_lens: 64", "seq_lens must be a list (or a comma-separated string), got 64"),
+    ("modes: 5", "modes must be a list (or a comma-separated string), got 5"),
+    ("repeats: true", "repeats must be a positive integer, got True"),
+    ("device: 5", "device must be a string, got 5"),
+])
+def test_config_values_of_the_wrong_type_are_usage_errors(runner, fake_mixers, tmp_path,
+                                                          line, message):
+    config = tmp_path / "c.yaml"
+    base = {"mixers": "[fake-fast]", "seq_lens": "[64]", "device": "cpu"}
+    key = line.split(":")[0]
+    config.write_text("".join(f"{k}: {v}\n" for k, v in base.items() if k != key) + line + "\n")
+    result = runner.invoke(main, ["run", str(config), "--out", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+    config.write_text(config.read_text().replace("mixers: [fake-fast]", "mixers: 5"))
+    result = runner.invoke(main, ["run", str(config)])
+    assert result.exit_code == 2 and "mixers must be a list" in " ".join(result.output.split())
