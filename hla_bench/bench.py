@@ -25,7 +25,7 @@ from hla_bench import registry
 from hla_bench import results as results_io
 from hla_bench.report import render_bench
 from hla_bench.store import ResultsStore, StoreError, default_out_path
-from hla_bench.sweeps import (MODES, MixerSpec, SweepConfig, load_config,
+from hla_bench.sweeps import (MODES, MixerSpec, SweepConfig, load_config, parse_modes,
                               parse_mixer_specs, parse_seq_lens, point_key, run_sweeps)
 
 CONFIG_DIR = Path(hla_bench.__file__).resolve().parents[1] / "configs"
@@ -225,7 +225,7 @@ def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int |
         specs = parse_mixer_specs(mixers)
         config = {
             "name": "bench", "mixers": [_spec_dict(s) for s in specs],
-            "seq_lens": parse_seq_lens(seq_lens), "modes": modes.split(","), "batch": batch,
+            "seq_lens": parse_seq_lens(seq_lens), "modes": parse_modes(modes), "batch": batch,
             "tokens_per_batch": tokens_per_batch, "decode_batch": decode_batch,
             "decode_steps": decode_steps, "decode_graph": decode_graph, "heads": heads,
             "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype, "device": device,

@@ -81,12 +81,29 @@ def parse_seq_len(text: str | int) -> int:
     return value
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The items of a comma-separated list; an empty one (`1k,,2k`, a trailing comma) is
+    an error rather than dropped, as it is most likely a value left out."""
+    items = [item.strip() for item in str(text).split(",")]
+    if items == [""]:
+        raise ValueError(f"no {what} given")
+    if "" in items:
+        raise ValueError(f"empty item in the {what} {text!r}")
+    return items
+
+
+def _no_duplicates(values: list, what: str, shown: Callable[[Any], str] = str) -> None:
+    """A value given twice would be measured twice under one key: an error."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{what} {shown(value)} is given twice")
+        seen.add(value)
+
+
 def parse_seq_lens(text: str) -> list[int]:
     """Comma-separated sequence lengths, e.g. `1k,4k,16k`."""
-    items = [item for item in str(text).split(",") if item.strip()]
-    if not items:
-        raise ValueError("no sequence lengths given")
-    return [parse_seq_len(item) for item in items]
+    return [parse_seq_len(item) for item in _items(text, "sequence lengths")]
 
 
 def format_seq_len(value: int) -> str:
@@ -98,10 +115,11 @@ def format_seq_len(value: int) -> str:
 
 
 def parse_modes(text: str | list[str]) -> list[str]:
-    modes = [m.strip() for m in text.split(",")] if isinstance(text, str) else list(text)
+    modes = _items(text, "modes") if isinstance(text, str) else list(text)
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"bad mode {bad[0] if bad else ''!r}: expected some of {', '.join(MODES)}")
+    _no_duplicates(modes, "mode", repr)
     return modes
 
 
@@ -163,10 +181,7 @@ def _spec_text(spec: MixerSpec) -> str:
 
 def parse_mixer_specs(text: str) -> list[MixerSpec]:
     """Comma-separated specs: `hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn`."""
-    specs = [MixerSpec.parse(item) for item in text.split(",") if item.strip()]
-    if not specs:
-        raise ValueError("no mixers given")
-    return specs
+    return [MixerSpec.parse(item) for item in _items(text, "mixers")]
 
 
 # ---------------------------------------------------------------- sweep config
@@ -224,6 +239,10 @@ class SweepConfig:
         self.seq_lens = [parse_seq_len(t) for t in self.seq_lens]
         if not self.seq_lens:
             raise ValueError(f"sweep {self.name!r}: seq_lens is empty")
+        try:
+            _no_duplicates(self.seq_lens, "sequence length", format_seq_len)
+        except ValueError as error:
+            raise ValueError(f"sweep {self.name!r}: {error}") from None
         self.modes = parse_modes(self.modes)
         if self.batch is not None and self.tokens_per_batch is not None:
             raise ValueError(f"sweep {self.name!r}: give batch or tokens_per_batch, not both")

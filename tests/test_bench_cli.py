@@ -87,6 +87,13 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
     (["--mixers", "fake-fast", "--json", "--yaml"], "not both"),
     (["--mixers", "fake-fast", "--device", "gpu7"], "bad device 'gpu7'"),
     (["--mixers", "fake-fast", "--device", "meta"], "device 'meta' cannot be timed"),
+    (["--mixers", "fake-fast", "--seq-lens", "64,64"], "sequence length 64 is given twice"),
+    (["--mixers", "fake-fast", "--seq-lens", "1k,1024"], "sequence length 1k is given twice"),
+    (["--mixers", "fake-fast", "--modes", "fwd,fwd"], "mode 'fwd' is given twice"),
+    (["--mixers", "fake-fast", "--seq-lens", "1k,,2k"], "empty item in the sequence lengths"),
+    (["--mixers", "fake-fast", "--seq-lens", "1k,2k,"], "empty item in the sequence lengths"),
+    (["--mixers", "fake-fast", "--modes", "fwd,,decode"], "empty item in the modes"),
+    (["--mixers", "fake-fast,,fake-oom"], "empty item in the mixers"),
     (["--mixers", "fake-fast", "--device", "mps"], "device 'mps' cannot be timed"),
 ])
 def test_bench_usage_errors_exit_2_without_traceback(runner, fake_mixers, tmp_path, args, message):

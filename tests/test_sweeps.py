@@ -138,6 +138,10 @@ def test_sweep_config_batch_rules_and_errors():
         tiny_sweep(["a"], baseline="b")
     with pytest.raises(ValueError, match="bad dtype"):
         tiny_sweep(["a"], dtype="fp8")
+    with pytest.raises(ValueError, match="sequence length 16 is given twice"):
+        tiny_sweep(["a"], seq_lens=[16, 32, "16"])
+    with pytest.raises(ValueError, match="mode 'fwd' is given twice"):
+        tiny_sweep(["a"], modes=["fwd", "decode", "fwd"])
 
 
 def test_parse_config_sweeps_inherit_top_level_keys():
