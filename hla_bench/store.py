@@ -55,6 +55,18 @@ DEFAULT_FOLDER = Path("runs")
 _HEADER_LINES = re.compile(r"\Akind: ([A-Za-z0-9_-]+)\nschema_version: \d+\n")
 
 
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
+    """Safe YAML (libyaml's emitter where it is built: a file is rewritten after every
+    record, so its speed matters), without anchors: a value that appears twice is written
+    twice, so every record reads back on its own."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 class StoreError(ValueError):
     """A results file that cannot be read, resumed, overwritten or locked; the message names
     the file and the problem."""
@@ -124,7 +136,7 @@ def parse_results(text: str, kind: str | None = None) -> dict[str, Any]:
     """A results document from its text: YAML, `check_structure`, and for store-written
     schemas the text itself ending with the marker line (so that no byte is missing)."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -157,8 +169,8 @@ def load_results(path: str | Path, kind: str | None = None,
 def dump_results(data: Mapping[str, Any]) -> str:
     """The YAML text of a document, keys in their order; for store schemas it must end with
     the marker (the document was built with `STORE_KEYS` last)."""
-    text = yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=None, width=100,
-                          allow_unicode=True)
+    text = yaml.dump(dict(data), Dumper=_Dumper, sort_keys=False, default_flow_style=None,
+                     width=100, allow_unicode=True)
     if data.get("schema_version", 0) >= FIRST_STORE_SCHEMA and not text.endswith(MARKER_LINE):
         raise StoreError(f"a results document must end with {MARKER_KEY}: true")
     return text
@@ -185,6 +197,16 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
+def _file_mode(path: Path) -> int:
+    """The permissions a replaced file keeps; for a new one, what open() would give it."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to `path` so that a reader (or a crash at any moment) sees either the
     old file or the whole new one: a unique temporary file in the same folder (two writers
@@ -192,6 +214,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     path = Path(path)
     fd, temp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp's 0600 would hide results from others
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -383,7 +406,7 @@ def _release_all() -> None:
 
 def _normalized(value: Any) -> Any:
     """`value` as it reads back from YAML (tuples become lists, ...)."""
-    return yaml.safe_load(yaml.safe_dump(value, sort_keys=False))
+    return yaml.load(yaml.dump(value, Dumper=_Dumper, sort_keys=False), Loader=_Loader)
 
 
 def _merged(stored: Mapping[str, Any], planned: Mapping[str, Any]) -> dict[str, Any]:

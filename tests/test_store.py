@@ -256,6 +256,31 @@ def test_an_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, mon
     s.release()
 
 
+def test_a_written_file_has_the_usual_permissions(tmp_path):
+    path = tmp_path / "r.yaml"
+    umask = os.umask(0o022)
+    try:
+        with open_store(path) as s:
+            s.add({"name": "a", "t": 0})
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o640)  # a replaced file keeps its own
+        with open_store(path, "resume") as s:
+            s.add({"name": "a", "t": 1})
+        assert path.stat().st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)
+
+
+def test_a_value_used_twice_is_written_twice_without_anchors(tmp_path):
+    shared = {"scale": 2}
+    path = tmp_path / "r.yaml"
+    with open_store(path) as s:
+        s.update_header({"config": shared, "also": shared}, write=False)
+        s.add({"name": "a", "t": 0, "options": shared})
+    assert "&" not in path.read_text() and "*id" not in path.read_text()
+    assert store.load_results(path)["points"][0]["options"] == {"scale": 2}
+
+
 def test_temporary_names_are_unique_and_leftovers_are_removed(tmp_path, monkeypatch):
     path = tmp_path / "r.yaml"
     names = []
