@@ -332,6 +332,8 @@ class FileLock:
     def _refuse(self) -> None:
         pid, host = _lock_holder(self.path)
         who = f"pid {pid}" + (f" on {host}" if host else "") if pid is not None else "another process"
+        if pid is not None and host == socket.gethostname() and not _pid_alive(pid):
+            who += " (no longer running: a process it started still holds the lock)"
         raise LockedError(f"{self.target} is being written by {who} (lock {self.path}); "
                           "wait for it to finish, or write to another file")
 

@@ -337,7 +337,8 @@ class SweepConfig:
             layer_only = [key for key in spec.options if key in LAYER_ONLY_OPTIONS]
             if layer_only:
                 raise ValueError(
-                    f"mixer {spec.label!r}: option {', '.join(map(repr, layer_only))} of "
+                    f"sweep {self.name!r}: mixer {spec.label!r}: option "
+                    f"{', '.join(map(repr, layer_only))} of "
                     f"{spec.name!r} applies to layers only (the models of the recall command); "
                     "the fwd, fwdbwd and decode benchmarks time the op, which does not use it")
 
