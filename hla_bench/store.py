@@ -286,7 +286,9 @@ def _lock_holder(lock_path: Path) -> tuple[int | None, str]:
 class FileLock:
     """An exclusive, non-blocking lock on `<path>.lock` (flock), whose content is the
     holder's `pid host`. Where flock is unsupported (some network file systems) the pid
-    decides: a lock naming a live process on this host is held, any other is stale."""
+    decides: a lock naming a live process on this host is held, any other is stale; that
+    fallback is best effort (two processes taking over one stale lock at the same instant
+    can both succeed), the flock is not."""
 
     def __init__(self, path: str | Path):
         self.target = Path(path)
@@ -363,10 +365,6 @@ class FileLock:
             os.close(self._fd)
         finally:
             self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
 
 # Stores open in this process: released at interpreter exit and by the SIGTERM handler.
