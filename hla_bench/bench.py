@@ -1,8 +1,10 @@
 """The speed commands: `hla-bench list`, `hla-bench bench` and `hla-bench run [CONFIG]`.
 
 Exit codes: 0 when the sweep completed (failed points are results, recorded with their
-status); 2 for usage errors (unknown mixer or option, malformed lengths, bad config);
-1 when a results file cannot be written.
+status); 2 for usage errors, all found before any point runs (unknown mixer or option,
+malformed lengths, bad config, an --out file that exists without --resume / --overwrite,
+is not a bench results file, is cut short, has other settings, or is being written by
+another process); 1 when a results file cannot be written.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import hla_bench
 from hla_bench import registry
 from hla_bench import results as results_io
 from hla_bench.report import render_bench
-from hla_bench.sweeps import (MODES, MixerSpec, SweepConfig, load_config,
-                              parse_mixer_specs, parse_seq_lens, run_sweeps)
+from hla_bench.store import ResultsStore, StoreError, default_out_path
+from hla_bench.sweeps import (MODES, MixerSpec, SweepConfig, load_config, parse_modes,
+                              parse_mixer_specs, parse_seq_lens, point_key, run_sweeps)
 
 CONFIG_DIR = Path(hla_bench.__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-smoke.yaml"
@@ -55,71 +58,95 @@ def list_(as_json: bool) -> None:
 
 
 def _check(sweeps: list[SweepConfig]) -> None:
-    """Usage errors for unknown mixers or options or an absent device, before anything runs."""
+    """Usage errors for unknown mixers or options, options of layers only, option values a
+    mixer rejects, or an absent device: every spec of every sweep, before anything runs."""
     for sweep in sweeps:
         try:
             sweep.check_mixers()
             sweep.check_device()
+            sweep.check_options()
         except ValueError as error:
             raise click.UsageError(str(error)) from None
 
 
-def _previous_points(path: Path | None, resume: bool) -> list[dict[str, Any]]:
-    """The points of the results file a resumed sweep continues (none without --resume)."""
-    if not resume:
-        return []
-    if path is None:
-        raise click.UsageError("--resume needs --out: the results file to continue")
-    if not path.exists():
-        return []
+def _mode(out: str | None, resume: bool, overwrite: bool) -> str:
+    """The store mode of --out with --resume / --overwrite (without --out, a new file)."""
+    if resume and overwrite:
+        raise click.UsageError("give --resume or --overwrite, not both")
+    if out is None:
+        if resume or overwrite:
+            flag = "--resume" if resume else "--overwrite"
+            raise click.UsageError(f"{flag} needs --out: the results file to "
+                                   f"{'continue' if resume else 'replace'}")
+        return "new"
+    return "resume" if resume else "overwrite" if overwrite else "new"
+
+
+def open_store(out: str | None, mode: str, sweeps: list[SweepConfig], config: dict[str, Any],
+               environment: dict[str, Any]) -> ResultsStore:
+    """The locked results store of a bench run; its problems (a file that exists, is not
+    a results file, is cut short, is written by another process, or whose settings differ)
+    are usage errors, raised before any point runs."""
+    path = Path(out) if out else default_out_path("bench")
+    new_header = results_io.make_header(config, [s.to_dict() for s in sweeps], environment)
     try:
-        return results_io.load(path)["points"]
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        raise click.UsageError(f"cannot resume from {path}: {error}") from None
+        return ResultsStore.open(
+            path, kind="bench", key=point_key, settings=results_io.settings_of(sweeps),
+            mode=mode, validate=results_io.validate,
+            header=lambda previous: (new_header if previous is None
+                                     else results_io.resumed_header(previous, new_header)))
+    except StoreError as error:
+        raise click.UsageError(str(error)) from None
 
 
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
-            baseline: str | None, resume: bool = False) -> dict[str, Any]:
-    """Run the sweeps with a progress bar, save the results file, print tables or data."""
+            baseline: str | None, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Check everything, run the sweeps with a progress bar, keeping the results file
+    current after every point; print tables or data."""
+    mode = _mode(out, resume, overwrite)
     _check(sweeps)
-    previous = _previous_points(Path(out) if out else None, resume)
     errors = Console(stderr=True)
     started = time.perf_counter()
     devices = sorted({s.resolved_device() for s in sweeps})
     environment = results_io.capture_environment(",".join(devices))
-    path = Path(out) if out else results_io.default_path()
+    store = open_store(out, mode, sweeps, config, environment)
+    path = store.path
+    with store:
+        if store.kept:
+            errors.print(f"resuming {path}: {store.kept} point(s) kept", highlight=False)
 
-    def save(points: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
-        data = results_io.make_results(config, [s.to_dict() for s in sweeps], points,
-                                       {**environment, "complete": complete})
-        data["environment"]["wall_s"] = round(time.perf_counter() - started, 2)
+        def on_measured(record: dict[str, Any]) -> None:
+            """Keep the file current (a killed sweep leaves its finished points); without
+            a terminal the progress bar is silent, so log one line per point instead."""
+            store.update_header({"environment": {
+                **environment, "wall_s": round(time.perf_counter() - started, 2)}}, write=False)
+            try:
+                store.add(record)
+            except OSError as error:
+                raise click.ClickException(f"cannot write {path}: {error}")
+            if not errors.is_terminal:
+                r = record
+                time_ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") is not None else ""
+                errors.print(f"[{len(store)}] {r['sweep']} {r['mixer']} {r['mode']} "
+                             f"T={r['seq_len']} {r['status']} {time_ms} {r.get('reason') or ''}",
+                             highlight=False, soft_wrap=True)
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=errors, transient=True) as progress:
+            task = progress.add_task("sweep", total=None)
+
+            def on_point(index: int, total: int, point) -> None:
+                progress.update(task, completed=index, total=total, description=point.describe())
+
+            planned = run_sweeps(sweeps, on_point, previous=store.records(),
+                                 on_measured=on_measured)
+            progress.update(task, completed=len(planned))
+        store.update_header({"environment": {
+            **environment, "wall_s": round(time.perf_counter() - started, 2)}}, write=False)
         try:
-            results_io.save(data, path)
+            data = store.close(complete=True)
         except OSError as error:
             raise click.ClickException(f"cannot write {path}: {error}")
-        return data
-
-    def on_record(records: list[dict[str, Any]]) -> None:
-        """Keep the file current (a killed sweep leaves its finished points); without a
-        terminal the progress bar is silent, so log one line per point instead."""
-        save(records, complete=False)
-        if not errors.is_terminal:
-            r = records[-1]
-            time_ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") is not None else ""
-            errors.print(f"[{len(records)}] {r['sweep']} {r['mixer']} {r['mode']} "
-                         f"T={r['seq_len']} {r['status']} {time_ms} {r.get('reason') or ''}",
-                         highlight=False, soft_wrap=True)
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=errors, transient=True) as progress:
-        task = progress.add_task("sweep", total=None)
-
-        def on_point(index: int, total: int, point) -> None:
-            progress.update(task, completed=index, total=total, description=point.describe())
-
-        points = run_sweeps(sweeps, on_point, on_record, previous)
-        progress.update(task, completed=len(points))
-    data = save(points, complete=True)
     if output_format == "json":
         click.echo(json.dumps(data, indent=2, default=str))
     elif output_format == "yaml":
@@ -127,7 +154,8 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
     else:
         console = Console()
         render_bench(data, console, ("time", "memory"), baseline)
-        console.print(f"{len(points)} points in {data['environment']['wall_s']:.1f} s; "
+        kept = f" ({store.kept} kept from before)" if store.kept else ""
+        console.print(f"{len(planned)} points in {data['environment']['wall_s']:.1f} s{kept}; "
                       f"results written to {path}")
     if output_format != "table":
         errors.print(f"results written to {path}")
@@ -142,12 +170,16 @@ def _output_format(as_json: bool, as_yaml: bool) -> str:
 
 output_options = [
     click.option("--out", type=click.Path(dir_okay=False),
-                 help="Results file (default results/<UTC timestamp>-<host>.yaml)."),
+                 help="Results file (default runs/bench-<UTC time>-<pid>-<random>.yaml). An "
+                      "existing file needs --resume or --overwrite."),
     click.option("--json", "as_json", is_flag=True, help="Print the results as JSON, not tables."),
     click.option("--yaml", "as_yaml", is_flag=True, help="Print the results as YAML, not tables."),
     click.option("--baseline", help="Mixer label whose ratios the tables show."),
     click.option("--resume", is_flag=True,
-                 help="Keep the points already measured in the --out file; run the rest."),
+                 help="Continue the --out file: keep every point it holds, measure only the "
+                      "missing ones (its settings must match)."),
+    click.option("--overwrite", is_flag=True,
+                 help="Replace the --out file (only a bench results file is replaced)."),
 ]
 
 
@@ -186,14 +218,14 @@ def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int |
           heads: int, head_dim: int, value_dim: int | None, dtype: str,
           modes: str, device: str, repeats: int, warmup: int, point_timeout_s: float | None,
           out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
-          resume: bool) -> None:
+          resume: bool, overwrite: bool) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
         specs = parse_mixer_specs(mixers)
         config = {
             "name": "bench", "mixers": [_spec_dict(s) for s in specs],
-            "seq_lens": parse_seq_lens(seq_lens), "modes": modes.split(","), "batch": batch,
+            "seq_lens": parse_seq_lens(seq_lens), "modes": parse_modes(modes), "batch": batch,
             "tokens_per_batch": tokens_per_batch, "decode_batch": decode_batch,
             "decode_steps": decode_steps, "decode_graph": decode_graph, "heads": heads,
             "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype, "device": device,
@@ -203,7 +235,7 @@ def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int |
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    execute(config, [sweep], out, output_format, baseline, resume)
+    execute(config, [sweep], out, output_format, baseline, resume, overwrite)
 
 
 def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
@@ -217,7 +249,7 @@ def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
               help="Run only this sweep of the config (repeatable; default: all).")
 @with_output_options
 def run(config_path: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
-        as_yaml: bool, baseline: str | None, resume: bool) -> None:
+        as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool) -> None:
     """Run the sweeps of a config file (default: configs/cpu-smoke.yaml)."""
     output_format = _output_format(as_json, as_yaml)
     path = Path(config_path) if config_path else DEFAULT_CONFIG
@@ -240,7 +272,7 @@ def run(config_path: str | None, only: tuple[str, ...], out: str | None, as_json
                                f"({', '.join(sorted(labels))})")
     total = sum(len(s.mixers) * len(s.modes) * len(s.seq_lens) for s in sweeps)
     Console(stderr=True).print(f"{path.name}: {len(sweeps)} sweep(s), {total} points")
-    execute(config, sweeps, out, output_format, baseline, resume)
+    execute(config, sweeps, out, output_format, baseline, resume, overwrite)
 
 
 commands = [list_, bench, run]

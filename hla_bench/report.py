@@ -1,7 +1,9 @@
 """Tables, comparisons and plots of results files, and the `hla-bench report` command.
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
-`hla_bench.recall_report.render_recall` (imported only when such a file is given).
+`hla_bench.recall_report.render_recall`. Every file given is checked before anything is
+printed; a file that is not a results file, is cut short or breaks its schema is a usage
+error (exit 2).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from hla_bench import recall_report, store
 from hla_bench import results as results_io
 from hla_bench.recall_report import render_recall
 from hla_bench.sweeps import format_seq_len, iter_groups
@@ -280,6 +283,26 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return written
 
 
+def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
+    """(path, kind, data) of a results file of any kind, checked: the structure every
+    results file has (`store.check_structure`, the completion marker), then the kind's own
+    schema (bench: `results.validate`; recall: `recall_report.validate_recall` where it
+    exists). Any problem is a usage error naming the file."""
+    try:
+        data = store.load_results(path)
+        if data["kind"] == "bench":
+            results_io.validate(data)
+        else:
+            validate_recall = getattr(recall_report, "validate_recall", None)
+            if validate_recall is not None:
+                validate_recall(data)
+    except ValueError as error:
+        message = str(error)
+        raise click.UsageError(message if message.startswith(str(path))
+                               else f"{path}: {message}") from None
+    return path, data["kind"], data
+
+
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--compare", "compare_files", is_flag=True,
@@ -294,16 +317,13 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
            baseline: str | None, threshold: float, markdown: bool) -> None:
     """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots)."""
     console = Console()
-    loaded = []
-    for path in files:
-        try:
-            data = results_io.read_yaml(path)
-            kind = data.get("kind")
-            if kind == "bench":
-                data = results_io.load(path)
-        except (results_io.ResultsSchemaError, OSError, ValueError) as error:
-            raise click.ClickException(str(error))
-        loaded.append((path, kind, data))
+    loaded = [load_any(path) for path in files]  # every file checked before any output
+    if baseline is not None:
+        for path, kind, data in loaded:
+            labels = {p["mixer"] for p in data["points"]} if kind == "bench" else set()
+            if kind == "bench" and baseline not in labels:
+                raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of "
+                                       f"{path} ({', '.join(sorted(labels)) or 'no points'})")
     if compare_files:
         if len(loaded) != 2 or any(kind != "bench" for _, kind, _ in loaded):
             raise click.UsageError("--compare takes exactly two bench results files")
@@ -327,11 +347,13 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
             if plot_dir is not None:
                 for written in write_plots(data, plot_dir):
                     console.print(f"wrote {written}")
-        elif kind == "recall":
-            render_recall(data, console, plots_dir=plot_dir, markdown=markdown)
         else:
-            raise click.ClickException(f"{path}: unknown results kind {kind!r} "
-                                       "(expected bench or recall)")
+            render_recall(data, console, plots_dir=plot_dir, markdown=markdown)
+        if data.get("complete") is False:
+            note = (f"{path} is incomplete: its run was stopped before the end of its plan "
+                    "(continue it with --resume)")
+            console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"_{note}_",
+                          markup=not markdown, highlight=False, soft_wrap=True)
 
 
 commands = [report]

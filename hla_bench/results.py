@@ -1,16 +1,22 @@
 """Benchmark results files: schema, environment capture, validated load and save.
 
-A results file is YAML:
+A bench results file is YAML, written through `hla_bench.store` (atomic writes, a lock,
+a completion marker):
 
     kind: bench              # report dispatches on it (recall files say `recall`)
-    schema_version: 1
+    schema_version: 2
     created: 2026-12-02T08:00:00+00:00
     config: {...}            # the sweep config as given (file contents or CLI options)
     sweeps: [{...}, ...]     # each sweep fully resolved (defaults filled in)
     environment: {...}       # versions, GPU, host, git commit, memory method
+    earlier_runs: [...]      # optional: config and environment of the runs a resume continued
+    settings: {sweeps: {NAME: {...}}}   # per sweep, what a resume must match
     points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields in POINT_FIELDS
+    complete: true           # the plan ran to its end
+    end_of_results: true     # the completion marker
 
-Every point has a status; time/memory/rate fields are null unless it is `ok`.
+Every point has a status; time/memory/rate fields are null unless it is `ok`. Schema
+version 1 files (before the store: no settings, complete or marker) are still read.
 """
 
 from __future__ import annotations
@@ -24,12 +30,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from hla_bench import __version__
-from hla_bench.sweeps import MODES, STATUSES, memory_method
+from hla_bench import store
+from hla_bench.sweeps import MODES, STATUSES, SweepConfig, memory_method
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 KIND = "bench"
 OPTIONAL_PACKAGES = ("triton", "flash-linear-attention", "mamba-ssm", "flash-attn",
                      "causal-conv1d", "numpy")
@@ -56,9 +62,12 @@ TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "config": (_MAP, False), "sweeps": ((list,), False), "environment": (_MAP, False),
     "points": ((list,), False),
 }
+OPTIONAL_TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "earlier_runs": ((list,), False),
+}
 
 
-class ResultsSchemaError(ValueError):
+class ResultsSchemaError(store.StoreError):
     """A results file that does not follow the schema; the message names the field."""
 
 
@@ -122,14 +131,42 @@ def capture_environment(device: str) -> dict[str, Any]:
     return env
 
 
-def make_results(config: Mapping[str, Any], sweeps: list[Mapping[str, Any]],
-                 points: list[dict[str, Any]], environment: Mapping[str, Any]) -> dict[str, Any]:
+def make_header(config: Mapping[str, Any], sweeps: list[Mapping[str, Any]],
+                environment: Mapping[str, Any]) -> dict[str, Any]:
+    """The header of a new bench results file (the fields before the settings)."""
     return {
-        "kind": KIND, "schema_version": SCHEMA_VERSION,
+        "schema_version": SCHEMA_VERSION,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "config": dict(config), "sweeps": [dict(s) for s in sweeps],
-        "environment": dict(environment), "points": list(points),
+        "environment": dict(environment),
     }
+
+
+def resumed_header(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The header of a resumed file: this run's config and environment, the file's creation
+    time, the sweeps of both (this run's definition where a name is in both, so that every
+    point's sweep is described), and the earlier runs' config and environment, since the
+    file holds their points too."""
+    sweeps = {s.get("name"): s for s in previous.get("sweeps") or []}
+    sweeps.update({s.get("name"): s for s in new["sweeps"]})
+    earlier = list(previous.get("earlier_runs") or [])
+    earlier.append({"config": previous.get("config"), "environment": previous.get("environment")})
+    return {**new, "created": previous.get("created", new["created"]),
+            "sweeps": list(sweeps.values()), "earlier_runs": earlier}
+
+
+def settings_of(sweeps: list[SweepConfig]) -> dict[str, Any]:
+    """What a resume must match: each sweep's shape and timing settings, by sweep name."""
+    return {"sweeps": {sweep.name: sweep.settings() for sweep in sweeps}}
+
+
+def make_results(config: Mapping[str, Any], sweeps: list[Mapping[str, Any]],
+                 points: list[dict[str, Any]], environment: Mapping[str, Any],
+                 settings: Mapping[str, Any] | None = None, complete: bool = True) -> dict[str, Any]:
+    """A whole bench results document, in the store's layout."""
+    return {"kind": KIND, **make_header(config, sweeps, environment),
+            "settings": dict(settings or {}), "points": list(points), "complete": complete,
+            store.MARKER_KEY: True}
 
 
 def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, ...], bool]],
@@ -150,13 +187,18 @@ def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, 
 
 
 def validate(data: Any) -> dict[str, Any]:
-    """Check `data` against the bench schema; ResultsSchemaError names the first bad field."""
-    _check_fields("", data, TOP_FIELDS)
-    if data["kind"] != KIND:
-        raise ResultsSchemaError(f"kind: expected {KIND!r}, got {data['kind']!r}")
-    if data["schema_version"] != SCHEMA_VERSION:
-        raise ResultsSchemaError(f"schema_version: expected {SCHEMA_VERSION}, "
+    """Check `data` against the bench schema (after the structure every results file has,
+    see `store.check_structure`); ResultsSchemaError names the first bad field."""
+    try:
+        store.check_structure(data, KIND)
+    except ResultsSchemaError:
+        raise
+    except store.StoreError as error:
+        raise ResultsSchemaError(str(error)) from None
+    if data["schema_version"] not in READABLE_SCHEMA_VERSIONS:
+        raise ResultsSchemaError(f"schema_version: expected {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}, "
                                  f"got {data['schema_version']!r}")
+    _check_fields("", data, TOP_FIELDS, OPTIONAL_TOP_FIELDS)
     for index, point in enumerate(data["points"]):
         where = f"points[{index}]"
         _check_fields(where, point, POINT_FIELDS, OPTIONAL_POINT_FIELDS)
@@ -171,37 +213,20 @@ def validate(data: Any) -> dict[str, Any]:
     return data
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Any results file (bench or another kind) as a mapping, unvalidated."""
-    data = yaml.safe_load(Path(path).read_text())
-    if not isinstance(data, dict):
-        raise ResultsSchemaError(f"{path}: expected a YAML mapping at the top level")
-    return data
-
-
 def load(path: str | Path) -> dict[str, Any]:
-    """A validated bench results file."""
+    """A validated bench results file; ResultsSchemaError names the file and the problem."""
     try:
-        return validate(read_yaml(path))
-    except ResultsSchemaError as error:
-        raise ResultsSchemaError(f"{path}: {error}") from None
+        return store.load_results(path, KIND, validate)
+    except ResultsSchemaError:
+        raise
+    except store.StoreError as error:
+        raise ResultsSchemaError(str(error)) from None
 
 
 def save(data: Mapping[str, Any], path: str | Path) -> Path:
-    """Validate, then write YAML (parent folders created) through a temporary file, so an
-    interrupted sweep never leaves a half-written file."""
+    """Validate a whole document, then write it atomically (parent folders created). The
+    commands write through `store.ResultsStore`, which also locks the file and refuses to
+    replace what is not a results file; this is for documents built in one piece."""
     validate(dict(data))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=None,
-                                      width=100))
-    partial.replace(path)
-    return path
-
-
-def default_path(now: dt.datetime | None = None, host: str | None = None) -> Path:
-    """results/<UTC timestamp>-<host>.yaml"""
-    now = now or dt.datetime.now(dt.timezone.utc)
-    host = (host or socket.gethostname()).split(".")[0] or "host"
-    return Path("results") / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{host}.yaml"
+    store.check_writable(path)
+    return store.atomic_write_text(path, store.dump_results(data))

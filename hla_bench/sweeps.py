@@ -51,9 +51,19 @@ DTYPES = {
     "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
 }
 _SEQ_LEN = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+# Registry options only a mixer's layer reads (the recall command's models): the op and
+# decoder builders ignore them, so an op benchmark given one would time something other
+# than asked. d_state and expand size the Mamba-2 block around the SSD op.
+LAYER_ONLY_OPTIONS = ("qk_norm", "short_conv", "output_norm", "bias", "dropout",
+                      "feature_dim", "d_state", "expand")
 
 
 # ---------------------------------------------------------------- parsing
+
+
+def _is_int(value: Any) -> bool:
+    """An int that is not a bool (YAML's `true` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_seq_len(text: str | int) -> int:
@@ -71,12 +81,29 @@ def parse_seq_len(text: str | int) -> int:
     return value
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The items of a comma-separated list; an empty one (`1k,,2k`, a trailing comma) is
+    an error rather than dropped, as it is most likely a value left out."""
+    items = [item.strip() for item in str(text).split(",")]
+    if items == [""]:
+        raise ValueError(f"no {what} given")
+    if "" in items:
+        raise ValueError(f"empty item in the {what} {text!r}")
+    return items
+
+
+def _no_duplicates(values: list, what: str, shown: Callable[[Any], str] = str) -> None:
+    """A value given twice would be measured twice under one key: an error."""
+    seen = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{what} {shown(value)} is given twice")
+        seen.add(value)
+
+
 def parse_seq_lens(text: str) -> list[int]:
     """Comma-separated sequence lengths, e.g. `1k,4k,16k`."""
-    items = [item for item in str(text).split(",") if item.strip()]
-    if not items:
-        raise ValueError("no sequence lengths given")
-    return [parse_seq_len(item) for item in items]
+    return [parse_seq_len(item) for item in _items(text, "sequence lengths")]
 
 
 def format_seq_len(value: int) -> str:
@@ -88,10 +115,11 @@ def format_seq_len(value: int) -> str:
 
 
 def parse_modes(text: str | list[str]) -> list[str]:
-    modes = [m.strip() for m in text.split(",")] if isinstance(text, str) else list(text)
+    modes = _items(text, "modes") if isinstance(text, str) else list(text)
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"bad mode {bad[0] if bad else ''!r}: expected some of {', '.join(MODES)}")
+    _no_duplicates(modes, "mode", repr)
     return modes
 
 
@@ -146,12 +174,14 @@ class MixerSpec:
         return cls(str(data["name"]), str(data.get("label") or data["name"]), dict(options))
 
 
+def _spec_text(spec: MixerSpec) -> str:
+    """A spec as it is written on the command line: `hla2:impl=chunk`."""
+    return ":".join([spec.name, *(f"{key}={value}" for key, value in spec.options.items())])
+
+
 def parse_mixer_specs(text: str) -> list[MixerSpec]:
     """Comma-separated specs: `hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn`."""
-    specs = [MixerSpec.parse(item) for item in text.split(",") if item.strip()]
-    if not specs:
-        raise ValueError("no mixers given")
-    return specs
+    return [MixerSpec.parse(item) for item in _items(text, "mixers")]
 
 
 # ---------------------------------------------------------------- sweep config
@@ -199,30 +229,45 @@ class SweepConfig:
         if duplicate:
             raise ValueError(f"sweep {self.name!r}: mixer label {duplicate!r} is used twice "
                              "(give variants a label=)")
+        for key in ("seq_lens", "modes"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                setattr(self, key, parse_seq_lens(value) if key == "seq_lens" else value)
+            elif not isinstance(value, (list, tuple)):
+                raise ValueError(f"sweep {self.name!r}: {key} must be a list (or a "
+                                 f"comma-separated string), got {value!r}")
         self.seq_lens = [parse_seq_len(t) for t in self.seq_lens]
         if not self.seq_lens:
             raise ValueError(f"sweep {self.name!r}: seq_lens is empty")
+        try:
+            _no_duplicates(self.seq_lens, "sequence length", format_seq_len)
+        except ValueError as error:
+            raise ValueError(f"sweep {self.name!r}: {error}") from None
         self.modes = parse_modes(self.modes)
         if self.batch is not None and self.tokens_per_batch is not None:
             raise ValueError(f"sweep {self.name!r}: give batch or tokens_per_batch, not both")
         for key in ("batch", "tokens_per_batch", "decode_batch", "value_dim"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            if value is not None and (not _is_int(value) or value <= 0):
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
         for key in ("heads", "head_dim", "repeats", "decode_steps"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"sweep {self.name!r}: {key} must be a positive integer, got {value!r}")
         if not isinstance(self.decode_graph, bool):
             raise ValueError(f"sweep {self.name!r}: decode_graph must be true or false, "
                              f"got {self.decode_graph!r}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
+        if not _is_int(self.warmup) or self.warmup < 0:
             raise ValueError(f"sweep {self.name!r}: warmup must be a non-negative integer")
         timeout = self.point_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ValueError(f"sweep {self.name!r}: point_timeout_s must be a positive number "
                              f"of seconds, got {timeout!r}")
+        for key in ("name", "dtype", "device"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"sweep {self.name!r}: {key} must be a string, "
+                                 f"got {getattr(self, key)!r}")
         self.dtype = dtype_name(self.dtype)
         if self.baseline is not None and self.baseline not in labels:
             raise ValueError(f"sweep {self.name!r}: baseline {self.baseline!r} is not one of "
@@ -241,14 +286,31 @@ class SweepConfig:
         mixers = values.pop("mixers")
         if isinstance(mixers, str):
             values["mixers"] = parse_mixer_specs(mixers)
+        elif isinstance(mixers, list):
+            values["mixers"] = [MixerSpec.from_dict(item) for item in mixers]
+        elif mixers is None:
+            values["mixers"] = []
         else:
-            values["mixers"] = [MixerSpec.from_dict(item) for item in mixers or []]
-        if isinstance(values["seq_lens"], str):
-            values["seq_lens"] = parse_seq_lens(values["seq_lens"])
+            raise ValueError(f"sweep {data.get('name', 'sweep')!r}: mixers must be a list of "
+                             f"specs (or a comma-separated string), got {mixers!r}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    # What a resumed sweep must share with the points its results file holds under its
+    # name: the shape and the timing (the plan's mixers, modes and lengths may change; the
+    # point timeout too, since a point that timed out is measured again).
+    SETTING_FIELDS = ("heads", "head_dim", "value_dim", "batch", "tokens_per_batch",
+                      "decode_batch", "decode_steps", "decode_graph", "dtype", "device",
+                      "warmup", "repeats")
+
+    def settings(self) -> dict[str, Any]:
+        """The SETTING_FIELDS, resolved (value_dim, dtype and device as the points record)."""
+        values = {key: getattr(self, key) for key in self.SETTING_FIELDS}
+        values.update(value_dim=self.value_dim or self.head_dim, dtype=self.resolved_dtype(),
+                      device=self.resolved_device())
+        return values
 
     def batch_for(self, seq_len: int, mode: str) -> int:
         if mode == "decode" and self.decode_batch is not None:
@@ -268,19 +330,82 @@ class SweepConfig:
         return self.dtype
 
     def check_mixers(self) -> None:
-        """Unknown mixer names or options raise ValueError before anything runs."""
+        """Unknown mixer names or options, and options only a layer uses, raise ValueError
+        before anything runs."""
         for spec in self.mixers:
             registry.get(spec.name).resolve_options(spec.options)
+            layer_only = [key for key in spec.options if key in LAYER_ONLY_OPTIONS]
+            if layer_only:
+                raise ValueError(
+                    f"sweep {self.name!r}: mixer {spec.label!r}: option "
+                    f"{', '.join(map(repr, layer_only))} of "
+                    f"{spec.name!r} applies to layers only (the models of the recall command); "
+                    "the fwd, fwdbwd and decode benchmarks time the op, which does not use it")
+
+    def check_options(self) -> None:
+        """Option values a mixer rejects raise ValueError before anything runs.
+
+        Only the op (and, when the sweep has decode points, the decoder) can tell a bad
+        value, so each spec with options is built and called once on a few tokens, on the
+        sweep's device and dtype. A ValueError or TypeError counts against the options only
+        when the same call with the mixer's defaults succeeds: a mixer that fails anyway
+        is a result of its points, as in any sweep. Mixers that cannot run here (a missing
+        package or device) are not probed; their points are recorded as unavailable."""
+        modes = ("fwd", "decode") if "decode" in self.modes else ("fwd",)
+        for spec in self.mixers:
+            mixer = registry.get(spec.name)
+            if not spec.options or mixer.unavailable_reason(spec.options):
+                continue
+            for mode in modes:
+                if mode == "decode" and mixer.build_decoder is None:
+                    continue
+                error = self._probe(mixer, spec.options, mode)
+                if error is not None and self._probe(mixer, {}, mode) is None:
+                    where = "its decoder" if mode == "decode" else "its op"
+                    raise ValueError(f"sweep {self.name!r}: mixer {spec.label!r} "
+                                     f"({_spec_text(spec)}): {where} rejects the options: "
+                                     f"{error}")
+
+    def _probe(self, mixer: registry.Mixer, options: dict[str, Any], mode: str) -> str | None:
+        """The message of the ValueError or TypeError one small call raises, else None."""
+        device, dtype = self.resolved_device(), DTYPES[self.resolved_dtype()]
+        heads, head_dim, value_dim = self.heads, self.head_dim, self.value_dim or self.head_dim
+        seq_len = min(16, min(self.seq_lens))
+        generator = torch.Generator().manual_seed(0)
+        try:
+            with time_limit(self.point_timeout_s), torch.no_grad():
+                if mode == "decode":
+                    decoder = mixer.decoder(**options)
+                    state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, device,
+                                               dtype)
+                    decoder.step(*_qkv((1, heads), head_dim, value_dim, device, dtype,
+                                       generator), state)
+                else:
+                    mixer.op(**options)(*_qkv((1, seq_len, heads), head_dim, value_dim,
+                                              device, dtype, generator))
+        except (ValueError, TypeError) as error:
+            return f"{type(error).__name__}: {error}" if isinstance(error, TypeError) else str(error)
+        except Exception:  # not the options' fault: left to the points to record
+            free_memory()
+        return None
 
     def check_device(self) -> None:
-        """A malformed device, or CUDA asked for where there is none, raises ValueError."""
+        """A malformed device, one whose work cannot be timed (meta computes nothing), or
+        CUDA asked for where there is none (or a CUDA index past the last) raise ValueError."""
         try:
             device = torch.device(self.resolved_device())
         except RuntimeError as error:
             raise ValueError(f"sweep {self.name!r}: bad device {self.device!r} ({error})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"sweep {self.name!r}: device {self.device!r} cannot be timed "
+                             "(expected auto, cpu, cuda or cuda:N)")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"sweep {self.name!r}: device {self.device!r} asked for, "
                              "but CUDA is not available here")
+        if device.type == "cuda" and device.index is not None \
+                and device.index >= torch.cuda.device_count():
+            raise ValueError(f"sweep {self.name!r}: device {self.device!r} asked for, but "
+                             f"there are {torch.cuda.device_count()} CUDA device(s)")
 
 
 def parse_config(data: Mapping[str, Any]) -> list[SweepConfig]:
@@ -434,10 +559,20 @@ def memory_method(device: str) -> str:
     return "cpu peak-RSS rise (VmHWM after clear_refs, minus VmRSS before); approximate lower bound"
 
 
+# How allocation failures read: CUDA's caching allocator ("CUDA out of memory"), torch's
+# CPU allocator ("DefaultCPUAllocator: can't allocate memory" or "... not enough memory"),
+# and the OS's errno 12 as C libraries report it.
+_OOM_MESSAGES = ("out of memory", "defaultcpuallocator", "can't allocate memory",
+                 "cannot allocate memory", "not enough memory")
+
+
 def is_oom(error: BaseException) -> bool:
-    if isinstance(error, torch.cuda.OutOfMemoryError):
+    """An allocation failure on any device: a point that needs more memory than there is
+    (larger T of the same mixer and mode need more still)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(text in message for text in _OOM_MESSAGES)
 
 
 def free_memory() -> None:
@@ -742,19 +877,28 @@ def run_sweeps(sweeps: list[SweepConfig],
                on_point: Callable[[int, int, Point], None] | None = None,
                on_record: Callable[[list[dict[str, Any]]], None] | None = None,
                previous: list[dict[str, Any]] = (),
+               on_measured: Callable[[dict[str, Any]], None] | None = None,
                ) -> list[dict[str, Any]]:
-    """Run every planned point; `on_point(index, total, point)` is called before each and
-    `on_record(records_so_far)` after each (to save partial results of a long sweep).
+    """Run every planned point; `on_point(index, total, point)` is called before each,
+    `on_record(records_so_far)` after each, and `on_measured(record)` after each point
+    measured here (not taken from `previous`), to save it as soon as it exists.
     A point with a record in `previous` (same key, a kept status) is not measured again:
     a sweep cut short can be resumed from its results file. The eager decode points of one
     mixer in a sweep are measured together, in rounds (see run_decode_points)."""
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     points = plan(sweeps)
     oom_at: dict[tuple[str, str, str], int] = {}
+    for point in points:  # a kept out-of-memory point still rules out the larger T
+        record = kept.get(point_key(empty_record(point)))
+        if record is not None and record["status"] == "oom":
+            key = (point.sweep.name, point.spec.label, point.mode)
+            oom_at[key] = min(point.seq_len, oom_at.get(key, point.seq_len))
     records: list[dict[str, Any]] = []
 
-    def add(record: dict[str, Any]) -> None:
+    def add(record: dict[str, Any], measured: bool) -> None:
         records.append(record)
+        if measured and on_measured is not None:
+            on_measured(record)
         if on_record is not None:
             on_record(records)
 
@@ -766,12 +910,12 @@ def run_sweeps(sweeps: list[SweepConfig],
                 todo, oom_at,
                 on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
             for record in resumed:
-                add(record or next(measured))
+                add(record or next(measured), record is None)
             continue
         for offset, (point, record) in enumerate(zip(group, resumed)):
             if on_point is not None:
                 on_point(start + offset, len(points), point)
-            add(record if record is not None else run_point(point, oom_at))
+            add(record if record is not None else run_point(point, oom_at), record is None)
     return records
 
 

@@ -6,7 +6,8 @@ has it) and the state paths (a run split through `initial_state`, a prefill foll
 float64 on the CPU from the same dtype-rounded inputs. A second table shows, as data, how far
 the paper's own formulas are from the corrected operators (spec §1.1 and §3).
 
-Exit code 0 when every pair that should agree does, 1 otherwise.
+Exit code 0 when every pair that should agree does, 1 otherwise; 2 for usage errors (no
+CUDA device, a --yaml file that cannot be written: both found before the checks run).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from hla_bench.store import StoreError, atomic_write_text, check_writable
 from mixers.hla import ahla2, ahla2_step, hla2, hla2_step, hla3, hla3_step
 from mixers.hla.ahla2 import ahla2_naive
 from mixers.hla.hla3 import hla3_naive
@@ -278,14 +280,21 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     """Check every HLA form against the explicit float64 sums; exit 1 on any disagreement."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device here", param_hint="--device")
+    if yaml_path:
+        try:  # before the checks run, not after
+            check_writable(yaml_path)
+        except StoreError as error:
+            raise click.BadParameter(str(error), param_hint="--yaml") from None
     result = run_all(seed=seed, seq_len=seq_len, dtype_name=dtype_name, device=device)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
         render(result, Console())
     if yaml_path:
-        with open(yaml_path, "w") as handle:
-            yaml.safe_dump(result, handle, sort_keys=False)
+        try:
+            atomic_write_text(yaml_path, yaml.safe_dump(result, sort_keys=False))
+        except OSError as error:
+            raise click.ClickException(f"cannot write {yaml_path}: {error}") from None
     raise SystemExit(0 if result["passed"] else 1)
 
 

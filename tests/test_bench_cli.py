@@ -7,7 +7,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, results, sweeps
+from hla_bench import bench, registry, results, sweeps
 from hla_bench.cli import main
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
 
@@ -86,6 +86,15 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
     (["--mixers", "fake-fast", "--batch", "2", "--tokens-per-batch", "8"], "not both"),
     (["--mixers", "fake-fast", "--json", "--yaml"], "not both"),
     (["--mixers", "fake-fast", "--device", "gpu7"], "bad device 'gpu7'"),
+    (["--mixers", "fake-fast", "--device", "meta"], "device 'meta' cannot be timed"),
+    (["--mixers", "fake-fast", "--seq-lens", "64,64"], "sequence length 64 is given twice"),
+    (["--mixers", "fake-fast", "--seq-lens", "1k,1024"], "sequence length 1k is given twice"),
+    (["--mixers", "fake-fast", "--modes", "fwd,fwd"], "mode 'fwd' is given twice"),
+    (["--mixers", "fake-fast", "--seq-lens", "1k,,2k"], "empty item in the sequence lengths"),
+    (["--mixers", "fake-fast", "--seq-lens", "1k,2k,"], "empty item in the sequence lengths"),
+    (["--mixers", "fake-fast", "--modes", "fwd,,decode"], "empty item in the modes"),
+    (["--mixers", "fake-fast,,fake-oom"], "empty item in the mixers"),
+    (["--mixers", "fake-fast", "--device", "mps"], "device 'mps' cannot be timed"),
 ])
 def test_bench_usage_errors_exit_2_without_traceback(runner, fake_mixers, tmp_path, args, message):
     result = runner.invoke(main, ["bench", *args, "--out", str(tmp_path / "r.yaml")])
@@ -157,7 +166,8 @@ def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp
                                 "bench fast fwd T=32"]
     resumed = results.load(out)["points"]
     assert resumed[0] == first[0]  # fast T=16 kept as it was
-    assert [(p["mixer"], p["seq_len"]) for p in resumed] == [(p["mixer"], p["seq_len"]) for p in first]
+    assert sorted((p["mixer"], p["seq_len"]) for p in resumed) == \
+        sorted((p["mixer"], p["seq_len"]) for p in first)
 
 
 def test_resume_needs_out(runner, fake_mixers):
@@ -189,3 +199,249 @@ def test_shipped_configs_parse_and_name_registered_mixers():
         for sweep in sweeps:
             sweep.check_mixers()
     assert bench.DEFAULT_CONFIG.name == "cpu-smoke.yaml" and bench.DEFAULT_CONFIG.exists()
+
+
+# ---------------------------------------------------------------- the results file
+
+
+BENCH = ["bench", "--heads", "1", "--head-dim", "4", "--device", "cpu", "--modes", "fwd",
+         "--warmup", "0", "--repeats", "1"]
+
+
+def _points(path):
+    return {(p["mixer"], p["mode"], p["seq_len"]): p for p in results.load(path)["points"]}
+
+
+def test_resume_with_another_plan_keeps_every_point(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    first = runner.invoke(main, [*BENCH, "--mixers", "fake-fast,fake-fast:scale=2:label=b",
+                                 "--seq-lens", "16,32", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    before = _points(out)
+    assert len(before) == 4
+    second = runner.invoke(main, [*BENCH, "--mixers", "fake-fast:scale=3:label=c",
+                                  "--seq-lens", "16", "--out", str(out), "--resume"])
+    assert second.exit_code == 0, second.output
+    after = _points(out)
+    assert len(after) == 5 and all(after[key] == point for key, point in before.items())
+    data = results.load(out)
+    assert data["complete"] is True and [s["name"] for s in data["sweeps"]] == ["bench"]
+    assert data["config"]["mixers"][0]["label"] == "c"
+    assert data["earlier_runs"][0]["config"]["mixers"][1]["label"] == "b"
+    assert "4 point(s) kept" in second.output
+
+
+def test_resume_with_other_timing_settings_is_refused(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    assert runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16",
+                                "--out", str(out)]).exit_code == 0
+    before = out.read_text()
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16", "--out", str(out), "--resume"]
+    result = runner.invoke(main, [*args, "--repeats", "20", "--heads", "2"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "sweeps.bench.repeats: file 1, this run 20" in text
+    assert "sweeps.bench.heads: file 1, this run 2" in text
+    assert out.read_text() == before
+
+
+def test_out_existing_needs_resume_or_overwrite(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16", "--out", str(out)]
+    assert runner.invoke(main, args).exit_code == 0
+    before = out.read_text()
+    again = runner.invoke(main, args)
+    assert again.exit_code == 2 and "already exists" in again.output
+    assert "--resume" in again.output and "--overwrite" in again.output
+    assert out.read_text() == before
+    both = runner.invoke(main, [*args, "--resume", "--overwrite"])
+    assert both.exit_code == 2 and "not both" in both.output
+    replaced = runner.invoke(main, [*BENCH, "--mixers", "fake-fast:label=z", "--seq-lens", "32",
+                                    "--out", str(out), "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert list(_points(out)) == [("z", "fwd", 32)]
+    alone = runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--overwrite"])
+    assert alone.exit_code == 2 and "--overwrite needs --out" in alone.output
+
+
+@pytest.mark.parametrize("flag", [[], ["--overwrite"], ["--resume"]])
+def test_a_config_or_markdown_file_is_never_overwritten(runner, fake_mixers, tmp_path, flag):
+    config = tmp_path / "self.yaml"
+    config.write_text("mixers: [fake-fast]\nseq_lens: [16]\nheads: 1\nhead_dim: 4\n"
+                      "device: cpu\nmodes: [fwd]\nrepeats: 1\nwarmup: 0\n")
+    before = config.read_text()
+    result = runner.invoke(main, ["run", str(config), "--out", str(config), *flag])
+    assert result.exit_code == 2 and "is not a results file" in result.output
+    assert config.read_text() == before
+    notes = tmp_path / "notes.md"
+    notes.write_text("# notes\n")
+    result = runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16",
+                                  "--out", str(notes), *flag])
+    assert result.exit_code == 2 and notes.read_text() == "# notes\n"
+
+
+def test_runs_without_out_never_share_a_file(runner, fake_mixers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16"]
+    for _ in range(3):
+        assert runner.invoke(main, args).exit_code == 0
+    written = sorted((tmp_path / "runs").iterdir())
+    assert len(written) == 3 and all(p.name.startswith("bench-") for p in written)
+    assert all(len(results.load(p)["points"]) == 1 for p in written)
+
+
+def test_a_file_being_written_is_refused_naming_the_writer(runner, fake_mixers, tmp_path):
+    import os
+
+    from hla_bench.store import ResultsStore
+
+    out = tmp_path / "r.yaml"
+    holder = ResultsStore.open(out, kind="bench", key=sweeps.point_key, settings={},
+                               mode="new", header={"schema_version": 2})
+    try:
+        for flag in ([], ["--resume"], ["--overwrite"]):
+            result = runner.invoke(main, [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16",
+                                          "--out", str(out), *flag])
+            assert result.exit_code == 2, result.output
+            assert f"being written by pid {os.getpid()}" in " ".join(result.output.split())
+    finally:
+        holder.release()
+    assert not out.exists()
+
+
+def test_a_cut_short_file_is_refused_by_resume_and_report(runner, fake_mixers, tmp_path):
+    out = tmp_path / "r.yaml"
+    args = [*BENCH, "--mixers", "fake-fast", "--seq-lens", "16,32", "--out", str(out)]
+    assert runner.invoke(main, args).exit_code == 0
+    text = out.read_text()
+    cut = text[:text.rindex("\n- sweep:")]  # cut at a line, after the first point
+    out.write_text(cut)
+    for command in ([*args, "--resume"], ["report", str(out)]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert "cut short" in result.output and "Traceback" not in result.output
+    assert out.read_text() == cut
+
+
+# ---------------------------------------------------------------- mixer specs
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hla2:impl=trtion", "impl must be one of 'auto', 'serial', 'scan', 'chunk', 'triton', "
+                         "got 'trtion'"),
+    ("hla2:decay=1.5", "decay must lie in (0, 1]"),
+    ("hla2:chunk_size=abc", "chunk_size must be a positive int, got 'abc'"),
+    ("sdpa:backend=maht", "backend must be one of"),
+    ("hla2:short_conv=0", "option 'short_conv' of 'hla2' applies to layers only"),
+    ("sdpa:bias=true", "option 'bias' of 'sdpa' applies to layers only"),
+    ("linear-attn:qk_norm=none:label=l2",
+     "option 'qk_norm' of 'linear-attn' applies to layers only"),
+    ("mamba2-ssd:d_state=16", "option 'd_state' of 'mamba2-ssd' applies to layers only"),
+])
+@pytest.mark.parametrize("modes", ["fwd,decode", "decode"])
+def test_bad_option_values_are_usage_errors_before_any_point(runner, tmp_path, monkeypatch,
+                                                             spec, message, modes):
+    """Decode points are checked against the op too, so the message lists the op's impls."""
+    monkeypatch.setattr(sweeps, "run_point", lambda *a: pytest.fail("a point ran"))
+    monkeypatch.setattr(sweeps, "run_decode_points", lambda *a: pytest.fail("a point ran"))
+    out = tmp_path / "r.yaml"
+    result = runner.invoke(main, ["bench", "--mixers", f"linear-attn,{spec}", "--seq-lens", "32",
+                                  "--modes", modes, "--heads", "2", "--head-dim", "8",
+                                  "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert message in text and "Traceback" not in text
+    assert "'torch'" not in text  # the decoder's own list of impls
+    assert not out.exists()
+
+
+def test_a_config_with_a_bad_backend_is_a_usage_error(runner, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("mixers: [{name: sdpa, options: {backend: maht}}]\nseq_lens: [32]\n"
+                      "heads: 1\nhead_dim: 4\ndevice: cpu\nmodes: [fwd]\n")
+    result = runner.invoke(main, ["run", str(config), "--out", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 2 and "backend must be one of" in result.output
+    assert not (tmp_path / "r.yaml").exists()
+
+
+def _picky_op(level, **_):
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level!r}")
+    return lambda q, k, v, initial_state=None, output_final_state=False: (v, None)
+
+
+class _PickyDecoder:
+    def __init__(self, steps):
+        if steps <= 0:
+            raise ValueError(f"steps must be positive, got {steps!r}")
+
+    def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
+        return None
+
+    def step(self, q, k, v, state):
+        return v, state
+
+    def state_bytes(self, state):
+        return 0
+
+
+@pytest.fixture
+def picky_mixers(fake_mixers):
+    """fake-picky: its op checks `level`, its decoder `steps`; fake-broken-options fails
+    whatever its options."""
+    added = [
+        registry.Mixer("fake-picky", "fake", "checks its options", _picky_op,
+                       build_decoder=lambda steps, **_: _PickyDecoder(steps),
+                       options={"level": 1, "steps": 1}),
+        registry.Mixer("fake-broken-options", "fake", "raises whatever its options",
+                       lambda **o: _picky_op(level=0), options={"level": 1}),
+    ]
+    for mixer in added:
+        registry.register(mixer, replace=True)
+    yield
+    for mixer in added:
+        registry._REGISTRY.pop(mixer.name, None)
+
+
+def test_options_are_blamed_only_when_the_defaults_work(runner, picky_mixers, tmp_path):
+    args = [*BENCH, "--seq-lens", "16", "--out", str(tmp_path / "r.yaml")]
+    bad = runner.invoke(main, [*args, "--mixers", "fake-picky:level=3"])
+    assert bad.exit_code == 2
+    assert "mixer 'fake-picky' (fake-picky:level=3): its op rejects the options: level must " \
+           "be 1 or 2, got 3" in " ".join(bad.output.split())
+    # a mixer that fails with its defaults too is a result of its points, not a usage error
+    broken = runner.invoke(main, [*args, "--mixers", "fake-broken-options:level=2"])
+    assert broken.exit_code == 0, broken.output
+    assert _points(tmp_path / "r.yaml")["fake-broken-options", "fwd", 16]["status"] == "error"
+
+
+def test_decoder_options_are_checked_when_the_sweep_decodes(runner, picky_mixers, tmp_path):
+    args = [*BENCH, "--mixers", "fake-picky:steps=0", "--seq-lens", "16"]
+    fwd = runner.invoke(main, [*args, "--out", str(tmp_path / "fwd.yaml")])
+    assert fwd.exit_code == 0, fwd.output
+    decode = runner.invoke(main, [*args, "--modes", "fwd,decode",
+                                  "--out", str(tmp_path / "decode.yaml")])
+    assert decode.exit_code == 2
+    assert "its decoder rejects the options: steps must be positive, got 0" in \
+        " ".join(decode.output.split())
+    assert not (tmp_path / "decode.yaml").exists()
+
+
+@pytest.mark.parametrize("line, message", [
+    ("seq_lens: 64", "seq_lens must be a list (or a comma-separated string), got 64"),
+    ("modes: 5", "modes must be a list (or a comma-separated string), got 5"),
+    ("repeats: true", "repeats must be a positive integer, got True"),
+    ("device: 5", "device must be a string, got 5"),
+])
+def test_config_values_of_the_wrong_type_are_usage_errors(runner, fake_mixers, tmp_path,
+                                                          line, message):
+    config = tmp_path / "c.yaml"
+    base = {"mixers": "[fake-fast]", "seq_lens": "[64]", "device": "cpu"}
+    key = line.split(":")[0]
+    config.write_text("".join(f"{k}: {v}\n" for k, v in base.items() if k != key) + line + "\n")
+    result = runner.invoke(main, ["run", str(config), "--out", str(tmp_path / "r.yaml")])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+    config.write_text(config.read_text().replace("mixers: [fake-fast]", "mixers: 5"))
+    result = runner.invoke(main, ["run", str(config)])
+    assert result.exit_code == 2 and "mixers must be a list" in " ".join(result.output.split())

@@ -152,23 +152,76 @@ def test_report_command_on_real_run(fake_mixers, tmp_path):
 def test_report_rejects_invalid_and_unknown_kind(synthetic, tmp_path):
     synthetic["points"][0]["status"] = "weird"
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(synthetic))
+    bad.write_text(yaml.safe_dump(synthetic, sort_keys=False))
     result = CliRunner().invoke(report.report, [str(bad)])
-    assert result.exit_code == 1 and "points[0].status" in result.output
+    assert result.exit_code == 2 and "points[0].status" in result.output
     other = tmp_path / "other.yaml"
     other.write_text("kind: poetry\n")
     result = CliRunner().invoke(report.report, [str(other)])
-    assert result.exit_code == 1 and "unknown results kind 'poetry'" in result.output
+    assert result.exit_code == 2 and "unknown results kind 'poetry'" in result.output
 
 
 def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     path = tmp_path / "recall.yaml"
-    path.write_text("kind: recall\ntasks: []\n")
+    path.write_text("kind: recall\nschema_version: 1\nruns: []\n")
     seen = []
     monkeypatch.setattr(report, "render_recall",
                         lambda data, console, plots_dir=None, markdown=False:
                         seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
-    assert seen[0][0] == {"kind": "recall", "tasks": []} and isinstance(seen[0][1], Console)
+    assert seen[0][0] == {"kind": "recall", "schema_version": 1, "runs": []}
+    assert isinstance(seen[0][1], Console)
     assert seen[0][2] == tmp_path / "p"
+
+@pytest.mark.parametrize("text, message", [
+    ("a: [1, 2", "not valid YAML at line"),
+    ("runs: 5\n", "kind: missing field"),
+    ("kind: recall\nschema_version: 1\nruns: 5\n", "runs: expected a list, got 5"),
+    ("kind: recall\n", "schema_version: missing field"),
+    ("kind: bench\n", "schema_version: missing field"),
+    ("kind: bench\nschema_version: 1\npoints: []\n", "created: missing field"),
+    ("[1, 2]\n", "expected a mapping at the top level"),
+])
+def test_report_on_a_broken_file_is_a_usage_error_before_any_output(synthetic, tmp_path,
+                                                                    text, message):
+    good = results.save(synthetic, tmp_path / "good.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    result = CliRunner().invoke(report.report, [str(good), str(bad)])
+    assert result.exit_code == 2, result.output
+    assert f"{bad}: {message}" in " ".join(result.output.split())
+    assert "Traceback" not in result.output and "median ms" not in result.output
+
+
+def test_report_marks_an_incomplete_file(synthetic, tmp_path):
+    synthetic["complete"] = False
+    path = results.save(synthetic, tmp_path / "cut.yaml")
+    result = CliRunner().invoke(report.report, [str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "is incomplete" in result.output and "--resume" in result.output
+
+
+def test_report_calls_the_recall_validation_when_it_exists(tmp_path, monkeypatch):
+    from hla_bench import recall_report
+
+    path = tmp_path / "recall.yaml"
+    path.write_text("kind: recall\nschema_version: 1\nruns: [{status: ok}]\n")
+
+    def validate_recall(data):
+        raise ValueError("runs[0].setting: missing field")
+
+    monkeypatch.setattr(recall_report, "validate_recall", validate_recall, raising=False)
+    result = CliRunner().invoke(report.report, [str(path)])
+    assert result.exit_code == 2 and f"{path}: runs[0].setting: missing field" in \
+        " ".join(result.output.split())
+
+
+def test_report_rejects_an_unknown_baseline(synthetic, tmp_path):
+    path = results.save(synthetic, tmp_path / "r.yaml")
+    result = CliRunner().invoke(report.report, [str(path), "--baseline", "nosuch"])
+    assert result.exit_code == 2
+    assert "--baseline 'nosuch' is not a mixer label of" in " ".join(result.output.split())
+    assert "(a, b)" in result.output
+    shown = CliRunner().invoke(report.report, [str(path), "--baseline", "b"])
+    assert shown.exit_code == 0, shown.output

@@ -138,6 +138,10 @@ def test_sweep_config_batch_rules_and_errors():
         tiny_sweep(["a"], baseline="b")
     with pytest.raises(ValueError, match="bad dtype"):
         tiny_sweep(["a"], dtype="fp8")
+    with pytest.raises(ValueError, match="sequence length 16 is given twice"):
+        tiny_sweep(["a"], seq_lens=[16, 32, "16"])
+    with pytest.raises(ValueError, match="mode 'fwd' is given twice"):
+        tiny_sweep(["a"], modes=["fwd", "decode", "fwd"])
 
 
 def test_parse_config_sweeps_inherit_top_level_keys():
@@ -414,3 +418,45 @@ def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):
     if measured is None:
         pytest.skip("/proc peak-RSS reset unavailable here")
     assert 0.8 * size <= measured <= 2 * size
+
+
+def _allocating_op(**options):
+    """Asks torch's CPU allocator for 4 PiB from T = 32 on (a real allocation failure)."""
+    def op(q, k, v, initial_state=None, output_final_state=False):
+        if q.shape[1] >= 32:
+            torch.empty(2 ** 52, dtype=torch.uint8)
+        return v, None
+    return op
+
+
+def _memory_error_op(**options):
+    def op(q, k, v, initial_state=None, output_final_state=False):
+        if q.shape[1] >= 32:
+            raise MemoryError()
+        return v, None
+    return op
+
+
+@pytest.mark.parametrize("build", [_allocating_op, _memory_error_op])
+def test_cpu_allocation_failures_are_oom_and_skip_larger_t(build, monkeypatch):
+    import hla_bench.sweeps as sweeps
+
+    registry.register(registry.Mixer("fake-cpu-oom", "fake", "CPU allocation failure", build),
+                      replace=True)
+    try:
+        sweep = tiny_sweep(["fake-cpu-oom"], seq_lens=[16, 32, 64, 128], warmup=0, repeats=1)
+        tried = []
+        original = sweeps._build_call
+        monkeypatch.setattr(sweeps, "_build_call",
+                            lambda point, *a: tried.append(point.seq_len) or original(point, *a))
+        records = run_sweeps([sweep])
+        assert [r["status"] for r in records] == ["ok", "oom", "oom", "oom"]
+        assert records[2]["reason"] == "skipped: out of memory at T=32"
+        assert tried == [16, 32]  # larger T are not tried
+        tried.clear()
+        run_sweeps([sweep], previous=records)
+        assert tried == []  # a resume measures nothing again
+        run_sweeps([sweep], previous=records[:2])  # cut short after the failure
+        assert tried == []  # the kept failure still rules out T = 64 and 128
+    finally:
+        registry._REGISTRY.pop("fake-cpu-oom", None)

@@ -92,3 +92,14 @@ def test_hla2_reference_masks_and_decays_as_specified():
     weights = ((L_g * A) @ torch.tril(A).transpose(-1, -2)) * L_g
     expected = (weights @ v.transpose(1, 2)).transpose(1, 2)
     assert torch.allclose(hla2_reference(q, k, v, decay=g), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_unwritable_yaml_path_is_a_usage_error_before_the_checks(tmp_path, monkeypatch):
+    import hla_bench.verify as verify
+
+    monkeypatch.setattr(verify, "run_all", lambda **kw: pytest.fail("the checks ran"))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = CliRunner().invoke(main, [*FAST, "--yaml", str(blocker / "sub" / "v.yaml")])
+    assert result.exit_code == 2 and "cannot write in" in result.output
+    assert "Traceback" not in result.output

@@ -1,0 +1,669 @@
+"""The results store: the one way a results file (bench points, recall runs) is written.
+
+A results file is YAML with this top-level layout, in this order:
+
+    kind: bench               # or recall; always the first line
+    schema_version: 2         # the kind's schema; files written here have 2 or more
+    ...                       # the caller's header (config, environment, ...)
+    settings: {...}           # what must match for a resume (see `settings_conflicts`)
+    points: [...]             # the records (`runs` for recall), one per key
+    complete: false           # true once the plan ran to its end (close(complete=True))
+    end_of_results: true      # the completion marker, always the last line
+
+Invariants:
+- The file on disk is always a whole, valid document: every write goes to a unique
+  temporary file in the same folder, is flushed to disk, then atomically renamed over the
+  target. A writer killed at any moment leaves the previous version or the new one.
+- A document ends with the line `end_of_results: true`; a file that does not (cut short
+  by a copy, a full disk, a plain write of an older version) is rejected when read.
+  Schema version 1 files predate the store and have no marker; they are read as they are
+  but never resumed.
+- One writer per file: a lock file `<file>.lock` held with flock(2) names the writer's pid.
+  A second writer is refused (naming that pid); the lock of a dead process is taken over
+  (the kernel drops a flock with its holder, whatever the pid the file names).
+- A file that is not a results file of the store's kind (a config, markdown, a recall
+  file for a bench run) is never overwritten, in any mode.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as dt
+import errno
+import os
+import re
+import secrets
+import signal
+import socket
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, Hashable, Iterator, Mapping
+
+import yaml
+
+RECORDS_KEY = {"bench": "points", "recall": "runs"}
+MODES = ("new", "resume", "overwrite")
+MARKER_KEY = "end_of_results"
+MARKER_LINE = f"{MARKER_KEY}: true\n"
+# Schema versions from this one on are written by the store (and carry the marker).
+FIRST_STORE_SCHEMA = 2
+STORE_KEYS = ("settings", "complete", MARKER_KEY)  # written by the store, after the header
+DEFAULT_FOLDER = Path("runs")
+# The first two lines of every results file, legacy or not (yaml.safe_dump writes the keys
+# in their order).
+_HEADER_LINES = re.compile(r"\Akind: ([A-Za-z0-9_-]+)\nschema_version: \d+\n")
+
+
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
+    """Safe YAML (libyaml's emitter where it is built: a file is rewritten after every
+    record, so its speed matters), without anchors: a value that appears twice is written
+    twice, so every record reads back on its own."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class StoreError(ValueError):
+    """A results file that cannot be read, resumed, overwritten or locked; the message names
+    the file and the problem."""
+
+
+class LockedError(StoreError):
+    """Another live process holds the file's lock."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+def file_kind(path: str | Path) -> str | None:
+    """The kind named by a file's first two lines (`kind: bench`, `schema_version: N`), or
+    None for a file that does not start like a results file. Reads only the first bytes,
+    so it also names the kind of a results file cut short after them."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(256).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    match = _HEADER_LINES.match(head)
+    return match.group(1) if match else None
+
+
+def check_structure(data: Any, kind: str | None = None) -> dict[str, Any]:
+    """The checks every results file passes, whatever its kind: a mapping with a known
+    `kind` (equal to `kind` when given), an integer `schema_version`, its records as a list
+    of mappings; from FIRST_STORE_SCHEMA on also `settings`, `complete` and the marker as the
+    last key. Raises StoreError naming the first problem (without the file's name)."""
+    if not isinstance(data, dict):
+        raise StoreError(f"expected a mapping at the top level, got {type(data).__name__}")
+    if "kind" not in data:
+        raise StoreError("kind: missing field (not a results file?)")
+    found = data["kind"]
+    if found not in RECORDS_KEY:
+        raise StoreError(f"unknown results kind {found!r} (expected {' or '.join(RECORDS_KEY)})")
+    if kind is not None and found != kind:
+        raise StoreError(f"kind: expected {kind!r}, got {found!r}")
+    version = data.get("schema_version")
+    if "schema_version" not in data:
+        raise StoreError("schema_version: missing field")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise StoreError(f"schema_version: expected a positive integer, got {version!r}")
+    records_key = RECORDS_KEY[found]
+    if records_key not in data:
+        raise StoreError(f"{records_key}: missing field")
+    records = data[records_key]
+    if not isinstance(records, list):
+        raise StoreError(f"{records_key}: expected a list, got {records!r}"[:300])
+    for index, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise StoreError(f"{records_key}[{index}]: expected a mapping, got {record!r}"[:300])
+    if version < FIRST_STORE_SCHEMA:
+        return data
+    if list(data)[-1] != MARKER_KEY or data[MARKER_KEY] is not True:
+        raise StoreError(f"no completion marker ({MARKER_LINE.strip()!r} as the last key): "
+                         "the file was cut short while being written or copied")
+    if not isinstance(data.get("settings"), dict):
+        raise StoreError(f"settings: expected a mapping, got {data.get('settings')!r}")
+    if not isinstance(data.get("complete"), bool):
+        raise StoreError(f"complete: expected true or false, got {data.get('complete')!r}")
+    return data
+
+
+def parse_results(text: str, kind: str | None = None) -> dict[str, Any]:
+    """A results document from its text: YAML, `check_structure`, and for store-written
+    schemas the text itself ending with the marker line (so that no byte is missing)."""
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise StoreError(f"not valid YAML{line} ({problem}); a file cut short while being "
+                         "written?") from None
+    data = check_structure(data, kind)
+    if data["schema_version"] >= FIRST_STORE_SCHEMA and not text.endswith(MARKER_LINE):
+        raise StoreError(f"the file does not end with {MARKER_LINE.strip()!r}: it was cut short")
+    return data
+
+
+def load_results(path: str | Path, kind: str | None = None,
+                 validate: Callable[[dict], Any] | None = None) -> dict[str, Any]:
+    """A results file read and checked (`parse_results`, then `validate(data)` when given);
+    any problem is a StoreError whose message starts with the path."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise StoreError(f"{path}: cannot read it ({error})") from None
+    try:
+        data = parse_results(text, kind)
+        if validate is not None:
+            validate(data)
+    except StoreError as error:
+        raise StoreError(f"{path}: {error}") from None
+    return data
+
+
+def dump_results(data: Mapping[str, Any]) -> str:
+    """The YAML text of a document, keys in their order; for store schemas it must end with
+    the marker (the document was built with `STORE_KEYS` last)."""
+    text = yaml.dump(dict(data), Dumper=_Dumper, sort_keys=False, default_flow_style=None,
+                     width=100, allow_unicode=True)
+    if data.get("schema_version", 0) >= FIRST_STORE_SCHEMA and not text.endswith(MARKER_LINE):
+        raise StoreError(f"a results document must end with {MARKER_KEY}: true")
+    return text
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` durable (where the platform allows opening a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _file_mode(path: Path) -> int:
+    """The permissions a replaced file keeps; for a new one, what open() would give it."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` so that a reader (or a crash at any moment) sees either the
+    old file or the whole new one: a unique temporary file in the same folder (two writers
+    never share it), fsync, then os.replace. The folder must exist."""
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp's 0600 would hide results from others
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    _fsync_folder(path.parent)
+    return path
+
+
+def check_writable(path: str | Path) -> Path:
+    """Create `path`'s folder if needed and prove a file can be written there, before any
+    work starts; StoreError naming the path otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise StoreError(f"{path}: is a folder, expected a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        os.unlink(temp)
+    except OSError as error:
+        raise StoreError(f"{path}: cannot write in {path.parent} ({error.strerror or error})") \
+            from None
+    return path
+
+
+def default_out_path(kind: str, folder: str | Path = DEFAULT_FOLDER,
+                     now: dt.datetime | None = None) -> Path:
+    """`runs/<kind>-<UTC time>-<pid>-<random>.yaml`: distinct for runs started in the same
+    second, on one host (pid) or sharing a folder across hosts (random suffix)."""
+    if kind not in RECORDS_KEY:
+        raise ValueError(f"unknown results kind {kind!r}")
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return Path(folder) / (f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}-{os.getpid()}-"
+                           f"{secrets.token_hex(4)}.yaml")
+
+
+# ---------------------------------------------------------------- the lock
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_holder(lock_path: Path) -> tuple[int | None, str]:
+    """(pid, host) named by a lock file; (None, '') when it names none."""
+    try:
+        fields = lock_path.read_text().split()
+    except OSError:
+        return None, ""
+    try:
+        return int(fields[0]), (fields[1] if len(fields) > 1 else "")
+    except (IndexError, ValueError):
+        return None, ""
+
+
+class FileLock:
+    """An exclusive, non-blocking lock on `<path>.lock` (flock), whose content is the
+    holder's `pid host`. Where flock is unsupported (some network file systems) the pid
+    decides: a lock naming a live process on this host is held, any other is stale; that
+    fallback is best effort (two processes taking over one stale lock at the same instant
+    can both succeed), the flock is not."""
+
+    def __init__(self, path: str | Path):
+        self.target = Path(path)
+        self.path = self.target.with_name(self.target.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        for _ in range(20):  # retried when the lock file is replaced while we lock it
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as error:
+                raise StoreError(f"{self.target}: cannot create the lock {self.path.name} "
+                                 f"in {self.path.parent} ({error.strerror or error})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                os.close(fd)
+                if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    self._refuse()
+                if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise StoreError(f"{self.target}: cannot lock {self.path.name} "
+                                     f"({error.strerror or error})") from None
+                self._acquire_by_pid()
+                return
+            # The holder before us may have removed the lock file between our open and our
+            # flock: then we hold a lock on a name no longer in the folder; start again.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+            os.fsync(fd)
+            self._fd = fd
+            return
+        raise StoreError(f"{self.target}: could not take the lock {self.path.name}")
+
+    def _refuse(self) -> None:
+        pid, host = _lock_holder(self.path)
+        who = f"pid {pid}" + (f" on {host}" if host else "") if pid is not None else "another process"
+        if pid is not None and host == socket.gethostname() and not _pid_alive(pid):
+            who += " (no longer running: a process it started still holds the lock)"
+        raise LockedError(f"{self.target} is being written by {who} (lock {self.path}); "
+                          "wait for it to finish, or write to another file")
+
+    def _acquire_by_pid(self) -> None:
+        """No flock here: take the lock by creating it exclusively, or over a stale one."""
+        pid, host = _lock_holder(self.path)
+        if pid is not None and host == socket.gethostname() and _pid_alive(pid):
+            self._refuse()
+        self.path.unlink(missing_ok=True)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
+            self._refuse()
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it, so no one locks the removed name
+        unawares) and drop the lock. Safe to call more than once."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        try:
+            os.close(self._fd)
+        finally:
+            self._fd = None
+
+
+# Stores open in this process: released at interpreter exit and by the SIGTERM handler.
+_OPEN: set["ResultsStore"] = set()
+_previous_sigterm: Any = None
+
+
+def _raise_on_sigterm(signum, frame):
+    """SIGTERM ends the process through SystemExit, so `finally` blocks and context managers
+    run and the locks are released (the default action would end it at once)."""
+    raise SystemExit(128 + signum)
+
+
+def _install_sigterm_handler() -> None:
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        _previous_sigterm = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+
+
+def _restore_sigterm_handler() -> None:
+    global _previous_sigterm
+    if (_previous_sigterm is not None and not _OPEN
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _raise_on_sigterm):
+        signal.signal(signal.SIGTERM, _previous_sigterm)
+        _previous_sigterm = None
+
+
+@atexit.register
+def _release_all() -> None:
+    for store in list(_OPEN):
+        store.release()
+
+
+# ---------------------------------------------------------------- settings
+
+
+def _normalized(value: Any) -> Any:
+    """`value` as it reads back from YAML (tuples become lists, ...)."""
+    return yaml.load(yaml.dump(value, Dumper=_Dumper, sort_keys=False), Loader=_Loader)
+
+
+def _merged(stored: Mapping[str, Any], planned: Mapping[str, Any]) -> dict[str, Any]:
+    """`stored` with `planned`'s keys added, recursively into mappings both have."""
+    merged = dict(stored)
+    for key, value in planned.items():
+        old = merged.get(key)
+        merged[key] = (_merged(old, value) if isinstance(old, dict) and isinstance(value, dict)
+                       else value)
+    return merged
+
+
+def settings_conflicts(stored: Mapping[str, Any], planned: Mapping[str, Any],
+                       prefix: str = "") -> list[str]:
+    """`key: file X, this run Y` for every setting the two sides both have with different
+    values; mappings are compared key by key (dotted names). A key only one side has is no
+    conflict: the file may hold sweeps the plan does not, and the reverse."""
+    conflicts = []
+    for key in stored:
+        if key not in planned:
+            continue
+        old, new = stored[key], planned[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            conflicts += settings_conflicts(old, new, f"{prefix}{key}.")
+        elif old != new:
+            conflicts.append(f"{prefix}{key}: file {old!r}, this run {new!r}")
+    return conflicts
+
+
+# ---------------------------------------------------------------- the store
+
+
+class ResultsStore:
+    """One results file being written: its header, settings and records by key, kept on
+    disk after every change. Open it with `ResultsStore.open`; use it as a context manager
+    (or call `close`) so its lock is released."""
+
+    def __init__(self, path: Path, kind: str, key: Callable[[Mapping[str, Any]], Hashable],
+                 settings: dict[str, Any], header: dict[str, Any],
+                 validate: Callable[[dict], Any] | None, lock: FileLock):
+        self.path, self.kind, self.key = path, kind, key
+        self.settings, self.header = settings, header
+        self.validate, self.lock = validate, lock
+        self.previous_header: dict[str, Any] | None = None
+        self.kept = 0          # records read from the file at open (resume)
+        self.complete = False
+        self._records: dict[Hashable, dict[str, Any]] = {}
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str | Path, *, kind: str, key: Callable[[Mapping[str, Any]], Hashable],
+             settings: Mapping[str, Any], mode: str,
+             header: Mapping[str, Any] | Callable[[dict | None], Mapping[str, Any]],
+             validate: Callable[[dict], Any] | None = None) -> "ResultsStore":
+        """Lock `path` and prepare to write it; nothing is written before the first `add`
+        or `close` (a run stopped before then leaves any existing file as it was).
+
+        kind: "bench" or "recall" (the records go under `points` or `runs`).
+        key(record): what identifies a record across runs; `add` replaces a record with an
+            equal key.
+        settings: what must match for a resume (see `settings_conflicts`); stored in the file.
+        mode: "new" refuses an existing file; "resume" continues one (or starts a missing
+            one), keeping every record it holds, and refuses one whose settings conflict;
+            "overwrite" replaces a results file of the same kind. No mode replaces a file
+            that is not a results file of `kind`.
+        header: the top-level fields written before the settings (must hold
+            `schema_version` >= FIRST_STORE_SCHEMA), or a function of the resumed file's
+            header (None when there is none) giving them.
+        validate(document): the kind's own checks, run on a resumed file and before every
+            write; raises ValueError.
+        Problems are StoreError (LockedError for a file another process writes).
+        """
+        if kind not in RECORDS_KEY:
+            raise ValueError(f"unknown results kind {kind!r} (expected {', '.join(RECORDS_KEY)})")
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} (expected {', '.join(MODES)})")
+        path = Path(path)
+        check_writable(path)
+        lock = FileLock(path)
+        lock.acquire()
+        try:
+            store = cls(path, kind, key, _normalized(dict(settings)), {}, validate, lock)
+            previous = store._inspect(mode)
+            made = header(previous["header"] if previous else None) if callable(header) else header
+            store.header = store._checked_header(made)
+            if previous:
+                store.previous_header = previous["header"]
+                for record in previous["records"]:
+                    store._records[key(record)] = record
+                store.kept = len(store._records)
+            store._remove_stale_temporaries()
+        except BaseException:
+            lock.release()
+            raise
+        _OPEN.add(store)
+        _install_sigterm_handler()
+        return store
+
+    def _inspect(self, mode: str) -> dict[str, Any] | None:
+        """Apply `mode` to what is at the path: None when the file starts afresh, else the
+        resumed file's header and records."""
+        path = self.path
+        if not path.exists():
+            return None
+        found = file_kind(path)
+        if found not in RECORDS_KEY:
+            raise StoreError(f"{path} exists and is not a results file (it does not start "
+                             f"with 'kind: {self.kind}' and a schema_version); refusing to "
+                             "overwrite it")
+        if found != self.kind:
+            raise StoreError(f"{path} is a {found} results file, not {self.kind}; refusing "
+                             "to overwrite it")
+        if mode == "new":
+            raise StoreError(f"{path} already exists; resume it (--resume) or replace it "
+                             "(--overwrite)")
+        if mode == "overwrite":
+            return None
+        try:
+            data = load_results(path, self.kind, self.validate)
+        except StoreError as error:
+            raise StoreError(f"cannot resume {error}") from None
+        if data["schema_version"] < FIRST_STORE_SCHEMA:
+            raise StoreError(f"cannot resume {path}: schema version {data['schema_version']} "
+                             "predates resumable files (no settings, no completion marker); "
+                             "write to a new file")
+        conflicts = settings_conflicts(data["settings"], self.settings)
+        if conflicts:
+            raise StoreError(f"cannot resume {path}: its settings differ from this run's: "
+                             + "; ".join(conflicts))
+        records_key = RECORDS_KEY[self.kind]
+        header = {k: v for k, v in data.items()
+                  if k not in ("kind", records_key, *STORE_KEYS)}
+        # Keys the new plan does not have stay as the file recorded them.
+        self.settings = _merged(data["settings"], self.settings)
+        return {"header": header, "records": data[records_key]}
+
+    def _checked_header(self, header: Mapping[str, Any]) -> dict[str, Any]:
+        header = dict(header)
+        reserved = sorted(set(header) & {"kind", RECORDS_KEY[self.kind], *STORE_KEYS})
+        if reserved:
+            raise ValueError(f"the header must not hold the store's keys {reserved}")
+        version = header.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < FIRST_STORE_SCHEMA:
+            raise ValueError(f"the header's schema_version must be an integer >= "
+                             f"{FIRST_STORE_SCHEMA}, got {version!r}")
+        return _normalized({"schema_version": version, **header})
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of this target left by a writer that was killed mid-write (only
+        the lock holder writes, and we hold the lock)."""
+        prefix = _temp_prefix(self.path)
+        for leftover in self.path.parent.glob(f"{glob_escape(prefix)}*.tmp"):
+            try:
+                leftover.unlink()
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ records
+
+    def records(self) -> list[dict[str, Any]]:
+        """The records in file order (resumed ones first, then added ones); copies."""
+        return [dict(record) for record in self._records.values()]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.records())
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._records
+
+    def get(self, key: Hashable) -> dict[str, Any] | None:
+        record = self._records.get(key)
+        return dict(record) if record is not None else None
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Replace the record with the same key (in its place) or append it; then write the
+        file. The record is stored as it reads back from YAML. When the write fails (the
+        kind's validation, a full disk, an interruption) the store keeps what the file
+        holds, without the record."""
+        self._check_open()
+        record = _normalized(dict(record))
+        record_key = self.key(record)
+        before = self._records.get(record_key)
+        self._records[record_key] = record
+        try:
+            self.write()
+        except BaseException:
+            if before is None:
+                del self._records[record_key]
+            else:
+                self._records[record_key] = before
+            raise
+
+    def update_header(self, changes: Mapping[str, Any], *, write: bool = True) -> None:
+        """Change header fields (e.g. a wall time, a summary of the records); with `write`
+        False they are written by the next `add` or `close`."""
+        self._check_open()
+        before = self.header
+        self.header = self._checked_header({**self.header, **changes})
+        if write:
+            try:
+                self.write()
+            except BaseException:
+                self.header = before
+                raise
+
+    def document(self) -> dict[str, Any]:
+        """The whole document as the file holds it after the next write."""
+        return {"kind": self.kind, **self.header, "settings": self.settings,
+                RECORDS_KEY[self.kind]: [dict(r) for r in self._records.values()],
+                "complete": self.complete, MARKER_KEY: True}
+
+    def write(self) -> dict[str, Any]:
+        """Validate the document and write it atomically; returns it."""
+        data = self.document()
+        check_structure(data, self.kind)
+        if self.validate is not None:
+            self.validate(data)
+        atomic_write_text(self.path, dump_results(data))
+        return data
+
+    def close(self, complete: bool = True) -> dict[str, Any]:
+        """Write the file (`complete` records whether the plan ran to its end) and release
+        the lock; returns the document written."""
+        self._check_open()
+        self.complete = complete
+        try:
+            return self.write()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Release the lock without writing (the file keeps its last written version)."""
+        self._closed = True
+        self.lock.release()
+        _OPEN.discard(self)
+        _restore_sigterm_handler()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self.path}: the store is closed")
+
+    def __enter__(self) -> "ResultsStore":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """On an exception (SIGINT, SIGTERM, an error) the file keeps its last written
+        version, every record added so far, and the lock is released."""
+        if not self._closed:
+            if exc_type is None:
+                self.close(complete=True)
+            else:
+                self.release()
+
+
+def glob_escape(text: str) -> str:
+    """`text` with glob's special characters quoted."""
+    return re.sub(r"([*?\[])", r"[\1]", text)
