@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mixers.hla.common import check_choice, check_qkv
+from mixers.hla.common import check_choice, check_flag, check_qkv
 
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
 # Backends with no CPU kernel in PyTorch; "flash" has one, "math" runs everywhere.
@@ -87,6 +87,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     weights (training only: the layer passes it while training).
     """
     check_qkv(q, k, v)
+    check_flag("output_final_state", output_final_state)
     check_choice("backend", backend, SDPA_BACKENDS)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixers.hla.common import check_chunk_size, check_choice, check_qkv, pad_to_multiple
+from mixers.hla.common import (check_choice, check_chunk_size, check_eps, check_flag, check_qkv,
+                               pad_to_multiple)
 
 FEATURE_MAPS = {
     "identity": lambda x: x,
@@ -54,9 +55,15 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Chunked causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_flag("normalize", normalize)
+    check_flag("output_final_state", output_final_state)
+    check_eps(eps)
     check_chunk_size(chunk_size)
     dtype = _compute_dtype(q)
     state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize), q.device, dtype)
+    if T == 0:  # no tokens: no output rows, and the start state is the final one
+        final = {key: x.clone() for key, x in state.items()} if output_final_state else None
+        return v.new_zeros(B, 0, H, Dv), final
     phi = FEATURE_MAPS[feature_map]
     # The feature map goes before the zero padding, so padded tokens add nothing.
     q, k, v = (pad_to_multiple(x.to(dtype), chunk_size) for x in (phi(q), phi(k), v))
@@ -83,13 +90,16 @@ def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1
                       initial_state=None):
     """Token-by-token reference (float64 when given float64): returns (o, final state)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
+    check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_flag("normalize", normalize)
+    check_eps(eps)
     state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize), q.device, q.dtype)
-    outputs = []
+    outputs = [q.new_zeros(B, 0, H, Dv)]  # the empty sequence's output (T = 0)
     for t in range(T):
         o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state,
                                       feature_map=feature_map, normalize=normalize, eps=eps)
-        outputs.append(o_t)
-    return torch.stack(outputs, 1), state
+        outputs.append(o_t.unsqueeze(1))
+    return torch.cat(outputs, 1), state
 
 
 def linear_attn_step(q_t, k_t, v_t, state, *, feature_map="identity", normalize=False,

@@ -1,9 +1,19 @@
-"""Input checks and small helpers shared by every HLA operator.
+"""Input checks and small helpers shared by every operator (the HLA operators, linear
+attention, Mamba-2 SSD, softmax attention).
 
-Errors are `ValueError`s that name the offending argument, so a user sees what to fix.
+The API rule, the same for every operator: errors are `ValueError`s that name the offending
+argument, so a user sees what to fix.
+* q, k, v are `[B, T, H, D]` (v: `[B, T, H, Dv]`) floating-point tensors with B, H, D, Dv
+  >= 1 (`check_qkv`); T may be 0, and then the output is empty and the final state is the
+  initial state (zeros without one).
+* flags (masked, normalize, output_final_state) are bools (`check_flag`); chunk_size is a
+  positive int, not a bool (`check_chunk_size`); eps is a positive finite number, not a
+  bool (`check_eps`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +34,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             raise ValueError(f"{name} must have shape [B, T, H, D], got {tuple(x.shape)}")
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        check_nonempty(name, x, time_dim=1)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -60,14 +71,37 @@ def check_decay(decay, heads: int, device: torch.device) -> torch.Tensor | None:
     return g
 
 
+def check_nonempty(name: str, x: torch.Tensor, time_dim: int | None = None) -> None:
+    """Every dimension of `x` but the time dimension is at least 1: an empty batch, zero
+    heads or a zero head dim is refused here rather than failing in a reshape deep inside
+    (T = 0 is a valid, empty sequence)."""
+    if any(n < 1 for dim, n in enumerate(x.shape) if dim != time_dim):
+        layout = "[B, H, D]" if time_dim is None else "[B, T, H, D]"
+        raise ValueError(f"{name} must have shape {layout} with B, H, D >= 1, "
+                         f"got {tuple(x.shape)}")
+
+
 def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-def check_chunk_size(chunk_size: int) -> None:
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+def check_flag(name: str, value) -> None:
+    """A flag is a bool: a truthy string or number is refused, not read as True."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def check_eps(eps) -> None:
+    """eps (added to a denominator) is a positive finite number."""
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float))
+            or not 0 < eps < math.inf):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
 
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tensor:
