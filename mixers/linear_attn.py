@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mixers.hla.common import (check_choice, check_chunk_size, check_eps, check_flag, check_qkv,
-                               pad_to_multiple)
+                               exclusive_cumsum, pad_to_multiple)
 
 FEATURE_MAPS = {
     "identity": lambda x: x,
@@ -73,12 +73,12 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
     chunk_kv = k.transpose(-1, -2) @ v                                  # [B, H, N, D, Dv]
-    S_before = state["S"].unsqueeze(2) + chunk_kv.cumsum(2) - chunk_kv
+    S_before = state["S"].unsqueeze(2) + exclusive_cumsum(chunk_kv, 2)
     o = q @ S_before + scores @ v
     final = {"S": state["S"] + chunk_kv.sum(2)}
     if normalize:
         chunk_k = k.sum(3)                                              # [B, H, N, D]
-        z_before = state["z"].unsqueeze(2) + chunk_k.cumsum(2) - chunk_k
+        z_before = state["z"].unsqueeze(2) + exclusive_cumsum(chunk_k, 2)
         den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
         o = o / (den.unsqueeze(-1) + eps)
         final["z"] = state["z"] + chunk_k.sum(2)

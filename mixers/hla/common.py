@@ -119,6 +119,15 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tenso
     return F.pad(x, widths)
 
 
+def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sums of the entries strictly before each index along `dim` (zero at the first): the
+    inclusive cumsum of `x` shifted by one. Not `x.cumsum(dim) - x`, which is inf - inf = NaN
+    at and before a non-finite entry, and loses an earlier sum's precision next to a large
+    entry."""
+    first = torch.zeros_like(x.narrow(dim, 0, 1))
+    return torch.cat([first, x.narrow(dim, 0, x.shape[dim] - 1)], dim).cumsum(dim)
+
+
 def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_state",
                 device: torch.device | None = None) -> None:
     """`state` must be a dict with exactly the keys of `shapes`, each a tensor of that shape
