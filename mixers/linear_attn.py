@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mixers.hla.common import (check_choice, check_chunk_size, check_eps, check_flag, check_qkv,
-                               exclusive_cumsum, pad_to_multiple)
+from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
+                               check_flag, check_qkv, exclusive_cumsum, pad_to_multiple)
 
 FEATURE_MAPS = {
     "identity": lambda x: x,
@@ -65,8 +65,10 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         final = {key: x.clone() for key, x in state.items()} if output_final_state else None
         return v.new_zeros(B, 0, H, Dv), final
     phi = FEATURE_MAPS[feature_map]
-    # The feature map goes before the zero padding, so padded tokens add nothing.
-    q, k, v = (pad_to_multiple(x.to(dtype), chunk_size) for x in (phi(q), phi(k), v))
+    # The non-finite rule (mixers/hla/common.py) on the features. The feature map goes before
+    # the zero padding, so padded tokens add nothing.
+    guard, out_dtype = FiniteInputs(phi(q), phi(k), v), v.dtype
+    q, k, v = (pad_to_multiple(x.to(dtype), chunk_size) for x in guard.inputs)
     N, C = q.shape[1] // chunk_size, chunk_size
     q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
 
@@ -83,7 +85,7 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         o = o / (den.unsqueeze(-1) + eps)
         final["z"] = state["z"] + chunk_k.sum(2)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dv)[:, :T]
-    return o.to(v.dtype), (final if output_final_state else None)
+    return guard.outputs(o.to(out_dtype)), (guard.state(final) if output_final_state else None)
 
 
 def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1e-6,

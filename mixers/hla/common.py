@@ -9,6 +9,21 @@ argument, so a user sees what to fix.
 * flags (masked, normalize, output_final_state) are bools (`check_flag`); chunk_size is a
   positive int, not a bool (`check_chunk_size`); eps is a positive finite number, not a
   bool (`check_eps`).
+
+Non-finite inputs (the causality rule, for every operator and form here): a NaN or inf in
+q, k or v at token t of batch row b and head h changes only the outputs of (b, h) at and
+after t (with k and v shared by all query heads, multi-query: of every head of b); the
+outputs before t, and all outputs of other batch rows and heads, are exactly those the
+operator gives with that entry finite. Backward: with a zero upstream gradient at every
+output the entry made non-finite, the gradients of all inputs before t are exactly those
+of the finite inputs, and the gradient of the non-finite entry itself is NaN (training never
+steps on silently cleaned inputs). Masked chunk products alone cannot keep this: a masked-
+out later row still enters a matmul as 0 * NaN = NaN. So the PyTorch forms compute on the
+finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and set the
+outputs of (b, h) from the first non-finite token on, and its final state, to NaN. Not held
+to it: PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the
+backward spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run
+unchanged, and hla2's Triton kernels.
 """
 
 from __future__ import annotations
@@ -117,6 +132,76 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tenso
         return x
     widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
     return F.pad(x, widths)
+
+
+class _FinitePart(torch.autograd.Function):
+    """x with its non-finite entries read as 0; the gradient passes, except at the tokens
+    `bad` ([B, T, h]: with a non-finite entry), where every entry's gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, x, bad):
+        ctx.save_for_backward(bad)
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bad, = ctx.saved_tensors
+        return grad.masked_fill(bad.unsqueeze(-1), torch.nan), None
+
+
+class FiniteInputs:
+    """The non-finite rule of the PyTorch forms (see the module docstring).
+
+    `FiniteInputs(*xs)` takes `[B, T, h, X]` tensors whose head counts h broadcast (H, or 1
+    for heads shared by all): `.inputs` are the tensors with non-finite entries read as 0,
+    `.outputs(o)` sets o `[B, T, H, ...]` to NaN from each (b, h)'s first non-finite token
+    on, `.state(s)` sets a final state (a tensor or a dict of `[B, heads, ...]` tensors) to
+    NaN for each (b, head) that took a non-finite input; a tensor with one head when the
+    inputs have H > 1 (a state shared by all heads) counts only the one-head inputs. With
+    every input finite the values are unchanged (exactly). Backward: the gradient of a token
+    with a non-finite input is NaN in all its entries."""
+
+    def __init__(self, *xs: torch.Tensor):
+        self.inputs, self._bad = [], []  # _bad: [B, T, h] per input, True at a non-finite token
+        for x in xs:
+            # A NaN or inf entry makes its row's sum non-finite; the sum itself overflows only
+            # for entries within a factor X of the dtype's (float32 for 16-bit inputs) largest
+            # value, where the operators' products overflow anyway. One read of x: cheaper
+            # than an entry-wise test.
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            bad = ~torch.isfinite(x.sum(-1, dtype=acc))
+            if torch.is_grad_enabled() and x.requires_grad:
+                self.inputs.append(_FinitePart.apply(x, bad))
+            else:
+                self.inputs.append(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+            self._bad.append(bad)
+
+    def _bad_tokens(self, heads: int) -> torch.Tensor:
+        """[B, T, heads]: a token of (b, head) with a non-finite input."""
+        widest = max(bad.shape[2] for bad in self._bad)
+        picked = [bad for bad in self._bad if heads == widest or bad.shape[2] == heads]
+        out = picked[0]
+        for bad in picked[1:]:
+            out = out | bad
+        return out.expand(-1, -1, heads)
+
+    @staticmethod
+    def _poison(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x + (NaN where mask, else 0), mask broadcast over x's trailing dims (an addition:
+        a broadcast one is a cheaper pass than masked_fill's)."""
+        nan = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask, torch.nan)
+        return x + nan.view(*mask.shape, *(1,) * (x.dim() - mask.dim()))
+
+    def outputs(self, o: torch.Tensor) -> torch.Tensor:
+        seen = self._bad_tokens(o.shape[2]).cumsum(1) > 0  # from the first bad token on
+        return self._poison(o, seen)
+
+    def state(self, state):
+        if state is None:
+            return None
+        if isinstance(state, dict):
+            return {key: self.state(x) for key, x in state.items()}
+        return self._poison(state, self._bad_tokens(state.shape[1]).any(1))  # [B, heads]
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from mixers.hla.common import (IMPLS, check_choice, check_chunk_size, check_decay, check_eps,
-                               check_flag, check_qkv, check_state)
+from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
+                               check_decay, check_eps, check_flag, check_qkv, check_state)
 from mixers.hla.hla2.chunk import hla2_chunk
 from mixers.hla.hla2.naive import hla2_naive
 from mixers.hla.hla2.scan import hla2_scan
@@ -133,12 +133,13 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
             final = unpack({key: x.clone() for key, x in packed.items()}, form, normalize, ridge)
         return q.new_zeros(*q.shape[:3], v.shape[-1]), final
 
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g_torch, packed=packed)
     if impl != "serial":
         kwargs.update(chunk_size=chunk_size, output_final_state=output_final_state)
-    o, packed = _FORMS[impl](q, k, v, **kwargs)
+    o, packed = _FORMS[impl](*guard.inputs, **kwargs)
     final = unpack(packed, form, normalize, ridge) if output_final_state else None
-    return o.to(q.dtype), final
+    return guard.outputs(o.to(q.dtype)), guard.state(final)
 
 
 def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,

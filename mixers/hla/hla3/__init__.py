@@ -24,8 +24,8 @@ import torch
 
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import (check_choice, check_chunk_size, check_eps, check_flag,
-                               check_qkv, check_state)
+from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
+                               check_flag, check_qkv, check_state)
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.naive import hla3_naive
 from mixers.hla.hla3.scan import hla3_scan
@@ -95,8 +95,10 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
         if output_final_state:
             final = _state_dict(tuple(x.clone() for x in carries), variant, normalize)
         return q.new_zeros(B, 0, H, Dv), final
-    qh, kh = to_heads_first(q, dtype), to_heads_first(k, dtype)
-    vh = to_heads_first(v, dtype, ones_column=normalize)
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
+    q_in, k_in, v_in = guard.inputs
+    qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
+    vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "auto":
         impl = "chunk" if variant == "causal" else "scan"
     if impl == "chunk":
@@ -104,8 +106,9 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     else:
         form = hla3_serial if impl == "serial" else hla3_scan
         o, carries = form(qh, kh, vh, carries, variant)
-    o = read_out(o, normalize, eps, q.dtype).transpose(1, 2)
-    return o, (_state_dict(carries, variant, normalize) if output_final_state else None)
+    o = guard.outputs(read_out(o, normalize, eps, q.dtype).transpose(1, 2))
+    final = guard.state(_state_dict(carries, variant, normalize)) if output_final_state else None
+    return o, final
 
 
 def hla3_step(q_t, k_t, v_t, state=None, *, variant="causal", normalize=False, eps=1e-6):
