@@ -6,16 +6,21 @@ inputs before t are those without it.
 Each case puts one NaN (or inf) entry into q, k or v at a token in the middle of the second
 of three chunks, and compares with the same call on the finite inputs: the outputs of (0, 0)
 before that token, and every output of the other batch row and head, must be finite and
-equal (bit for bit: the masked products only ever multiply the entry by zero)."""
+equal (bit for bit: the masked products only ever multiply the entry by zero). The Triton
+forms run in the interpreter on CPU (tests/conftest.py)."""
+
+import os
 
 import pytest
 import torch
 
 from mixers.attention import sdpa_attention
 from mixers.hla import ahla2, hla2, hla3
+from mixers.hla.hla2 import triton as hla2_triton_module
 from mixers.linear_attn import linear_attn
 from mixers.mamba2 import mamba2_ssd
 
+TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H = 2, 2
 ENTRY = 3  # the feature (or value column) that is made non-finite
@@ -73,9 +78,44 @@ TORCH_FORMS = {
 }
 
 
+def _split_output_rows(monkeypatch):
+    """Chunks of 16 as two programs of 8 query rows (the second mixes with the first)."""
+    monkeypatch.setattr(hla2_triton_module, "OUTPUT_ROWS", 8)
+
+
+def _two_level_scans(monkeypatch):
+    """Scans over segments of 2 chunks, a scan over the segments, and a rescan."""
+    monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT, *_: (2, -(-NT // 2)))
+
+
+def _chunk_128_paths(monkeypatch):
+    """The chunk-128 paths (increments in halves of tokens, late state loads, and without
+    backward the scan into buffers of its own), forced at chunk 32."""
+    monkeypatch.setattr(hla2_triton_module, "_chunk_128_paths", lambda C, D, DV: C >= 32)
+
+
+# name -> (op, setup(monkeypatch) or None)
+TRITON_FORMS = {
+    "hla2-triton": (_op(hla2, impl="triton", chunk_size=16), None),
+    "hla2-triton-decay-normalize": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY,
+                                        normalize=True), None),
+    "hla2-triton-split-rows-decay": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY),
+                                     _split_output_rows),
+    "hla2-triton-two-level-normalize": (_op(hla2, impl="triton", chunk_size=16,
+                                            normalize=True), _two_level_scans),
+    "hla2-triton-chunk-128-paths": (_op(hla2, impl="triton", chunk_size=32, decay=DECAY,
+                                        normalize=True), _chunk_128_paths),
+    "hla2-triton-paper-decay": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY,
+                                    decay_form="paper"), None),
+    "hla2-triton-paper-decay-normalize": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY,
+                                              decay_form="paper", normalize=True), None),
+} if TRITON else {}
+
 # name -> (op, setup, dtype, head dim): the paper hla3 scan holds d^3 dv tensors per token
 FORMS = {name: (op, None, torch.float64, 4 if name.startswith("hla3-paper") else 16)
          for name, op in TORCH_FORMS.items()}
+FORMS.update({name: (op, setup, torch.float32, 16)
+              for name, (op, setup) in TRITON_FORMS.items()})
 FORMS["sdpa"] = (sdpa_attention, None, torch.float64, 16)
 
 
