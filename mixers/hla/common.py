@@ -23,7 +23,8 @@ finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and s
 outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the hla2
 Triton kernels keep the rule inside the kernels (hla2/triton_kernels.py). Not held to it:
 PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the backward
-spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged.
+spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged; and
+finite inputs so large that the operators' products overflow.
 """
 
 from __future__ import annotations
@@ -164,9 +165,9 @@ class FiniteInputs:
     def __init__(self, *xs: torch.Tensor):
         self.inputs, self._bad = [], []  # _bad: [B, T, h] per input, True at a non-finite token
         for x in xs:
-            # A NaN or inf entry makes its row's sum non-finite; the sum itself overflows only
-            # for entries within a factor X of the dtype's (float32 for 16-bit inputs) largest
-            # value, where the operators' products overflow anyway. One read of x: cheaper
+            # A NaN or inf entry makes its row's sum non-finite. Finite entries overflow the
+            # sum only within a factor of the row length of float32's (float64's) largest
+            # value, where the operators' products overflow anyway. One read of x, cheaper
             # than an entry-wise test.
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
             bad = ~torch.isfinite(x.sum(-1, dtype=acc))
