@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mixers.hla.common import check_choice, check_qkv
+from mixers.hla.common import check_choice, check_flag, check_qkv
 
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
 # Backends with no CPU kernel in PyTorch; "flash" has one, "math" runs everywhere.
@@ -85,8 +85,13 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     With `initial_state` (a KV cache) the new tokens also attend to the cached ones. The
     returned cache has room for `cache_reserve` more tokens. `dropout_p` drops attention
     weights (training only: the layer passes it while training).
+    Non-finite inputs: PyTorch's kernels, run unchanged, keep the rule of mixers/hla/common.py
+    for q and k (masked scores are set before the softmax) but not for v: a masked-out later
+    value enters P V as 0 * NaN, so a NaN or inf in v at token t reaches earlier outputs; and
+    the backward spreads NaN into earlier gradients for q, k and v alike.
     """
     check_qkv(q, k, v)
+    check_flag("output_final_state", output_final_state)
     check_choice("backend", backend, SDPA_BACKENDS)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")

@@ -20,7 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mixers.hla.common import check_chunk_size, check_choice, check_qkv, pad_to_multiple
+from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
+                               check_flag, check_qkv, exclusive_cumsum, pad_to_multiple)
 
 
 def taylor_features(x: torch.Tensor) -> torch.Tensor:
@@ -80,32 +81,39 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """Chunked causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_flag("normalize", normalize)
+    check_flag("output_final_state", output_final_state)
+    check_eps(eps)
     check_chunk_size(chunk_size)
     dtype = _compute_dtype(q)
     state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize, feature_map),
                      q.device, dtype)
+    if T == 0:  # no tokens: no output rows, and the start state is the final one
+        final = {key: x.clone() for key, x in state.items()} if output_final_state else None
+        return v.new_zeros(B, 0, H, Dv), final
     phi = FEATURE_MAPS[feature_map]
-    # The feature map runs in the compute dtype and before the zero padding, so padded tokens
-    # add nothing (taylor maps a zero key to [1, 0, 0], which would enter z).
-    q, k, v = (pad_to_multiple(x, chunk_size)
-               for x in (phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)))
+    # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
+    # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
+    # zero key to [1, 0, 0], which would enter z).
+    guard, out_dtype = FiniteInputs(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)), v.dtype
+    q, k, v = (pad_to_multiple(x, chunk_size) for x in guard.inputs)
     N, C = q.shape[1] // chunk_size, chunk_size
     q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
 
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0)
     chunk_kv = k.transpose(-1, -2) @ v                                  # [B, H, N, F, Dv]
-    S_before = state["S"].unsqueeze(2) + chunk_kv.cumsum(2) - chunk_kv
+    S_before = state["S"].unsqueeze(2) + exclusive_cumsum(chunk_kv, 2)
     o = q @ S_before + scores @ v
     final = {"S": state["S"] + chunk_kv.sum(2)}
     if normalize:
         chunk_k = k.sum(3)                                              # [B, H, N, F]
-        z_before = state["z"].unsqueeze(2) + chunk_k.cumsum(2) - chunk_k
+        z_before = state["z"].unsqueeze(2) + exclusive_cumsum(chunk_k, 2)
         den = (q @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
         o = o / (den.unsqueeze(-1) + eps)
         final["z"] = state["z"] + chunk_k.sum(2)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dv)[:, :T]
-    return o.to(v.dtype), (final if output_final_state else None)
+    return guard.outputs(o.to(out_dtype)), (guard.state(final) if output_final_state else None)
 
 
 def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1e-6,
@@ -113,14 +121,16 @@ def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1
     """Token-by-token reference (float64 when given float64): returns (o, final state)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_flag("normalize", normalize)
+    check_eps(eps)
     state = _initial(initial_state, state_shapes(B, H, D, Dv, normalize, feature_map),
                      q.device, q.dtype)
-    outputs = []
+    outputs = [q.new_zeros(B, 0, H, Dv)]  # the empty sequence's output (T = 0)
     for t in range(T):
         o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state,
                                       feature_map=feature_map, normalize=normalize, eps=eps)
-        outputs.append(o_t)
-    return torch.stack(outputs, 1), state
+        outputs.append(o_t.unsqueeze(1))
+    return torch.cat(outputs, 1), state
 
 
 def linear_attn_step(q_t, k_t, v_t, state, *, feature_map="identity", normalize=False,

@@ -1,9 +1,35 @@
-"""Input checks and small helpers shared by every HLA operator.
+"""Input checks and small helpers shared by every operator (the HLA operators, linear
+attention, Mamba-2 SSD, softmax attention).
 
-Errors are `ValueError`s that name the offending argument, so a user sees what to fix.
+The API rule, the same for every operator: errors are `ValueError`s that name the offending
+argument, so a user sees what to fix.
+* q, k, v are `[B, T, H, D]` (v: `[B, T, H, Dv]`) floating-point tensors with B, H, D, Dv
+  >= 1 (`check_qkv`); T may be 0, and then the output is empty and the final state is the
+  initial state (zeros without one).
+* flags (masked, normalize, output_final_state) are bools (`check_flag`); chunk_size is a
+  positive int, not a bool (`check_chunk_size`); eps is a positive finite number, not a
+  bool (`check_eps`).
+
+Non-finite inputs (the causality rule, for every operator and form here): a NaN or inf in
+q, k or v at token t of batch row b and head h changes only the outputs of (b, h) at and
+after t (with k and v shared by all query heads, multi-query: of every head of b); the
+outputs before t, and all outputs of other batch rows and heads, are exactly those the
+operator gives with that entry finite. Backward: with a zero upstream gradient at every
+output the entry made non-finite, the gradients of all inputs before t are exactly those
+of the finite inputs, and the gradient of the non-finite entry itself is NaN (training never
+steps on silently cleaned inputs). Masked chunk products alone cannot keep this: a masked-
+out later row still enters a matmul as 0 * NaN = NaN. So the PyTorch forms compute on the
+finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and set the
+outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the hla2
+Triton kernels keep the rule inside the kernels (hla2/triton_kernels.py). Not held to it:
+PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the backward
+spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged; and
+finite inputs so large that the operators' products overflow.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +50,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             raise ValueError(f"{name} must have shape [B, T, H, D], got {tuple(x.shape)}")
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        check_nonempty(name, x, time_dim=1)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -60,14 +87,37 @@ def check_decay(decay, heads: int, device: torch.device) -> torch.Tensor | None:
     return g
 
 
+def check_nonempty(name: str, x: torch.Tensor, time_dim: int | None = None) -> None:
+    """Every dimension of `x` but the time dimension is at least 1: an empty batch, zero
+    heads or a zero head dim is refused here rather than failing in a reshape deep inside
+    (T = 0 is a valid, empty sequence)."""
+    if any(n < 1 for dim, n in enumerate(x.shape) if dim != time_dim):
+        layout = "[B, H, D]" if time_dim is None else "[B, T, H, D]"
+        raise ValueError(f"{name} must have shape {layout} with B, H, D >= 1, "
+                         f"got {tuple(x.shape)}")
+
+
 def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
-def check_chunk_size(chunk_size: int) -> None:
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+def check_flag(name: str, value) -> None:
+    """A flag is a bool: a truthy string or number is refused, not read as True."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def check_eps(eps) -> None:
+    """eps (added to a denominator) is a positive finite number."""
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float))
+            or not 0 < eps < math.inf):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
 
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tensor:
@@ -83,6 +133,85 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1) -> torch.Tenso
         return x
     widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
     return F.pad(x, widths)
+
+
+class _FinitePart(torch.autograd.Function):
+    """x with its non-finite entries read as 0; the gradient passes, except at the tokens
+    `bad` ([B, T, h]: with a non-finite entry), where every entry's gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, x, bad):
+        ctx.save_for_backward(bad)
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bad, = ctx.saved_tensors
+        return grad.masked_fill(bad.unsqueeze(-1), torch.nan), None
+
+
+class FiniteInputs:
+    """The non-finite rule of the PyTorch forms (see the module docstring).
+
+    `FiniteInputs(*xs)` takes `[B, T, h, X]` tensors whose head counts h broadcast (H, or 1
+    for heads shared by all): `.inputs` are the tensors with non-finite entries read as 0,
+    `.outputs(o)` sets o `[B, T, H, ...]` to NaN from each (b, h)'s first non-finite token
+    on, `.state(s)` sets a final state (a tensor or a dict of `[B, heads, ...]` tensors) to
+    NaN for each (b, head) that took a non-finite input; a tensor with one head when the
+    inputs have H > 1 (a state shared by all heads) counts only the one-head inputs. With
+    every input finite the values are unchanged (exactly). Backward: the gradient of a token
+    with a non-finite input is NaN in all its entries."""
+
+    def __init__(self, *xs: torch.Tensor):
+        self.inputs, self._bad = [], []  # _bad: [B, T, h] per input, True at a non-finite token
+        for x in xs:
+            # A NaN or inf entry makes its row's sum non-finite. Finite entries overflow the
+            # sum only within a factor of the row length of float32's (float64's) largest
+            # value, where the operators' products overflow anyway. One read of x, cheaper
+            # than an entry-wise test.
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            bad = ~torch.isfinite(x.sum(-1, dtype=acc))
+            if torch.is_grad_enabled() and x.requires_grad:
+                self.inputs.append(_FinitePart.apply(x, bad))
+            else:
+                self.inputs.append(torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+            self._bad.append(bad)
+
+    def _bad_tokens(self, heads: int) -> torch.Tensor:
+        """[B, T, heads]: a token of (b, head) with a non-finite input."""
+        widest = max(bad.shape[2] for bad in self._bad)
+        picked = [bad for bad in self._bad if heads == widest or bad.shape[2] == heads]
+        out = picked[0]
+        for bad in picked[1:]:
+            out = out | bad
+        return out.expand(-1, -1, heads)
+
+    @staticmethod
+    def _poison(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x + (NaN where mask, else 0), mask broadcast over x's trailing dims (an addition:
+        a broadcast one is a cheaper pass than masked_fill's)."""
+        nan = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask, torch.nan)
+        return x + nan.view(*mask.shape, *(1,) * (x.dim() - mask.dim()))
+
+    def outputs(self, o: torch.Tensor) -> torch.Tensor:
+        seen = self._bad_tokens(o.shape[2]).cumsum(1) > 0  # from the first bad token on
+        return self._poison(o, seen)
+
+    def state(self, state):
+        if state is None:
+            return None
+        if isinstance(state, dict):
+            return {key: self.state(x) for key, x in state.items()}
+        return self._poison(state, self._bad_tokens(state.shape[1]).any(1))  # [B, heads]
+
+
+def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sums of the entries strictly before each index along `dim` (zero at the first): the
+    inclusive cumsum of `x` shifted by one. Not `x.cumsum(dim) - x`, which is inf - inf = NaN
+    at and before a non-finite entry, and loses an earlier sum's precision next to a large
+    entry."""
+    first = torch.zeros_like(x.narrow(dim, 0, 1))
+    return torch.cat([first, x.narrow(dim, 0, x.shape[dim] - 1)], dim).cumsum(dim)
 
 
 def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_state",

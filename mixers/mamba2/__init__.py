@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from mixers.hla.common import check_choice, check_chunk_size, check_qkv
+from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_flag,
+                               check_qkv)
 from mixers.mamba2.chunk import ssd_chunk
 from mixers.mamba2.naive import expand_groups, ssd_naive, ssd_step
 
@@ -43,14 +44,29 @@ def _pick_impl(impl: str, x: torch.Tensor) -> str:
 
 def ssd(x, dt, A, B, C, *, D=None, impl="auto", chunk_size=64, initial_state=None):
     """SSD in Mamba's naming: x `[b, T, h, P]`, dt `[b, T, h]`, A `[h]`, B/C `[b, T, g, N]`
-    with g dividing h; returns (y, final state `[b, h, N, P]`)."""
+    with g dividing h; returns (y, final state `[b, h, N, P]`). The naive and chunk forms
+    keep the non-finite rule of mixers/hla/common.py (a non-finite x, B, C or dt at token t
+    changes only outputs at and after t); mamba_ssm's Triton kernel is run as it is."""
     check_chunk_size(chunk_size)
     impl = _pick_impl(impl, x)
-    if impl == "naive":
-        return ssd_naive(x, dt, A, B, C, D=D, initial_state=initial_state)
-    if impl == "chunk":
-        return ssd_chunk(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state)
-    from mixers.mamba2.triton import ssd_triton
+    if x.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
+        b, _, h, P = x.shape
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        state = (torch.zeros(b, h, B.shape[-1], P, dtype=dtype, device=x.device)
+                 if initial_state is None else initial_state.to(dtype, copy=True))
+        return x.new_zeros(b, 0, h, P), state
+    if impl in ("naive", "chunk"):  # the non-finite rule (mixers/hla/common.py), dt included
+        h = x.shape[2]
+        guard = FiniteInputs(x, expand_groups(B, h), expand_groups(C, h), dt.unsqueeze(-1))
+        x, B, C, dt = guard.inputs
+        dt = dt.squeeze(-1)
+        if impl == "naive":
+            y, state = ssd_naive(x, dt, A, B, C, D=D, initial_state=initial_state)
+        else:
+            y, state = ssd_chunk(x, dt, A, B, C, D=D, chunk_size=chunk_size,
+                                 initial_state=initial_state)
+        return guard.outputs(y), guard.state(state)
+    from mixers.mamba2.triton import ssd_triton  # mamba_ssm's kernel: not held to the rule
 
     return ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state)
 
@@ -60,6 +76,7 @@ def mamba2_ssd(q, k, v, *, dt, A, D=None, impl="auto", chunk_size=64, initial_st
     """Harness op: q, k `[B, T, H, N]` (or one shared head), v `[B, T, H, P]`; dt `[H]` or
     `[B, T, H]` (> 0), A `[H]` (< 0), D `[H]` or None; returns (o, {"h"} | None)."""
     B_, T, H, N, P = check_qkv(q, k, v, shared_kv_ok=True)
+    check_flag("output_final_state", output_final_state)
     if dt.dim() == 1:  # kept in float32 (float64): bf16 would round dt by ~0.4%
         dt = dt.to(torch.float64 if v.dtype == torch.float64 else torch.float32)
         dt = dt.expand(B_, T, H)

@@ -20,9 +20,10 @@ from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
 from mixers.hla.ahla2.scan import ahla2_scan
 from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
-from mixers.hla.ahla2.state import (check_eps, check_token, compute_dtype, pack,
+from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import check_choice, check_chunk_size, check_decay, check_qkv, check_state
+from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_decay,
+                               check_eps, check_flag, check_qkv, check_state)
 
 __all__ = ["ahla2", "ahla2_step", "ahla2_naive", "ahla2_state_bytes", "ahla2_flops"]
 
@@ -59,25 +60,33 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     decay: None, a float or an `[H]` tensor in (0, 1]. No scaling is applied to q or k.
     """
     B, T, H, D, Dv = check_qkv(q, k, v)
+    check_flag("normalize", normalize)
+    check_flag("output_final_state", output_final_state)
     check_choice("impl", impl, AHLA2_IMPLS)
     check_chunk_size(chunk_size)
     check_eps(eps)
     decay = check_decay(decay, H, q.device)
     dtype = compute_dtype(q.dtype)
     P0, E0 = _carries(initial_state, B, H, D, Dv, normalize, dtype, q.device)
-    qh, kh = to_heads_first(q, dtype), to_heads_first(k, dtype)
-    vh = to_heads_first(v, dtype, ones_column=normalize)
+    if T == 0:  # no tokens: no output rows, and the start state is the final one
+        final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
+        return q.new_zeros(B, 0, H, Dv), final
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
+    q_in, k_in, v_in = guard.inputs
+    qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
+    vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl in ("auto", "chunk"):
         o, (P, E) = ahla2_chunk(qh, kh, vh, P0, E0, decay, chunk_size)
     else:
         o, (P, E) = FORMS[impl](qh, kh, vh, P0, E0, decay)
-    o = read_out(o, normalize, eps, q.dtype).transpose(1, 2)
-    return o, (_state_dict(P, E, normalize) if output_final_state else None)
+    o = guard.outputs(read_out(o, normalize, eps, q.dtype).transpose(1, 2))
+    return o, (guard.state(_state_dict(P, E, normalize)) if output_final_state else None)
 
 
 def ahla2_step(q_t, k_t, v_t, state=None, *, normalize=False, eps=1e-6, decay=None):
     """One decode step (Alg. 2) on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state)."""
     B, H, D, Dv = check_token(q_t, k_t, v_t)
+    check_flag("normalize", normalize)
     check_eps(eps)
     decay = check_decay(decay, H, q_t.device)
     dtype = compute_dtype(q_t.dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from mixers.hla.common import check_nonempty
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """States and internal arithmetic: float64 for float64 inputs, float32 otherwise."""
@@ -52,17 +54,13 @@ def read_out(o: torch.Tensor, normalize: bool, eps: float, dtype: torch.dtype) -
     return o.to(dtype)
 
 
-def check_eps(eps) -> None:
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-
-
 def check_token(q_t, k_t, v_t) -> tuple[int, int, int, int]:
     """One-token inputs `[B, H, D]`, `[B, H, D]`, `[B, H, Dv]`; returns (B, H, D, Dv)."""
     for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor of shape [B, H, D], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        check_nonempty(name, x)
     if k_t.dtype != q_t.dtype or v_t.dtype != q_t.dtype:
         raise ValueError(f"q_t, k_t, v_t must share a dtype, got {q_t.dtype}, {k_t.dtype}, {v_t.dtype}")
     if k_t.shape != q_t.shape or v_t.shape[:2] != q_t.shape[:2]:

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from mixers.hla.common import (IMPLS, check_choice, check_chunk_size, check_decay, check_qkv,
-                               check_state)
+from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
+                               check_decay, check_eps, check_flag, check_qkv, check_state)
 from mixers.hla.hla2.chunk import hla2_chunk
 from mixers.hla.hla2.naive import hla2_naive
 from mixers.hla.hla2.scan import hla2_scan
@@ -27,9 +27,8 @@ _FORMS = {"serial": hla2_serial, "scan": hla2_scan, "chunk": hla2_chunk}
 
 
 def _check_scalars(eps, ridge) -> None:
-    if not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
-    if not isinstance(ridge, (int, float)) or not ridge >= 0:
+    check_eps(eps)
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not ridge >= 0:
         raise ValueError(f"ridge must be a number >= 0, got {ridge!r}")
 
 
@@ -81,6 +80,8 @@ def _prepare(q, k, v, state, state_name, *, masked, normalize, eps, ridge, decay
     """Validate the options; return (form, decay [H] | None, checked state | None, decay for
     the torch forms: [1] under multi-query)."""
     B, _, H, D, Dv = check_qkv(q, k, v, shared_kv_ok=True)
+    check_flag("masked", masked)
+    check_flag("normalize", normalize)
     check_choice("decay_form", decay_form, DECAY_FORMS)
     _check_scalars(eps, ridge)
     kv_heads, dtype = k.shape[2], compute_dtype(q.dtype)
@@ -112,6 +113,7 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     k, v may have one head shared by all query heads (multi-query). See state.py for the state
     keys each option set carries, and naive.py for the exact sums every impl computes.
     """
+    check_flag("output_final_state", output_final_state)
     check_choice("impl", impl, IMPLS)
     check_chunk_size(chunk_size)
     form, g, state, g_torch = _prepare(
@@ -126,15 +128,18 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
                                      initial_state=state, output_final_state=output_final_state)
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
     if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
-        final = unpack(packed, form, normalize, ridge) if output_final_state else None
+        final = None
+        if output_final_state:  # copies: the caller may update its initial state in place
+            final = unpack({key: x.clone() for key, x in packed.items()}, form, normalize, ridge)
         return q.new_zeros(*q.shape[:3], v.shape[-1]), final
 
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g_torch, packed=packed)
     if impl != "serial":
         kwargs.update(chunk_size=chunk_size, output_final_state=output_final_state)
-    o, packed = _FORMS[impl](q, k, v, **kwargs)
+    o, packed = _FORMS[impl](*guard.inputs, **kwargs)
     final = unpack(packed, form, normalize, ridge) if output_final_state else None
-    return o.to(q.dtype), final
+    return guard.outputs(o.to(q.dtype)), guard.state(final)
 
 
 def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e-6, ridge=0.0,

@@ -39,6 +39,9 @@ Not supported (the dispatcher falls back): masked=False, ridge != 0, the paper d
 above head dim 64 (PAPER_MAX_HEAD_DIM).
 fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exceeds 65504
 (long sequences of large keys); prefer bf16.
+Non-finite inputs follow the rule of mixers/hla/common.py inside the kernels (see
+triton_kernels.py); normalize's division passes a zero upstream gradient at a poisoned
+output on as zero (_normalize_grads).
 """
 
 from __future__ import annotations
@@ -431,9 +434,8 @@ class _HLA2Masked(torch.autograd.Function):
         dden = None
         if ctx.normalize:  # o = n / (den + eps): dn = do / (den + eps), dden = -(do . o) / ..
             o, den = saved
-            scale = 1.0 / (den + ctx.eps)
-            dden = (-(do.float() * o.float()).sum(-1) * scale).contiguous()
-            do = (do.float() * scale.unsqueeze(-1)).to(q.dtype)
+            dn, dden = _normalize_grads(do, o, den, ctx.eps)
+            do, dden = dn.to(q.dtype), dden.contiguous()
         want_init_grad = any(ctx.needs_input_grad[3:6])
         final_grads = _final_grads(q, D, DV, ctx.normalize, (gs1, ga1, gan1))
         dq, dk, dv, init_grads = _backward(q, k, v, log2g, states, do.contiguous(), dden,
@@ -441,6 +443,36 @@ class _HLA2Masked(torch.autograd.Function):
         gs0, ga0, gan0 = (None, None, None) if init_grads is None else init_grads
         gan0 = gan0 if ctx.normalize and init_grads is not None else None
         return dq, dk, dv, gs0, ga0, gan0, None, None, None, None, None
+
+
+def _normalize_grads(do, o, den, eps):
+    """(dn, dden) of o = n / (den + eps) for the upstream do ([B, T, H, Dv], den [B, T, H]):
+    dn = do / (den + eps), dden = -(do . o) / (den + eps), both fp32. NaN and inf entries
+    of o and den (outputs poisoned by a non-finite input) pass no gradient on, so a zero
+    upstream there stays zero instead of becoming 0 * NaN, and the inputs before the bad
+    token keep their gradients (the non-finite rule); a NaN upstream still reaches dn and
+    dden. Costs one more pass over o than the plain formulas."""
+    scale = torch.where(torch.isfinite(den), 1.0 / (den + eps), 0.0)
+    o = torch.nan_to_num(o.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    dden = -(do.float() * o).sum(-1) * scale
+    return do.float() * scale.unsqueeze(-1), dden
+
+
+class _Normalized(torch.autograd.Function):
+    """o = n / (den + eps) with the backward of _normalize_grads (n [.., Dv], den [..])."""
+
+    @staticmethod
+    def forward(ctx, n, den, eps):
+        o = n / (den + eps).unsqueeze(-1)
+        ctx.save_for_backward(o, den)
+        ctx.eps = eps
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        o, den = ctx.saved_tensors
+        dn, dden = _normalize_grads(do, o, den, ctx.eps)
+        return dn.to(o.dtype), dden.to(den.dtype), None
 
 
 def _paper_forward(q, k, v, log2g, init, C, want_final, want_out, want_states):
@@ -549,7 +581,7 @@ def _hla2_paper(q, k, v, *, normalize, eps, decay, C, initial_state, output_fina
     log2g = torch.log2(decay.float()).contiguous()
     o, s1, c1, g1 = _HLA2Paper.apply(q, k, v_in, s0, c0, g0, log2g, C, output_final_state)
     if normalize:
-        o = (o[..., :DV].float() / (o[..., DV:DV + 1].float() + eps)).to(q.dtype)
+        o = _Normalized.apply(o[..., :DV].float(), o[..., DV].float(), eps).to(q.dtype)
     if not output_final_state:
         return o, None
     final = {"S": s1, "C": c1[..., :DV].contiguous(), "G": g1[..., :DV].contiguous()}

@@ -35,6 +35,22 @@ their own outputs, so the GPU may time them: they are autotuned over warp counts
 _autotuned). The scans keep the fixed launch shape set by the caller; they overwrite their
 inputs in place, except the state scan of a forward without backward at chunk 128, which
 writes the states to buffers of their own (a loop without barriers, which Triton pipelines).
+
+Non-finite inputs (the rule of mixers/hla/common.py: a NaN or inf in q, k or v at token t
+changes only the outputs at and after t). The increments take q, k, v as they are, so a
+non-finite token makes its chunk's dS or dA, and every later chunk's carried state,
+non-finite; X and its normalize column are stored with non-finite entries as 0 (dA carries
+the value forward, and the backward's gA X^T stays 0 where gA is 0). The output kernel masks
+its C x C products by selection, not by a multiply (a later row's NaN q or k reads 0, not
+0 * NaN), and reads non-finite entries of v as 0 (in the masked M V a later row enters as
+0 * v); it adds NaN to its rows from the first non-finite v row on. The backward kernels
+read non-finite entries of q, k and v as 0 and add NaN to the gradients of those rows, so a
+zero upstream gradient at the outputs from t on leaves every earlier gradient exact. The
+paper form's walk reads non-finite entries of q, k and v as 0 throughout and carries a flag:
+its outputs from the first non-finite token on, and its final states after one, are NaN.
+None of this touches the scans' loops; the per-chunk kernels spend a compare and a select or
+two per loaded entry (v in the output kernel, q, k, v in the backward) and a select per
+C x C entry of the output's mixing matrix.
 """
 
 import os
@@ -128,6 +144,30 @@ def _store_tokens(ptr, val, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr):
 def _load_den(ptr, i_b, i_h, t, T, H: tl.constexpr):
     """[len(t)] entries of a [B, T, H] fp32 tensor; past T zero."""
     return tl.load(ptr + (i_b * T + t).to(tl.int64) * H + i_h, mask=t < T, other=0.0)
+
+
+@triton.jit
+def _finite(x):
+    """x with its NaN and inf entries read as 0 (see "Non-finite inputs" above)."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0).to(x.dtype)
+
+
+@triton.jit
+def _bad_rows(x):
+    """[rows] fp32: 1 where a row of x has a NaN or inf entry, else 0."""
+    return tl.max(tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), axis=1)
+
+
+@triton.jit
+def _poison_rows(bad):
+    """[rows] fp32: NaN at the bad rows, 0 elsewhere (bad: 1 at a bad row)."""
+    return tl.where(bad > 0, float("nan"), 0.0)
+
+
+@triton.jit
+def _poison_from(bad):
+    """[rows] fp32: NaN from the first bad row on, 0 before it (bad: 1 at a bad row)."""
+    return tl.where(tl.cumsum(bad, axis=0) > 0, float("nan"), 0.0)
 
 
 @triton.jit
@@ -225,7 +265,7 @@ def _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf,
     tl.store(ds_buf + base * D * D + dd, b_ds.to(ds_buf.dtype.element_ty))
     b_x = tl.dot(tl.trans(b_q1), b_ve1, input_precision=PREC)
     b_x = gamma * tl.dot(tl.trans(b_q2), b_ve2, b_x, input_precision=PREC)
-    tl.store(x_buf + base * D * DV + dv, b_x.to(x_buf.dtype.element_ty))
+    tl.store(x_buf + base * D * DV + dv, _finite(b_x).to(x_buf.dtype.element_ty))
     b_w11 = tl.where(causal, tl.dot(b_q1, tl.trans(b_k1), input_precision=PREC), 0.0).to(dt)
     b_w21 = tl.dot(b_q2, tl.trans(b_k1), input_precision=PREC).to(dt)
     b_w22 = tl.where(causal, tl.dot(b_q2, tl.trans(b_k2), input_precision=PREC), 0.0).to(dt)
@@ -238,7 +278,7 @@ def _increments_in_halves(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_buf,
     if NORMALIZE:  # V = 1 at real tokens, so E V = e
         b_xn = tl.sum(b_q1.to(tl.float32) * e1[:, None], axis=0)
         b_xn += tl.sum(b_q2.to(tl.float32) * e2[:, None], axis=0)
-        tl.store(xn_buf + base * D + rd, gamma * b_xn)
+        tl.store(xn_buf + base * D + rd, _finite(gamma * b_xn))
         b_wte1 = tl.sum(b_w11.to(tl.float32) * e1[:, None], axis=0)
         b_wte1 += tl.sum(b_w21.to(tl.float32) * e2[:, None], axis=0)
         b_wte2 = tl.sum(b_w22.to(tl.float32) * e2[:, None], axis=0)
@@ -286,14 +326,14 @@ def chunk_increments_kernel(q, k, v, log2g, ds_buf, x_buf, da_buf, xn_buf, an_bu
     b_ds = tl.dot(tl.trans(b_ke), b_k, input_precision=PREC)
     tl.store(ds_buf + base * D * D + dd, b_ds.to(ds_buf.dtype.element_ty))
     b_x = gamma * tl.dot(tl.trans(b_qr), b_ve, input_precision=PREC)
-    tl.store(x_buf + base * D * DV + dv, b_x.to(x_buf.dtype.element_ty))
+    tl.store(x_buf + base * D * DV + dv, _finite(b_x).to(x_buf.dtype.element_ty))
     b_w = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0).to(dt)
     b_wtv = tl.dot(tl.trans(b_w), b_ve, input_precision=PREC).to(dt)
     b_da = tl.dot(tl.trans(b_ke), b_wtv, input_precision=PREC)
     tl.store(da_buf + base * D * DV + dv, b_da.to(da_buf.dtype.element_ty))
     if NORMALIZE:  # V = 1 at real tokens, so E V = e
         b_xn = gamma * tl.sum(b_qr.to(tl.float32) * e[:, None], axis=0)
-        tl.store(xn_buf + base * D + rr, b_xn)
+        tl.store(xn_buf + base * D + rr, _finite(b_xn))
         b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
         tl.store(an_buf + base * D + rr,
                  tl.sum(b_ke.to(tl.float32) * b_wte[:, None], axis=0))
@@ -315,12 +355,12 @@ def chunk_grad_terms_kernel(q, v, do, dden, log2g, qdo_buf, z_buf, qn_buf, T, NT
     t = i_c * C + tl.arange(0, C)
     causal, b, e, dm, gamma = _chunk_decay(i_c, T, _log2_decay(log2g, i_h, HAS_DECAY), C)
     rr, rd, rv = i_r * BR + tl.arange(0, BR), tl.arange(0, D), tl.arange(0, DV)
-    b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
+    b_q = _finite(_load_tokens(q, i_b, i_h, t, T, H, D))
     if BR == D:
         b_qr = b_q
     else:
-        b_qr = _load_columns(q, i_b, i_h, t, T, rr, H, D)
-    b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
+        b_qr = _finite(_load_columns(q, i_b, i_h, t, T, rr, H, D))
+    b_v = _finite(_load_tokens(v, i_b, i_h, t, T, H, DV))
     b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
     dt = b_q.dtype
     base = (i_bh * NT + i_c).to(tl.int64)
@@ -567,6 +607,8 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     dt = b_q.dtype
     v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
     b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0)
+    v_bad = _bad_rows(b_v)
+    b_v = _finite(b_v)  # the masked M V would read a later row's NaN as 0 * NaN
     b_s = tl.load(s_buf + base * D * D + _mat_offsets(rd, rd, D)).to(dt)
     if LATE_STATES:  # A0 is loaded for the last product: less shared memory at once
         b_o = tl.zeros([BT, BV], dtype=tl.float32)
@@ -575,9 +617,10 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
         b_o = tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
     b_qs = tl.dot((b_q * b[:, None]).to(dt), b_s, input_precision=PREC).to(dt)
     b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-    b_w = tl.where(causal, b_qk, 0.0).to(dt)
+    b_wf = tl.where(causal, b_qk, 0.0)  # masked by selection: a later NaN q or k reads 0
+    b_w = b_wf.to(dt)
     b_m = tl.dot(b_qs, tl.trans(b_q), input_precision=PREC)
-    b_m += tl.dot((b_qk * dm).to(dt), tl.trans(b_w), input_precision=PREC)
+    b_m += tl.dot((b_wf * dm).to(dt), tl.trans(b_w), input_precision=PREC)
     if NORMALIZE:
         b_den = tl.zeros([BT], dtype=tl.float32)
     if BT < C:
@@ -599,11 +642,12 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
             b_o += tl.dot(b_mp, b_vp, input_precision=PREC)
             if NORMALIZE:
                 b_den += tl.sum(b_mp.to(tl.float32), axis=1)
-    b_m = (b_m * dm).to(dt)
+    b_m = tl.where(causal, b_m * dm, 0.0).to(dt)
     b_o += tl.dot(b_m, b_v, input_precision=PREC)
     if LATE_STATES:
         b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
         b_o += tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
+    b_o += _poison_from(v_bad)[:, None]  # v was read as finite: its rows from the bad one on
     if NORMALIZE:  # the same form on a ones column, with a0
         b_an = tl.load(an_buf + base * D + rd)
         b_den += tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1) * (b * b)
@@ -643,6 +687,9 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
     b_q = _load_tokens(q, i_b, i_h, t, T, H, D)
     b_k = _load_tokens(k, i_b, i_h, t, T, H, D)
     b_v = _load_tokens(v, i_b, i_h, t, T, H, DV)
+    # the gradients of a row with a non-finite entry are NaN; the rows are read as finite
+    q_bad, k_bad, v_bad = _bad_rows(b_q), _bad_rows(b_k), _bad_rows(b_v)
+    b_q, b_k, b_v = _finite(b_q), _finite(b_k), _finite(b_v)
     b_do = _load_tokens(do, i_b, i_h, t, T, H, DV)
     dt = b_q.dtype
     b_ve = (b_v * e[:, None]).to(dt)
@@ -676,7 +723,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
             b_wte = tl.sum(b_w.to(tl.float32) * e[:, None], axis=0)
             b_kgs += b_wte[:, None] * tl.load(gan_buf + base * D + rd)[None, :]
         b_dk += b_kgs * e[:, None]
-        _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
+        _store_tokens(dk, b_dk + _poison_rows(k_bad)[:, None], i_b, i_h, t, T, H, D)
     if WANT_Q:
         b_pb = b_p * b[:, None]
         b_r = tl.dot((b_pb + tl.trans(b_pb)).to(dt), b_q, input_precision=PREC)
@@ -691,7 +738,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_dq = b_doa * (b * b)[:, None]
         b_dq += tl.dot(b_r.to(dt), b_s, input_precision=PREC)
         b_dq += tl.dot(b_gr, b_k, input_precision=PREC)
-        _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
+        _store_tokens(dq, b_dq + _poison_rows(q_bad)[:, None], i_b, i_h, t, T, H, D)
     if WANT_V:
         b_s = tl.load(s_buf + base * D * D + dd).to(dt)
         b_qs = tl.dot(b_q, b_s, input_precision=PREC)
@@ -701,7 +748,7 @@ def chunk_grads_kernel(q, k, v, do, dden, log2g, s_buf, a_buf, gs_buf, ga_buf, a
         b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
         b_dv += tl.dot((b_qs * (gamma * e)[:, None]).to(dt), b_ga, input_precision=PREC)
         b_dv += tl.dot(b_w, b_kga, input_precision=PREC) * e[:, None]
-        _store_tokens(dv, b_dv, i_b, i_h, t, T, H, DV)
+        _store_tokens(dv, b_dv + _poison_rows(v_bad)[:, None], i_b, i_h, t, T, H, DV)
 
 
 @triton.jit
@@ -823,6 +870,7 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
         b_s = tl.zeros([D, D], dtype=tl.float32)
         b_c = tl.zeros([D, BV], dtype=tl.float32)
         b_g = tl.zeros([D, BV], dtype=tl.float32)
+    seen = 0.0  # 1 once a token of this (batch, head) and slice had a non-finite input
     for i_c in range(NT_BOUND):
         t = i_c * C + tl.arange(0, C)
         causal, strict, b, a, e, f, dm, ds, gam, last = _paper_decay(i_c, T, lg, C)
@@ -836,6 +884,10 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
         b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
         v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
         b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        # the walk runs on the finite part of its inputs and sets the outputs from the first
+        # non-finite token on, and the final states after one, to NaN
+        bad = tl.maximum(tl.maximum(_bad_rows(b_q), _bad_rows(b_k)), _bad_rows(b_v))
+        b_q, b_k, b_v = _finite(b_q), _finite(b_k), _finite(b_v)
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_w = tl.where(causal, b_qk, 0.0)
         b_ks = tl.where(strict, tl.trans(b_qk), 0.0)
@@ -847,8 +899,9 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
             b_m -= ds * tl.dot(b_w, b_ks, input_precision=PREC)
             b_o = tl.dot(b_y, b_c, input_precision=PREC)
             b_o -= b[:, None] * tl.dot(b_q, b_g, input_precision=PREC)
-            b_o += tl.dot(b_m, b_v, input_precision=PREC)
+            b_o += tl.dot(b_m, b_v, input_precision=PREC) + _poison_from(bad + seen)[:, None]
             tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
+        seen = tl.maximum(seen, tl.max(bad, axis=0))
         b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
         b_g = gam * b_g + last * tl.dot(b_ktk, b_c, input_precision=PREC)
         b_g += tl.dot(tl.trans(b_k), tl.dot(b_ks, b_v * f[:, None], input_precision=PREC),
@@ -856,10 +909,11 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
         b_c = gam * b_c + tl.dot(tl.trans(b_q * e[:, None]), b_v, input_precision=PREC)
         b_s = gam * b_s + tl.dot(tl.trans(b_k * e[:, None]), b_k, input_precision=PREC)
     if STORE_FINAL:
+        poison = tl.where(seen > 0, float("nan"), 0.0)
         if i_v == 0:
-            tl.store(s_final + head * D * D + dd, b_s)
-        tl.store(c_final + head * D * DV + dv, b_c)
-        tl.store(g_final + head * D * DV + dv, b_g)
+            tl.store(s_final + head * D * D + dd, b_s + poison)
+        tl.store(c_final + head * D * DV + dv, b_c + poison)
+        tl.store(g_final + head * D * DV + dv, b_g + poison)
 
 
 @triton.jit
@@ -916,6 +970,10 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
         v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
         b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        # as the forward: the finite part of the inputs (a row with a non-finite entry gets
+        # NaN gradients)
+        q_bad, k_bad, v_bad = _bad_rows(b_q), _bad_rows(b_k), _bad_rows(b_v)
+        b_q, b_k, b_v = _finite(b_q), _finite(b_k), _finite(b_v)
         b_do = tl.load(do + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_w = tl.where(causal, b_qk, 0.0)
@@ -948,7 +1006,7 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_dq += tl.dot((b * b)[:, None] * b_dy + b[:, None] * b_dqs, b_s0t, input_precision=PREC)
         b_dq += e[:, None] * tl.dot(b_v, tl.trans(b_gc), input_precision=PREC)
         b_dq += tl.dot(b_da, b_k, input_precision=PREC)
-        _store_tokens(dq, b_dq, i_b, i_h, t, T, H, D)
+        _store_tokens(dq, b_dq + _poison_rows(q_bad)[:, None], i_b, i_h, t, T, H, D)
 
         b_dk = tl.dot(tl.trans(b_bm), b_dy, input_precision=PREC)
         b_dk += tl.dot(tl.trans(b_wd), b_dqs, input_precision=PREC)
@@ -958,11 +1016,12 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_dk += last * tl.dot(b_k, b_cg + tl.trans(b_cg), input_precision=PREC)
         b_dk += e[:, None] * tl.dot(b_k, b_gs + tl.trans(b_gs), input_precision=PREC)
         b_dk += tl.dot(tl.trans(b_da), b_q, input_precision=PREC)
-        _store_tokens(dk, b_dk, i_b, i_h, t, T, H, D)
+        _store_tokens(dk, b_dk + _poison_rows(k_bad)[:, None], i_b, i_h, t, T, H, D)
 
         b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
         b_dv += e[:, None] * tl.dot(b_q, b_gc, input_precision=PREC)
         b_dv += f[:, None] * tl.dot(tl.trans(b_ks), b_kdg, input_precision=PREC)
+        b_dv += _poison_rows(v_bad)[:, None]
         tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=(t < T)[:, None])
 
         b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)

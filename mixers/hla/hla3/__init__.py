@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.ahla2.state import (check_eps, check_token, compute_dtype, pack,
+from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import check_choice, check_chunk_size, check_qkv, check_state
+from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
+                               check_flag, check_qkv, check_state)
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.naive import hla3_naive
 from mixers.hla.hla3.scan import hla3_scan
@@ -82,13 +83,22 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     No scaling is applied to q or k.
     """
     B, T, H, D, Dv = check_qkv(q, k, v)
+    check_flag("normalize", normalize)
+    check_flag("output_final_state", output_final_state)
     _check_variant_impl(variant, impl)
     check_chunk_size(chunk_size)
     check_eps(eps)
     dtype = compute_dtype(q.dtype)
     carries = _carries(initial_state, variant, B, H, D, Dv, normalize, dtype, q.device)
-    qh, kh = to_heads_first(q, dtype), to_heads_first(k, dtype)
-    vh = to_heads_first(v, dtype, ones_column=normalize)
+    if T == 0:  # no tokens: no output rows, and the start state is the final one
+        final = None
+        if output_final_state:
+            final = _state_dict(tuple(x.clone() for x in carries), variant, normalize)
+        return q.new_zeros(B, 0, H, Dv), final
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
+    q_in, k_in, v_in = guard.inputs
+    qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
+    vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "auto":
         impl = "chunk" if variant == "causal" else "scan"
     if impl == "chunk":
@@ -96,13 +106,15 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     else:
         form = hla3_serial if impl == "serial" else hla3_scan
         o, carries = form(qh, kh, vh, carries, variant)
-    o = read_out(o, normalize, eps, q.dtype).transpose(1, 2)
-    return o, (_state_dict(carries, variant, normalize) if output_final_state else None)
+    o = guard.outputs(read_out(o, normalize, eps, q.dtype).transpose(1, 2))
+    final = guard.state(_state_dict(carries, variant, normalize)) if output_final_state else None
+    return o, final
 
 
 def hla3_step(q_t, k_t, v_t, state=None, *, variant="causal", normalize=False, eps=1e-6):
     """One decode step on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state)."""
     B, H, D, Dv = check_token(q_t, k_t, v_t)
+    check_flag("normalize", normalize)
     check_choice("variant", variant, VARIANTS)
     check_eps(eps)
     dtype = compute_dtype(q_t.dtype)

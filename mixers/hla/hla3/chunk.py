@@ -9,19 +9,16 @@ triangle (with diagonal):
     S' = S0 + K^T K,   P' = P0 + K^T V
     F' = F0 + S0 (Q^T r) + K^T ((L * A)^T r)
 
-The carries are exclusive prefix sums of per-chunk terms (no decay), so every chunk is
-processed at once. Zero padding of the last chunk adds nothing to any state.
+The carries are exclusive prefix sums of per-chunk terms (no decay, shifted inclusive sums:
+a chunk's carry never reads its own or a later chunk's term), so every chunk is processed at
+once. Zero padding of the last chunk adds nothing to any state.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mixers.hla.common import pad_to_multiple
-
-
-def _exclusive_cumsum(x, dim=2):
-    return x.cumsum(dim) - x
+from mixers.hla.common import exclusive_cumsum, pad_to_multiple
 
 
 def hla3_chunk(q, k, v, carries, chunk_size):
@@ -37,12 +34,12 @@ def hla3_chunk(q, k, v, carries, chunk_size):
     LA = torch.where(L, A, 0)
     kT = k.transpose(-1, -2)
     dS, dP = kT @ k, kT @ v
-    S = S0.unsqueeze(2) + _exclusive_cumsum(dS)
-    P = P0.unsqueeze(2) + _exclusive_cumsum(dP)
+    S = S0.unsqueeze(2) + exclusive_cumsum(dS, 2)
+    P = P0.unsqueeze(2) + exclusive_cumsum(dP, 2)
     r = q @ P + LA @ v
     Bm = torch.where(L, (q @ S) @ q.transpose(-1, -2) + A @ LA.transpose(-1, -2), 0)
     dF = S @ (q.transpose(-1, -2) @ r) + kT @ (LA.transpose(-1, -2) @ r)
-    F = F0.unsqueeze(2) + _exclusive_cumsum(dF)
+    F = F0.unsqueeze(2) + exclusive_cumsum(dF, 2)
     o = q @ F + Bm @ r
     final = (S0 + dS.sum(2), P0 + dP.sum(2), F0 + dF.sum(2))
     return o.reshape(B, H, N * C, -1)[:, :, :T], final
