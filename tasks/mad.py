@@ -359,3 +359,74 @@ register(Task(
     source=MAD_SOURCE,
 ))
 
+
+# MAD-lab's benchmark protocol -------------------------------------------------------------------
+
+MAD_TASKS = ("in_context_recall", "noisy_in_context_recall", "fuzzy_in_context_recall",
+             "memorization", "compression", "selective_copying")  # MAD-lab's registry order
+MAD_LEARNING_RATES = (1e-4, 5e-4, 1e-3)  # mad/configs.py make_benchmark_mad_configs
+MAD_WEIGHT_DECAYS = (0.0, 0.1)
+_TRAIN_SIZES = (6400, 3200, 1600, 800)
+# configs/tasks/*.yml `changes`: each value replaces the baseline's, one variable at a time
+# (`num_train` is MAD-lab's `num_train_examples`; noisy recall's vocabularies include its 16
+# noise tokens).
+MAD_DIFFICULTY = {
+    "in_context_recall": {"vocab_size": (32, 64, 128), "seq_len": (256, 512, 1024),
+                          "num_train": _TRAIN_SIZES},
+    "noisy_in_context_recall": {"vocab_size": (48, 80, 144), "seq_len": (256, 512, 1024),
+                                "num_train": _TRAIN_SIZES, "frac_noise": (0.4, 0.6, 0.8)},
+    "fuzzy_in_context_recall": {"vocab_size": (32, 64, 128), "seq_len": (256, 512, 1024),
+                                "num_train": _TRAIN_SIZES},
+    "memorization": {"vocab_size": (512, 1024, 2048, 4096, 8192)},
+    "compression": {"vocab_size": (32, 64, 128), "seq_len": (64, 128, 256),
+                    "num_train": _TRAIN_SIZES},
+    "selective_copying": {"vocab_size": (32, 64, 128), "seq_len": (512, 1024),
+                          "num_train": _TRAIN_SIZES, "num_tokens_to_copy": (32, 64, 96)},
+}
+
+
+def mad_settings(task: str | None = None) -> list[dict]:
+    """MAD-lab's benchmark settings, `{"task", "params", "num_train"}` each: per task the
+    baseline (the registered defaults), then every difficulty change in MAD-lab's order.
+    `params` holds only what differs from the task's defaults. A task's MAD score is the mean,
+    over its settings, of the best test accuracy over MAD_LEARNING_RATES x MAD_WEIGHT_DECAYS."""
+    from tasks import get
+
+    names = MAD_TASKS if task is None else (get(task).name,)
+    settings = []
+    for name in names:
+        baseline_train = get(name).num_train
+        settings.append({"task": name, "params": {}, "num_train": baseline_train})
+        for variable, values in MAD_DIFFICULTY[name].items():
+            for value in values:
+                if variable == "num_train":
+                    settings.append({"task": name, "params": {}, "num_train": value})
+                else:
+                    settings.append({"task": name, "params": {variable: value},
+                                     "num_train": baseline_train})
+    return settings
+
+
+def mad_accuracy(predictions, targets, num_classes: int) -> float:
+    """MAD-lab's accuracy of one evaluation batch: torchmetrics' MulticlassAccuracy with its
+    default macro average (mad/metrics.py). Positions labelled IGNORE are dropped; each class's
+    recall (correct / labelled) is averaged over the classes that occur as a label or as a
+    prediction, so a wrongly predicted class that is never a label counts as a zero.
+
+    `predictions` are logits `[..., num_classes]` or class ids shaped like `targets`. MAD-lab's
+    score of a split is the batch-size-weighted mean of this over its batches (128 examples)."""
+    import torch
+
+    predictions, targets = torch.as_tensor(predictions), torch.as_tensor(targets)
+    if predictions.dim() == targets.dim() + 1:
+        predictions = predictions.argmax(-1)
+    keep = targets != IGNORE
+    predicted, labelled = predictions[keep].long().flatten(), targets[keep].long().flatten()
+    confusion = torch.bincount(labelled * num_classes + predicted,
+                               minlength=num_classes * num_classes).view(num_classes, num_classes)
+    correct, support, chosen = confusion.diag(), confusion.sum(1), confusion.sum(0)
+    occurs = (support + chosen) > 0
+    if not bool(occurs.any()):
+        return 0.0
+    recall = correct.double() / support.clamp(min=1).double()
+    return float(recall[occurs].mean())

@@ -275,6 +275,46 @@ def test_selective_copying_blanks_never_follow_the_last_data_token():
     assert bool((x[:, 0] == V - 2).any())  # blanks do come first at times
 
 
+def test_mad_settings_are_mad_labs_benchmark_grid():
+    settings = mad.mad_settings()
+    counts = {name: sum(s["task"] == name for s in settings) for name in mad.MAD_TASKS}
+    assert counts == {"in_context_recall": 11, "noisy_in_context_recall": 14,
+                      "fuzzy_in_context_recall": 11, "memorization": 6, "compression": 11,
+                      "selective_copying": 13}
+    assert mad.MAD_LEARNING_RATES == (1e-4, 5e-4, 1e-3) and mad.MAD_WEIGHT_DECAYS == (0.0, 0.1)
+    noisy = mad.mad_settings("noisy-in-context-recall")
+    assert noisy[0] == {"task": "noisy_in_context_recall", "params": {}, "num_train": 12_800}
+    assert [s["params"].get("vocab_size") for s in noisy[1:4]] == [48, 80, 144]
+    assert [s["num_train"] for s in noisy[7:11]] == [6400, 3200, 1600, 800]
+    assert [s["params"] for s in noisy[11:]] == [{"frac_noise": f} for f in (0.4, 0.6, 0.8)]
+    copying = mad.mad_settings("selective_copying")
+    assert [s["params"] for s in copying[4:6]] == [{"seq_len": 512}, {"seq_len": 1024}]
+    assert [s["params"] for s in copying[10:]] == [{"num_tokens_to_copy": n} for n in (32, 64, 96)]
+    memorization = mad.mad_settings("memorization")
+    assert [s["params"].get("vocab_size", 256) for s in memorization] == [256, 512, 1024, 2048,
+                                                                          4096, 8192]
+    assert {s["num_train"] for s in memorization} == {256}
+    for setting in settings:  # every setting is a valid task instance
+        x, _ = tasks.get(setting["task"]).make("test", 1, 0, **setting["params"])
+        seq_len = tasks.get(setting["task"]).resolve_params(setting["params"])["seq_len"]
+        multi_query_recall = "recall" in setting["task"]
+        assert x.shape[1] == (seq_len - 1 if multi_query_recall and "fuzzy" not in setting["task"]
+                              else seq_len)
+
+
+def test_mad_accuracy_is_torchmetrics_macro_accuracy():
+    # torchmetrics' documented MulticlassAccuracy example (macro average): 0.8333
+    assert mad.mad_accuracy(torch.tensor([2, 1, 0, 1]), torch.tensor([2, 1, 0, 0]), 3) == \
+        pytest.approx(5 / 6)
+    # a predicted class that is never a label scores 0 (micro accuracy would be 0.75);
+    # classes that occur nowhere (3..9) and ignored positions do not count
+    assert mad.mad_accuracy(torch.tensor([0, 0, 1, 2, 5]), torch.tensor([0, 0, 1, 1, IGNORE]),
+                            10) == pytest.approx((1 + 0.5 + 0) / 3)
+    logits = torch.nn.functional.one_hot(torch.tensor([[0, 0], [1, 2]]), 4).float()
+    assert mad.mad_accuracy(logits, torch.tensor([[0, 0], [1, 1]]), 4) == pytest.approx(0.5)
+    assert mad.mad_accuracy(torch.tensor([1]), torch.tensor([IGNORE]), 4) == 0.0
+
+
 @pytest.mark.parametrize("name, params, message", [
     ("in_context_recall", dict(seq_len=7), "seq_len must be an even"),
     ("noisy_in_context_recall", dict(noise_vocab_size=0), "noise_vocab_size must be > 0"),
