@@ -1,13 +1,18 @@
 """Generator properties of every synthetic task: label placement, token ranges, seeds, errors."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import tasks
 from tasks import IGNORE
 from tasks import mad
 from tasks.mad import memorization_map
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = {  # fast settings per task (defaults where they are already small)
     "mqar": dict(vocab_size=128, seq_len=64, num_kv_pairs=8),
@@ -313,6 +318,31 @@ def test_mad_accuracy_is_torchmetrics_macro_accuracy():
     logits = torch.nn.functional.one_hot(torch.tensor([[0, 0], [1, 2]]), 4).float()
     assert mad.mad_accuracy(logits, torch.tensor([[0, 0], [1, 1]]), 4) == pytest.approx(0.5)
     assert mad.mad_accuracy(torch.tensor([1]), torch.tensor([IGNORE]), 4) == 0.0
+
+
+def test_mad_config_runs_mad_labs_protocol():
+    config = yaml.safe_load((ROOT / "configs" / "mad.yaml").read_text())
+    # mad/configs.py: the 3 x 2 grid; benchmark.py: width 128, 2 x (sequence mixer, SwiGLU)
+    assert tuple(config["lrs"]) == mad.MAD_LEARNING_RATES and config["d_model"] == [128]
+    assert {k: config["model"][k] for k in ("n_layers", "state_mixer", "embed_dropout")} == {
+        "n_layers": 2, "state_mixer": "swiglu", "embed_dropout": 0.0}
+    # MADConfig: 200 epochs of batch 128, 1280 test examples; train.py: evaluation every epoch,
+    # stop above 0.999 test accuracy; Lightning never reads the cosine scheduler MAD-lab
+    # returns under "scheduler", so the learning rate is constant
+    train = config["train"]
+    assert {k: train[k] for k in ("epochs", "batch_size", "num_train", "num_test", "eval_every",
+                                  "stop_accuracy", "schedule", "warmup_frac", "shuffle")} == {
+        "epochs": 200, "batch_size": 128, "num_train": 12_800, "num_test": 1_280, "eval_every": 0,
+        "stop_accuracy": 0.999, "schedule": "constant", "warmup_frac": 0.0, "shuffle": True}
+    planned = []
+    for setting in config["settings"]:
+        task = tasks.get(setting["task"])
+        overrides = {**train, **setting.get("train", {})}
+        planned.append((task.name, tuple(sorted(task.resolve_params(setting["params"]).items())),
+                        overrides["num_train"], overrides["weight_decay"]))
+    expected = [(s["task"], tuple(sorted(tasks.get(s["task"]).resolve_params(s["params"]).items())),
+                 s["num_train"], wd) for s in mad.mad_settings() for wd in mad.MAD_WEIGHT_DECAYS]
+    assert planned == expected and len(planned) == 132
 
 
 @pytest.mark.parametrize("name, params, message", [
