@@ -8,6 +8,7 @@ import torch
 import yaml
 
 import tasks
+from hla_bench import registry
 from tasks import IGNORE
 from tasks import mad
 from tasks.mad import memorization_map
@@ -343,6 +344,20 @@ def test_mad_config_runs_mad_labs_protocol():
     expected = [(s["task"], tuple(sorted(tasks.get(s["task"]).resolve_params(s["params"]).items())),
                  s["num_train"], wd) for s in mad.mad_settings() for wd in mad.MAD_WEIGHT_DECAYS]
     assert planned == expected and len(planned) == 132
+
+
+def test_mad_lab_reference_scores_are_consistent():
+    reference = yaml.safe_load((ROOT / "configs" / "reference" / "mad-lab.yaml").read_text())
+    assert {"source", "metric", "precision", "scores", "architectures_in_hla_bench"} <= set(reference)
+    for architecture, scores in reference["scores"].items():
+        assert set(scores) == set(mad.MAD_TASKS) | {"mean"}, architecture
+        assert all(0.0 <= value <= 1.0 for value in scores.values())
+        # the figure's mean-accuracy panel agrees with the mean of its six task panels
+        task_mean = sum(scores[name] for name in mad.MAD_TASKS) / len(mad.MAD_TASKS)
+        assert task_mean == pytest.approx(scores["mean"], abs=0.002), architecture
+    for mad_name, mixer in reference["architectures_in_hla_bench"].items():
+        assert mad_name in reference["scores"]
+        registry.get(mixer)
 
 
 @pytest.mark.parametrize("name, params, message", [
