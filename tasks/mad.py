@@ -1,18 +1,26 @@
 """The MAD synthetic tasks (Poli et al. 2024, "Mechanistic Design and Scaling of Hybrid
-Architectures", arXiv 2403.17844), with the published baseline parameters.
+Architectures", arXiv 2403.17844), generated as athms/mad-lab's `mad/data/instances.py` does,
+with MAD-lab's baseline settings (`configs/tasks/*.yml`) as defaults.
 
-Definitions follow MAD; where a causal LM or a MAD corner case needs a choice, it is noted:
+The per-example random draws follow MAD-lab's generators in kind and order, so from the same
+`numpy.random.Generator` in-context recall (plain and noisy), compression and memorization
+produce MAD-lab's examples token for token; fuzzy recall and selective copying produce MAD-lab's
+distribution (MAD-lab draws their motifs by shuffling every permutation of the vocabulary, and
+selective copying's blank positions from numpy's global generator). `docs/mad-protocol.md`
+lists MAD-lab's protocol and every remaining difference. Choices this module makes:
 
-- The recall tasks train on every next token (MAD's training targets are the shifted
-  inputs) and are scored on the recalled values only (MAD's test targets).
-- Multi-query recall sequences have MAD's length, `seq_len - 1` tokens.
-- Fuzzy recall draws the position of the probed key-value pair where the generator always
-  reaches it (MAD's range can, rarely, leave the final probe unseen).
+- The recall tasks train on every next token (MAD-lab's training targets are the shifted
+  inputs) and are scored on the recalled values only (MAD-lab's test targets); multi-query
+  recall sequences have MAD-lab's length, `seq_len - 1` tokens.
+- In-context recall redraws an example whose every pair came out as noise: MAD-lab's
+  generator cannot finish such an example (it has no key to probe).
+- Fuzzy recall draws the probed pair's position from MAD-lab's range, so a few examples end
+  on a probe the generator never placed earlier (see `docs/mad-protocol.md`).
 - Compression is an auto-encoder: the model reads the whole sequence causally, and every
-  token is reconstructed from the last position's state (`readout="last"`, see
-  `tasks.model.LastStateDecoder`); noise positions, if any, are not scored.
+  token, noise included, is reconstructed from the last position's state (`readout="last"`,
+  see `tasks.model.LastStateDecoder`), as MAD-lab's generator returns the inputs as targets.
 - Memorization keeps its key-value map fixed by `kv_map_seed` across splits (the map is what
-  is memorised); its test set is fresh sequences over the same map.
+  is memorised; MAD-lab's map for the same seed); its test set is fresh sequences over it.
 """
 
 from __future__ import annotations
@@ -70,6 +78,36 @@ def _recall_vocab(vocab_size: int, multi_query: bool, noise_vocab_size: int) -> 
     return plain // 2, plain
 
 
+def _recall_example(rng, num_pairs, key_end, value_end, noise_vocab_size, frac_noise,
+                    multi_query, copy_prefix):
+    """One (stream, target) of in-context recall in MAD-lab's order of draws, or None when
+    every pair came out as noise (MAD-lab's generator fails there)."""
+    # MAD-lab draws the protected pair from all num_pairs slots; the last slot is the final
+    # probe's, so with probability 1 / num_pairs no body pair is protected from noise.
+    kept_pair = rng.integers(num_pairs)
+    values, stream, target = {}, [], []
+    for i in range(num_pairs - 1):
+        if frac_noise > 0 and i != kept_pair and rng.random() < frac_noise:
+            stream += rng.integers(value_end, value_end + noise_vocab_size, size=2).tolist()
+            target += [IGNORE, IGNORE]
+            continue
+        key = int(rng.integers(key_end))
+        seen = key in values
+        if not seen:
+            values[key] = int(rng.integers(key_end, value_end))
+        stream += [key, values[key]]
+        target += [IGNORE, values[key] if seen and multi_query else IGNORE]
+    if not values:
+        return None
+    probe = list(values)[rng.integers(len(values))]
+    if not multi_query:
+        stream.append(copy_prefix)
+        target.append(IGNORE)
+    stream += [probe, values[probe]]
+    target += [IGNORE, values[probe]]
+    return stream, target
+
+
 def generate_in_context_recall(rng, num_examples, split, seed, *, vocab_size, seq_len,
                                multi_query, noise_vocab_size, frac_noise):
     _check(isinstance(seq_len, int) and seq_len >= 4 and seq_len % 2 == 0,
@@ -79,29 +117,12 @@ def generate_in_context_recall(rng, num_examples, split, seed, *, vocab_size, se
     _check(key_end >= 1 and value_end > key_end,
            f"vocab_size ({vocab_size}) leaves no key or value tokens after "
            f"noise_vocab_size ({noise_vocab_size}) and special tokens")
-    num_pairs = seq_len // 2
     examples = []
-    for _ in range(num_examples):
-        kept_pair = rng.integers(num_pairs - 1)  # at least one real pair before the probe
-        values, stream, target = {}, [], []
-        for i in range(num_pairs - 1):
-            if frac_noise > 0 and i != kept_pair and rng.random() < frac_noise:
-                stream += rng.integers(value_end, value_end + noise_vocab_size, size=2).tolist()
-                target += [IGNORE, IGNORE]
-                continue
-            key = int(rng.integers(key_end))
-            seen = key in values
-            if not seen:
-                values[key] = int(rng.integers(key_end, value_end))
-            stream += [key, values[key]]
-            target += [IGNORE, values[key] if seen and multi_query else IGNORE]
-        probe = list(values)[rng.integers(len(values))]
-        if not multi_query:
-            stream.append(vocab_size - 1)  # copy prefix
-            target.append(IGNORE)
-        stream += [probe, values[probe]]
-        target += [IGNORE, values[probe]]
-        examples.append((stream, target))
+    while len(examples) < num_examples:
+        example = _recall_example(rng, seq_len // 2, key_end, value_end, noise_vocab_size,
+                                  frac_noise, multi_query, vocab_size - 1)
+        if example is not None:
+            examples.append(example)
     return _stack(examples, split)
 
 
@@ -140,8 +161,11 @@ def generate_fuzzy_in_context_recall(rng, num_examples, split, seed, *, vocab_si
     for _ in range(num_examples):
         probe_key = motif(0, key_end, int(rng.choice(key_sizes)))
         probe_value = motif(key_end, value_end, int(rng.integers(1, v_motif_size + 1)))
-        bound = seq_len - len(probe_key) - len(probe_value) - k_motif_size - v_motif_size
-        probe_at = rng.integers(bound - k_motif_size - v_motif_size)
+        probe_size = len(probe_key) + len(probe_value)
+        bound = seq_len - probe_size - k_motif_size - v_motif_size
+        # MAD-lab's range for the probed pair's position; where it lies near `bound` the body
+        # can end before the pair is placed, and the final probe then asks for an unseen key.
+        probe_at = rng.integers(seq_len - 2 * probe_size)
         probe_added, values, stream, target = False, {}, [], []
         while len(stream) < bound:
             key_size, value_size = int(rng.choice(key_sizes)), int(rng.integers(1, v_motif_size + 1))
@@ -217,15 +241,18 @@ def generate_compression(rng, num_examples, split, seed, *, vocab_size, seq_len,
     plain = vocab_size - 1 - noise_vocab_size
     _check(plain >= 1, f"vocab_size ({vocab_size}) leaves no data tokens after "
                        f"noise_vocab_size ({noise_vocab_size}) and the compression token")
-    inputs = rng.integers(0, plain, size=(num_examples, seq_len))
-    inputs[:, -1] = vocab_size - 1  # compression token
-    labels = inputs.copy()
-    if frac_noise > 0:
-        noisy = rng.random((num_examples, seq_len)) < frac_noise
-        noisy[:, -1] = False
-        inputs[noisy] = rng.integers(plain, plain + noise_vocab_size, size=int(noisy.sum()))
-        labels[noisy] = IGNORE
-    return inputs, labels
+    # the compression token last; MAD-lab's draws: the data tokens, then noise position by position
+    inputs = np.full((num_examples, seq_len), vocab_size - 1, dtype=np.int64)
+    for row in range(num_examples):
+        data = rng.integers(0, plain, size=seq_len - 1)
+        if frac_noise > 0:
+            for i in range(seq_len - 1):
+                if rng.random() < frac_noise:
+                    data[i] = plain + rng.integers(noise_vocab_size)
+        inputs[row, :-1] = data
+    # MAD-lab's targets are the inputs themselves: noise tokens and the compression token
+    # are reconstructed too.
+    return inputs, inputs.copy()
 
 
 def compression_roles(inputs, labels, *, vocab_size, noise_vocab_size, **_):
@@ -236,15 +263,23 @@ def compression_roles(inputs, labels, *, vocab_size, noise_vocab_size, **_):
 
 # memorization ----------------------------------------------------------------------------------
 
-def memorization_map(vocab_size: int, noise_vocab_size: int, kv_map_seed: int) -> np.ndarray:
-    """The fixed key -> value map (an array indexed by key), shared by every split."""
+def _memorization_pairs(vocab_size: int, noise_vocab_size: int,
+                        kv_map_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys in MAD-lab's map order, value of each key indexed by key): the keys are the lower
+    half of the plain vocabulary and the values the upper half, each shuffled by a generator of
+    its own seeded with `kv_map_seed`, then paired in order (MAD-lab's `generate_kv_map`)."""
     plain = vocab_size - 1 - noise_vocab_size
     map_rng = np.random.default_rng(kv_map_seed)
     keys = map_rng.permutation(plain // 2)
     values = plain // 2 + map_rng.permutation(plain - plain // 2)
     value_of = np.empty(plain // 2, dtype=np.int64)
     value_of[keys] = values[:len(keys)]
-    return value_of
+    return keys, value_of
+
+
+def memorization_map(vocab_size: int, noise_vocab_size: int, kv_map_seed: int) -> np.ndarray:
+    """The fixed key -> value map (an array indexed by key), shared by every split."""
+    return _memorization_pairs(vocab_size, noise_vocab_size, kv_map_seed)[1]
 
 
 def generate_memorization(rng, num_examples, split, seed, *, vocab_size, seq_len,
@@ -255,20 +290,19 @@ def generate_memorization(rng, num_examples, split, seed, *, vocab_size, seq_len
     plain = vocab_size - 1 - noise_vocab_size
     _check(plain >= 2, f"vocab_size ({vocab_size}) leaves no key-value tokens after "
                        f"noise_vocab_size ({noise_vocab_size}) and the insert token")
-    value_of = memorization_map(vocab_size, noise_vocab_size, kv_map_seed)
+    keys, value_of = _memorization_pairs(vocab_size, noise_vocab_size, kv_map_seed)
     num_pairs = seq_len // 2
-    keys = rng.integers(0, len(value_of), size=(num_examples, num_pairs))
     inputs = np.empty((num_examples, seq_len), dtype=np.int64)
     labels = np.full((num_examples, seq_len), IGNORE, dtype=np.int64)
-    inputs[:, 0::2], inputs[:, 1::2] = keys, vocab_size - 1  # key, insert token
-    labels[:, 1::2] = value_of[keys]
-    if frac_noise > 0:
-        noisy = rng.random((num_examples, num_pairs)) < frac_noise
-        noisy[np.arange(num_examples), rng.integers(num_pairs, size=num_examples)] = False
-        noise = rng.integers(plain, plain + noise_vocab_size, size=(num_examples, seq_len))
-        pair_noisy = np.repeat(noisy, 2, axis=1)
-        inputs[pair_noisy] = noise[pair_noisy]
-        labels[pair_noisy] = IGNORE
+    for row in range(num_examples):  # MAD-lab's draws: the protected pair, then pair by pair
+        kept_pair = rng.integers(num_pairs)
+        for i in range(num_pairs):
+            if frac_noise > 0 and i != kept_pair and rng.random() < frac_noise:
+                inputs[row, 2 * i:2 * i + 2] = rng.integers(plain, plain + noise_vocab_size, size=2)
+                continue
+            key = keys[rng.integers(len(keys))]
+            inputs[row, 2 * i], inputs[row, 2 * i + 1] = key, vocab_size - 1  # key, insert token
+            labels[row, 2 * i + 1] = value_of[key]
     return inputs, labels
 
 
@@ -324,3 +358,75 @@ register(Task(
     num_train=256,
     source=MAD_SOURCE,
 ))
+
+
+# MAD-lab's benchmark protocol -------------------------------------------------------------------
+
+MAD_TASKS = ("in_context_recall", "noisy_in_context_recall", "fuzzy_in_context_recall",
+             "memorization", "compression", "selective_copying")  # MAD-lab's registry order
+MAD_LEARNING_RATES = (1e-4, 5e-4, 1e-3)  # mad/configs.py make_benchmark_mad_configs
+MAD_WEIGHT_DECAYS = (0.0, 0.1)
+_TRAIN_SIZES = (6400, 3200, 1600, 800)
+# configs/tasks/*.yml `changes`: each value replaces the baseline's, one variable at a time
+# (`num_train` is MAD-lab's `num_train_examples`; noisy recall's vocabularies include its 16
+# noise tokens).
+MAD_DIFFICULTY = {
+    "in_context_recall": {"vocab_size": (32, 64, 128), "seq_len": (256, 512, 1024),
+                          "num_train": _TRAIN_SIZES},
+    "noisy_in_context_recall": {"vocab_size": (48, 80, 144), "seq_len": (256, 512, 1024),
+                                "num_train": _TRAIN_SIZES, "frac_noise": (0.4, 0.6, 0.8)},
+    "fuzzy_in_context_recall": {"vocab_size": (32, 64, 128), "seq_len": (256, 512, 1024),
+                                "num_train": _TRAIN_SIZES},
+    "memorization": {"vocab_size": (512, 1024, 2048, 4096, 8192)},
+    "compression": {"vocab_size": (32, 64, 128), "seq_len": (64, 128, 256),
+                    "num_train": _TRAIN_SIZES},
+    "selective_copying": {"vocab_size": (32, 64, 128), "seq_len": (512, 1024),
+                          "num_train": _TRAIN_SIZES, "num_tokens_to_copy": (32, 64, 96)},
+}
+
+
+def mad_settings(task: str | None = None) -> list[dict]:
+    """MAD-lab's benchmark settings, `{"task", "params", "num_train"}` each: per task the
+    baseline (the registered defaults), then every difficulty change in MAD-lab's order.
+    `params` holds only what differs from the task's defaults. A task's MAD score is the mean,
+    over its settings, of the best test accuracy over MAD_LEARNING_RATES x MAD_WEIGHT_DECAYS."""
+    from tasks import get
+
+    names = MAD_TASKS if task is None else (get(task).name,)
+    settings = []
+    for name in names:
+        baseline_train = get(name).num_train
+        settings.append({"task": name, "params": {}, "num_train": baseline_train})
+        for variable, values in MAD_DIFFICULTY[name].items():
+            for value in values:
+                if variable == "num_train":
+                    settings.append({"task": name, "params": {}, "num_train": value})
+                else:
+                    settings.append({"task": name, "params": {variable: value},
+                                     "num_train": baseline_train})
+    return settings
+
+
+def mad_accuracy(predictions, targets, num_classes: int) -> float:
+    """MAD-lab's accuracy of one evaluation batch: torchmetrics' MulticlassAccuracy with its
+    default macro average (mad/metrics.py). Positions labelled IGNORE are dropped; each class's
+    recall (correct / labelled) is averaged over the classes that occur as a label or as a
+    prediction, so a wrongly predicted class that is never a label counts as a zero.
+
+    `predictions` are logits `[..., num_classes]` or class ids shaped like `targets`. MAD-lab's
+    score of a split is the batch-size-weighted mean of this over its batches (128 examples)."""
+    import torch
+
+    predictions, targets = torch.as_tensor(predictions), torch.as_tensor(targets)
+    if predictions.dim() == targets.dim() + 1:
+        predictions = predictions.argmax(-1)
+    keep = targets != IGNORE
+    predicted, labelled = predictions[keep].long().flatten(), targets[keep].long().flatten()
+    confusion = torch.bincount(labelled * num_classes + predicted,
+                               minlength=num_classes * num_classes).view(num_classes, num_classes)
+    correct, support, chosen = confusion.diag(), confusion.sum(1), confusion.sum(0)
+    occurs = (support + chosen) > 0
+    if not bool(occurs.any()):
+        return 0.0
+    recall = correct.double() / support.clamp(min=1).double()
+    return float(recall[occurs].mean())
