@@ -10,7 +10,6 @@ differ only in learning rate and seed train together as one stacked model
 from __future__ import annotations
 
 import copy
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from rich.text import Text
 import tasks
 from hla_bench import registry
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.training import (FAILED, assign_devices, default_workers, failed_result,
                                 plan_groups, run_groups)
 from tasks.model import INITS, STATE_MIXERS
@@ -285,70 +285,36 @@ def run_key(run: dict) -> str:
 
 # --- the results file --------------------------------------------------------------------
 
+# What a resumed sweep must share with its file: runs of another protocol would mix.
 PROTOCOL_KEYS = ("model", "train")
 
 
-def read_results(out: str) -> dict:
-    """A recall results file, validated (RecallFileError, ConfigError otherwise)."""
-    try:
-        data = yaml.safe_load(Path(out).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"cannot read {out}: {error}") from None
-    validate_recall(data)
-    if data.get("end") is not True:
-        raise RecallFileError(f"{out} is incomplete (no end marker): it was cut while being "
-                              "written")
-    return data
-
-
-def existing_runs(out: str | None, resume: bool, overwrite: bool, config: dict) -> list[dict]:
-    """The runs a sweep keeps from `out`: all of them with --resume (after checking that the
-    file's protocol matches), none otherwise. An existing file needs --resume or --overwrite;
-    a file that is not a recall results file is never written over."""
+def store_mode(out: str | None, resume: bool, overwrite: bool) -> str:
+    """The results store's mode for --out with --resume / --overwrite."""
     if resume and overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    if not out:
-        if resume:
-            raise ConfigError("--resume needs --out: the results file to continue")
-        return []
-    path = Path(out)
-    if not path.exists():
-        return []
-    if path.is_dir():
-        raise ConfigError(f"--out {out} is a folder")
-    try:
-        data = read_results(out)
-    except (RecallFileError, ConfigError) as error:
-        raise ConfigError(f"--out {out} exists and is not a whole recall results file ({error}); "
-                          "it is not written over") from None
-    if not resume:
-        if overwrite:
-            return []
-        raise ConfigError(f"--out {out} exists: pass --resume to continue it or --overwrite "
-                          "to replace it")
-    differing = [f"{section}.{key}: {data['config'].get(section, {}).get(key)!r} in the file, "
-                 f"{config[section].get(key)!r} now"
-                 for section in PROTOCOL_KEYS for key in sorted(set(config[section]) |
-                                                                set(data["config"].get(section, {})))
-                 if data["config"].get(section, {}).get(key) != config[section].get(key)]
-    if differing:
-        raise ConfigError(f"cannot resume {out}: its protocol differs: " + "; ".join(differing))
-    return list(data["runs"])
+        raise ConfigError("give --resume or --overwrite, not both")
+    if out is None and (resume or overwrite):
+        flag = "--resume" if resume else "--overwrite"
+        raise ConfigError(f"{flag} needs --out: the results file to "
+                          f"{'continue' if resume else 'replace'}")
+    return "resume" if resume else "overwrite" if overwrite else "new"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a unique temporary file in the same folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
+def open_results(out: str | None, mode: str, config: dict, device: str, workers: int,
+                 env: dict) -> ResultsStore:
+    """The locked recall results store (a new file in runs/ without --out). A file that
+    exists without --resume / --overwrite, is not a recall results file, is cut short, is
+    written by another process, or holds another protocol is refused here, before any run."""
+    path = Path(out) if out else default_out_path("recall")
+    header = {"schema_version": SCHEMA_VERSION,
+              "config": {**config, "device": device, "workers": workers},
+              "environment": env, "seconds": 0.0}
     try:
-        with open(temporary, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
+        return ResultsStore.open(path, kind="recall", key=run_key, mode=mode, header=header,
+                                 settings={key: config[key] for key in PROTOCOL_KEYS},
+                                 validate=validate_recall)
+    except StoreError as error:
+        raise ConfigError(str(error)) from None
 
 
 def environment(device: str) -> dict:
@@ -495,63 +461,51 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
             raise ConfigError("--time-limit must be > 0 seconds")
         device = resolve_device(config["device"])
         specs = assign_devices(plan_runs(config, device), device)
-        kept = existing_runs(out, resume, overwrite, config)
-        if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            if not os.access(Path(out).parent, os.W_OK):
-                raise ConfigError(f"--out {out}: its folder is not writable")
+        mode = store_mode(out, resume, overwrite)
+        workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
+        store = open_results(out, mode, config, device, workers, environment(device))
     except (ConfigError, RecallFileError, OSError) as error:
         raise click.UsageError(str(error)) from None
-    workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
 
-    finished = {run_key(run): run for run in kept if run.get("status") == "ok"}
-    runs: dict[str, dict] = {run_key(run): run for run in kept}   # everything kept, by key
-    runnable = []
-    for spec in specs:
-        key = run_key(spec)
-        reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])
-        if key in finished:
-            continue
-        if reason:
-            runs[key] = failed_result(spec, "unavailable", reason)
-        else:
-            runnable.append(spec)
-    # cheapest first (width x length), so a sweep cut at --time-limit has finished the most
-    groups = sorted(plan_groups(runnable, config["max_group"]),
-                    key=lambda g: g[0]["d_model"] * tasks.get(g[0]["task"]).resolve_params(
-                        g[0]["params"])["seq_len"])
-    console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({len(runnable)} to train in "
-                  f"{len(groups)} groups) on {device}, {workers} worker(s)")
-    if finished:
-        console.print(f"resuming: {len(finished)} finished run(s) kept from {escape(out)}")
-    started = time.perf_counter()
-    env = environment(device)
-    deadline = time.time() + time_limit if time_limit else None
+    with store:
+        finished = {run_key(run) for run in store.records() if run.get("status") == "ok"}
+        runnable = []
+        for spec in specs:
+            reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])
+            if run_key(spec) in finished:
+                continue
+            if reason:
+                store.add(failed_result(spec, "unavailable", reason))
+            else:
+                runnable.append(spec)
+        # cheapest first (width x length), so a sweep cut at --time-limit has finished the most
+        groups = sorted(plan_groups(runnable, config["max_group"]),
+                        key=lambda g: g[0]["d_model"] * tasks.get(g[0]["task"]).resolve_params(
+                            g[0]["params"])["seq_len"])
+        console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({len(runnable)} to train in "
+                      f"{len(groups)} groups) on {device}, {workers} worker(s)")
+        if finished:
+            console.print(f"resuming: {len(finished)} finished run(s) kept from "
+                          f"{escape(str(store.path))}")
+        started = time.perf_counter()
+        previous_seconds = float((store.previous_header or {}).get("seconds") or 0.0)
+        deadline = time.time() + time_limit if time_limit else None
 
-    def save(complete: bool) -> dict:
-        """The results so far; written after every finished group, atomically."""
-        data = {"kind": "recall", "schema_version": SCHEMA_VERSION,
-                "config": {**config, "device": device, "workers": workers},
-                "environment": {**env, "complete": complete},
-                "seconds": round(time.perf_counter() - started, 1),
-                "runs": list(runs.values()), "end": True}
-        if out:
-            write_atomic(Path(out), yaml.safe_dump(data, sort_keys=False))
-        return data
+        def on_results(results: list[dict]) -> None:
+            """Store each finished group at once: a killed sweep keeps what it finished."""
+            store.update_header({"seconds": round(previous_seconds + time.perf_counter() - started, 1)},
+                                write=False)
+            for result in results:
+                store.add(result)
 
-    def on_results(results: list[dict]) -> None:
-        for result in results:
-            runs[run_key(result)] = result
-        save(complete=False)
-
-    save(complete=False)
-    complete = run_with_progress(
-        groups, min(workers, max(1, len(groups))), console, on_results, deadline=deadline,
-        checkpoint_dir=f"{out}.checkpoints" if out else None, graphs=config["graphs"])
-    data = save(complete=complete)
+        complete = run_with_progress(
+            groups, min(workers, max(1, len(groups))), console, on_results, deadline=deadline,
+            checkpoint_dir=f"{store.path}.checkpoints", graphs=config["graphs"])
+        store.update_header({"seconds": round(previous_seconds + time.perf_counter() - started, 1)},
+                            write=False)
+        data = store.close(complete=complete)
     render_recall(data, console, plots_dir=plots_dir)
-    if out:
-        console.print(f"results written to {escape(out)}")
+    console.print(f"results written to {escape(str(store.path))}")
     if not complete:
         console.print("[yellow]stopped at --time-limit[/]: rerun with --resume to continue")
 

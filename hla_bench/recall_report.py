@@ -247,7 +247,7 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     env, config = data["environment"], data["config"]
     header = (f"recall (schema {data.get('schema_version')}): {len(runs)} runs, device "
               f"{config.get('device', '?')}, {data.get('seconds', '?')} s; torch "
-              f"{env.get('torch', '?')}" + ("" if env.get("complete", True) else "; INCOMPLETE"))
+              f"{env.get('torch', '?')}" + ("" if data.get("complete", True) else "; INCOMPLETE"))
     console.print(header, markup=False, highlight=False, soft_wrap=True)
     for setting, by_mixer in summary.items():
         if markdown:

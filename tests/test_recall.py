@@ -13,6 +13,7 @@ from hla_bench import registry
 from hla_bench.cli import main
 from hla_bench.recall import ConfigError, load_config, validate_config
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.store import dump_results
 from hla_bench.training import build_model, default_workers, run_groups, state_bytes
 from mixers.layer import MixerLayer
 from tasks import IGNORE
@@ -278,11 +279,11 @@ def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
     assert result.exit_code == 0, result.output
     assert "recall sweep: 4 runs (4 to train in 1 groups) on cpu" in result.output
     data = yaml.safe_load((tmp_path / "recall.yaml").read_text())
-    assert data["kind"] == "recall" and data["schema_version"] == 2 and data["end"] is True
+    assert data["kind"] == "recall" and data["schema_version"] == 2 and data["end_of_results"] is True
     assert data["config"]["lrs"] == [3e-3, 1e-2] and len(data["runs"]) == 4
     assert all(run["status"] == "ok" and run["curve"] and run["group_size"] == 4
                for run in data["runs"])
-    assert {"python", "torch"} <= set(data["environment"]) and data["environment"]["complete"]
+    assert {"python", "torch"} <= set(data["environment"]) and data["complete"] is True
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "recall_accuracy_vs_d_model.png", "recall_accuracy_vs_state.png"]
     console = Console(record=True, width=200)
@@ -305,7 +306,8 @@ def test_resume_keeps_every_run_and_adds_only_the_missing(tmp_path):
     data = yaml.safe_load(path.read_text())
     kept = data["runs"][0]
     data["runs"] = [kept]  # as if killed after the first run
-    path.write_text(yaml.safe_dump(data))
+    data["complete"] = False
+    path.write_text(dump_results(data))
     result = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
     assert result.exit_code == 0, result.output
     assert "resuming: 1 finished run(s) kept" in result.output
@@ -322,21 +324,21 @@ def test_existing_out_needs_resume_or_overwrite_and_protocols_must_match(tmp_pat
     path = tmp_path / "recall.yaml"
     assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
     again = CliRunner().invoke(main, recall_args(tmp_path))
-    assert again.exit_code == 2 and "pass --resume to continue it or --overwrite" in again.output
+    assert again.exit_code == 2 and "already exists; resume it (--resume)" in again.output
     assert CliRunner().invoke(main, recall_args(tmp_path, "--overwrite")).exit_code == 0
     changed = CliRunner().invoke(main, recall_args(tmp_path, "--resume", "--batch-size", "32"))
-    assert changed.exit_code == 2 and "train.batch_size: 64 in the file, 32 now" in changed.output
+    assert changed.exit_code == 2 and "train.batch_size: file 64, this run 32" in changed.output
     config = tmp_path / "c.yaml"
     config.write_text("mixers: [sdpa]\n")
     for target in (config, tmp_path / "notes.md"):
         target.write_text("mixers: [sdpa]\n") if target.suffix == ".md" else None
         refused = CliRunner().invoke(main, recall_args(tmp_path, "--overwrite", "--out", str(target)))
-        assert refused.exit_code == 2 and "it is not written over" in refused.output
+        assert refused.exit_code == 2 and "refusing to overwrite it" in refused.output
         assert target.read_text() == "mixers: [sdpa]\n"
     text = path.read_text()
     path.write_text(text[: len(text) // 2])  # cut while being written
     cut = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
-    assert cut.exit_code == 2 and "not a whole recall results file" in cut.output
+    assert cut.exit_code == 2 and "the file was cut short" in cut.output
     no_out = [arg for arg in recall_args(tmp_path) if arg not in ("--out", str(path))]
     bad = CliRunner().invoke(main, no_out + ["--resume"])
     assert bad.exit_code == 2 and "--resume needs --out" in bad.output
@@ -344,15 +346,16 @@ def test_existing_out_needs_resume_or_overwrite_and_protocols_must_match(tmp_pat
 
 def test_time_limit_checkpoints_and_resume_finishes(tmp_path):
     path = tmp_path / "recall.yaml"
-    stopped = CliRunner().invoke(main, recall_args(tmp_path, "--time-limit", "0.001"))
+    stopped = CliRunner().invoke(main, recall_args(tmp_path, "--time-limit", "0.001",
+                                                   "--epochs", "3"))
     assert stopped.exit_code == 0, stopped.output
     assert "stopped at --time-limit" in stopped.output
     data = yaml.safe_load(path.read_text())
-    assert data["environment"]["complete"] is False
-    resumed = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
+    assert data["complete"] is False
+    resumed = CliRunner().invoke(main, recall_args(tmp_path, "--resume", "--epochs", "3"))
     assert resumed.exit_code == 0, resumed.output
     data = yaml.safe_load(path.read_text())
-    assert data["environment"]["complete"] is True and len(data["runs"]) == 2
+    assert data["complete"] is True and len(data["runs"]) == 2
     assert not list((tmp_path / "recall.yaml.checkpoints").glob("*.pt"))
 
 

@@ -163,14 +163,15 @@ def test_report_rejects_invalid_and_unknown_kind(synthetic, tmp_path):
 
 def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     path = tmp_path / "recall.yaml"
-    path.write_text("kind: recall\nschema_version: 1\nruns: []\n")
+    path.write_text("kind: recall\nschema_version: 1\nconfig: {}\nenvironment: {}\nruns: []\n")
     seen = []
     monkeypatch.setattr(report, "render_recall",
                         lambda data, console, plots_dir=None, markdown=False:
                         seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
-    assert seen[0][0] == {"kind": "recall", "schema_version": 1, "runs": []}
+    assert seen[0][0] == {"kind": "recall", "schema_version": 1, "config": {}, "environment": {},
+                          "runs": []}
     assert isinstance(seen[0][1], Console)
     assert seen[0][2] == tmp_path / "p"
 
