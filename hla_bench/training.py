@@ -162,15 +162,20 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _init_worker(threads: int, parent: int, device: str | None) -> None:
+_EVENTS = None  # a worker's queue of progress events to the parent (set at its start)
+
+
+def _init_worker(threads: int, parent: int, events) -> None:
+    global _EVENTS
     _exit_with_parent(parent)
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    _EVENTS = events
 
 
-def _worker(group: list[dict], events, options: dict) -> list[dict] | None:
+def _worker(group: list[dict], options: dict) -> list[dict] | None:
     ids = [spec["run_id"] for spec in group]
-    return run_group(group, lambda event: events.put((ids, event)), **options)
+    return run_group(group, lambda event: _EVENTS.put((ids, event)), **options)
 
 
 def run_groups(groups: list[list[dict]], workers: int,
@@ -198,34 +203,34 @@ def run_groups(groups: list[list[dict]], workers: int,
 
     context = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // workers)
-    with context.Manager() as manager:
-        events = manager.Queue()
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(threads, os.getpid(), None)) as pool:
-            todo = list(groups)
-            pending: dict = {}
-            while todo or pending:
-                while todo and len(pending) < workers:
-                    if deadline is not None and time.time() > deadline:
-                        complete, todo = False, []
-                        break
-                    group = todo.pop(0)
-                    pending[pool.submit(_worker, group, events, options)] = group
-                if not pending:
+    # A plain queue inherited by the workers (no manager process to outlive the sweep).
+    events = context.Queue()
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                             initargs=(threads, os.getpid(), events)) as pool:
+        todo = list(groups)
+        pending: dict = {}
+        while todo or pending:
+            while todo and len(pending) < workers:
+                if deadline is not None and time.time() > deadline:
+                    complete, todo = False, []
                     break
-                done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(events, on_event)
-                for future in done:
-                    group = pending.pop(future)
-                    try:
-                        results = future.result()
-                    except BrokenProcessPool as error:
-                        results = [failed_result(spec, "crashed", str(error)) for spec in group]
-                    if results is None:
-                        complete = False
-                    else:
-                        on_results(results)
+                group = todo.pop(0)
+                pending[pool.submit(_worker, group, options)] = group
+            if not pending:
+                break
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             _drain(events, on_event)
+            for future in done:
+                group = pending.pop(future)
+                try:
+                    results = future.result()
+                except BrokenProcessPool as error:
+                    results = [failed_result(spec, "crashed", str(error)) for spec in group]
+                if results is None:
+                    complete = False
+                else:
+                    on_results(results)
+        _drain(events, on_event)
     return complete
 
 
