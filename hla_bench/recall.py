@@ -225,6 +225,35 @@ def _check_plan(config: dict, where: str) -> None:
             raise ConfigError(f"{where}.mixers: mixer {mixer!r} has no layer form to train")
 
 
+def _layer_rejects(mixer: str, options: dict, d_model: int, n_heads: int,
+                   device: str) -> str | None:
+    """The ValueError or TypeError a small forward through `mixer`'s layer with `options`
+    raises on `device`, else None (other failures are left to the runs to record)."""
+    entry = registry.get(mixer)
+    try:
+        with torch.no_grad():
+            layer = entry.layer(d_model, n_heads, **options).to(device)
+            layer(torch.randn(1, 16, d_model, device=device))
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}" if isinstance(error, TypeError) else str(error)
+    except Exception:  # noqa: BLE001 - not the options' fault: the runs record it
+        return None
+    return None
+
+
+def check_mixer_options(config: dict, device: str) -> None:
+    """Option values a mixer's layer rejects (say `impl: trtion`, `decay: 1.5`) are a
+    ConfigError before any run: each mixer with options runs one small forward with them,
+    and is blamed only when the same forward with its defaults succeeds."""
+    d_model, n_heads = min(config["d_model"]), config["model"]["n_heads"]
+    for mixer, options in config["mixer_options"].items():
+        if not options or registry.get(mixer).unavailable_reason(options):
+            continue
+        problem = _layer_rejects(mixer, options, d_model, n_heads, device)
+        if problem and _layer_rejects(mixer, {}, d_model, n_heads, device) is None:
+            raise ConfigError(f"mixer_options.{mixer}: the layer rejects {options}: {problem}")
+
+
 def load_config(path: str | None, overrides: dict) -> dict:
     """Defaults, then the YAML file, then the command-line options given (checked alike)."""
     loaded: dict = {}
@@ -460,6 +489,7 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if time_limit is not None and time_limit <= 0:
             raise ConfigError("--time-limit must be > 0 seconds")
         device = resolve_device(config["device"])
+        check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
         mode = store_mode(out, resume, overwrite)
         workers = config["workers"] or default_workers(device, config["workers_per_gpu"])

@@ -372,6 +372,26 @@ def test_recall_cli_rejects_bad_input_before_any_run(tmp_path, option, value, me
     assert not (tmp_path / "recall.yaml").exists()
 
 
+@pytest.mark.parametrize("options,message", [
+    ({"impl": "trtion"}, "impl must be one of"), ({"decay": 1.5}, "decay must lie in"),
+    ({"chunk_size": "abc"}, "chunk_size")])
+def test_option_values_a_layer_rejects_stop_the_sweep_before_any_run(tmp_path, options, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"mixers": ["hla2"], "mixer_options": {"hla2": options},
+                                      "device": "cpu", "workers": 1}))
+    bad = CliRunner().invoke(main, ["recall", "--config", str(config), "--out", str(tmp_path / "o.yaml")])
+    assert bad.exit_code == 2 and message in bad.output, bad.output
+    assert not (tmp_path / "o.yaml").exists()
+
+
+def test_unwritable_out_is_refused_before_any_run(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")  # its "subfolder" cannot exist, even for root
+    bad = CliRunner().invoke(main, recall_args(tmp_path, "--out", str(blocker / "r.yaml")))
+    assert bad.exit_code == 2 and "a-file" in bad.output, bad.output
+    assert "recall sweep" not in bad.output  # refused before any run
+
+
 def test_recall_cli_from_config(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
