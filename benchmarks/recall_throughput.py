@@ -83,6 +83,33 @@ def _stacked(group: list[dict], steps: int) -> dict:
             "graphed": trainer.graphed, "graph_failure": trainer.graph_failure}
 
 
+def _profile(group: list[dict], steps: int, rows: int = 25) -> dict:
+    """Where one stacked step's GPU time goes: torch.profiler over `steps` eager steps (the
+    captured graph replays the same kernels), the `rows` costliest ops by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hla_bench.training import build_model
+    from tasks.train import RunSpec, _GroupTrainer
+
+    trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=False,
+                            progress=None)
+    trainer.train_to(WARMUP_STEPS)
+    cuda = trainer.cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.train_to(WARMUP_STEPS + steps)
+    own = "self_device_time_total" if cuda else "self_cpu_time_total"
+    inclusive = "device_time_total" if cuda else "cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, own), reverse=True)
+    total = sum(getattr(e, own) for e in events) / 1000 / steps
+    return {"mixer": group[0]["mixer"], "runs": len(group), "steps": steps,
+            "gpu_ms_per_step": round(total, 3),
+            "ops": [{"name": e.key, "calls_per_step": round(e.count / steps, 1),
+                     "self_gpu_ms_per_step": round(getattr(e, own) / 1000 / steps, 4),
+                     "gpu_ms_per_step": round(getattr(e, inclusive) / 1000 / steps, 4)}
+                    for e in events[:rows]]}
+
+
 def _rate(reports: list[dict]) -> dict:
     start, end = min(r["start"] for r in reports), max(r["end"] for r in reports)
     steps = sum(r["model_steps"] for r in reports)
@@ -108,6 +135,8 @@ def main() -> None:
                              "depend on it)")
     parser.add_argument("--mixers", default="sdpa,linear-attn,hla2",
                         help="comma-separated mixers of the config to train")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one eager step of each cell's groups (ops by GPU time)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -140,6 +169,8 @@ def main() -> None:
                                               if r["graph_failure"]})
             entry["alone"] = _rate(_pool(_alone, runs, len(runs), args.steps))
             entry["speedup"] = round(entry["stacked"]["steps_per_s"] / entry["alone"]["steps_per_s"], 2)
+            if args.profile:
+                entry["profiles"] = _pool(_profile, groups, 1, 5)
         except Exception as error:  # noqa: BLE001 - one cell's failure is recorded, the rest run
             entry["error"] = f"{type(error).__name__}: {error}"
         report["cells"].append(entry)
