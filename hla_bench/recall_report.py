@@ -11,6 +11,7 @@ shows the mean over seeds with the sample standard deviation.
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[
                     xs, ys, errors = zip(*sorted(points))
                     axis.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=mixer,
                                   color=colors[mixer])
-            axis.set_title(setting, fontsize=8)
+            axis.set_title(textwrap.fill(setting, 44), fontsize=8)  # whole, on as many lines
             axis.set_xlabel(x_label)
             axis.set_xscale("log", base=2)
             axis.set_ylim(-0.02, 1.02)
