@@ -5,8 +5,9 @@
                                      [--forward-variants] [--backward-variants]
     TRITON_INTERPRET=1 python benchmarks/hla2_triton.py out.yaml --check-len 40   # CPU smoke
 
-1. Correctness on random data against a float64 reference (the one-chunk form of spec §4,
-   differentiated by torch autograd): outputs, final states and q/k/v gradients.
+1. Correctness on random data against hla2's float64 explicit sums (mixers/hla/hla2/naive.py,
+   differentiated by torch autograd): outputs, final states and q/k/v gradients (relative
+   Frobenius errors).
 2. Timings (triton.testing.do_bench, median ms) of forward and forward+backward in bf16 with
    B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
    PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
@@ -34,30 +35,12 @@ import torch
 import yaml
 
 from hla_bench.results import git_commit
+from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
+from mixers.reference import relative_error
 
 TOKENS, HEADS = 65536, 16
 SEQ_LENS = (2048, 8192, 32768, 65536)
 HEAD_DIMS = (64, 128)
-
-
-def reference(q, k, v, s0=None, a0=None):
-    """Masked hla2 in float64 as one chunk (spec §4): (o, S1, A1)."""
-    q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))  # [B, H, T, .]
-    T = q.shape[2]
-    L = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    W = (q @ k.transpose(-1, -2)).masked_fill(~L, 0)
-    M = W @ W.transpose(-1, -2)
-    S0 = torch.zeros_like(q[..., :1, :].transpose(-1, -2) @ q[..., :1, :]) if s0 is None else s0
-    A0 = torch.zeros_like(q[..., :1, :].transpose(-1, -2) @ v[..., :1, :]) if a0 is None else a0
-    M = (M + (q @ S0) @ q.transpose(-1, -2)).masked_fill(~L, 0)
-    o = q @ A0 + M @ v
-    S1 = S0 + k.transpose(-1, -2) @ k
-    A1 = A0 + S0 @ (q.transpose(-1, -2) @ v) + k.transpose(-1, -2) @ (W.transpose(-1, -2) @ v)
-    return o.transpose(1, 2), S1, A1
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def check_correctness(results, device, seq_len, head_dims):
@@ -77,13 +60,18 @@ def check_correctness(results, device, seq_len, head_dims):
                 o, st = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None,
                                     decay_form="masked", chunk_size=64, initial_state=None,
                                     output_final_state=True)
-                ro, rS, rA = reference(q, k, v)
+                ro = hla2_naive(q, k, v)
+                reference_state = hla2_naive_final_state(q, k, v)
+                rS, rA = reference_state["S"], reference_state["A"]
                 w = torch.randn_like(ro)
-                errs = {"o": rel(o, ro), "S": rel(st["S"], rS), "A": rel(st["A"], rA)}
+                errs = {key: relative_error(computed, expected, norm="fro")
+                        for key, computed, expected in (("o", o, ro), ("S", st["S"], rS),
+                                                        ("A", st["A"], rA))}
                 got = torch.autograd.grad((o.double() * w).sum() + st["A"].double().sum(),
                                           (q, k, v))
                 want = torch.autograd.grad((ro * w).sum() + rA.sum(), (q, k, v))
-                errs.update({f"d{n}": rel(a, b) for n, a, b in zip("qkv", got, want)})
+                errs.update({f"d{n}": relative_error(a, b, norm="fro")
+                             for n, a, b in zip("qkv", got, want)})
                 tol = 1e-4 if dtype == torch.float32 else 3e-2
                 ok = all(e < tol for e in errs.values())
                 print(f"correctness {name}: {'OK' if ok else 'FAIL'} "
@@ -320,7 +308,7 @@ def time_kernel_variants(results, backward):
                     with patched(hla2_triton_module, **constants):
                         out = step().float()
                         base = out if base is None else base
-                        diff = rel(out, base)
+                        diff = relative_error(out, base, norm="fro")
                         ms = do_bench(step, warmup=10, rep=60, return_mode="median")
                         per_kernel = cuda_time_per_kernel(step)
                     table[key] = {"ms": round(ms, 4), "rel_to_first": diff,

@@ -1,10 +1,12 @@
 """`hla-bench verify`: the HLA identity checks on random data.
 
-Every form of every HLA operator (hla2, ahla2, hla3 causal and paper; Triton where the device
-has it) and the state paths (a run split through `initial_state`, a prefill followed by
-`*_step` decode steps) are compared with the operator's explicit finite sum, computed in
-float64 on the CPU from the same dtype-rounded inputs. A second table shows, as data, how far
-the paper's own formulas are from the corrected operators (spec §1.1 and §3).
+Every form of every HLA mixer (hla2 masked and unmasked, ahla2, hla3 causal and paper; Triton
+where the device has it) and the state paths (a run split through `initial_state`, a prefill
+followed by decoder steps) are compared with the mixer's float64 reference (its operator's
+naive.py: the explicit finite sums), computed on the CPU from the same dtype-rounded inputs.
+A second table shows, as data, how far the paper's own formulas are from the corrected
+operators (spec §1.1 and §3). Every operator is reached through the registry: its op, its
+decoder and its reference.
 
 Exit code 0 when every pair that should agree does, 1 otherwise; 2 for usage errors (no
 CUDA device, a --yaml file that cannot be written: both found before the checks run).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import click
 import torch
@@ -22,69 +24,27 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from hla_bench import registry
 from hla_bench.store import StoreError, atomic_write_text, check_writable
-from mixers.hla import ahla2, ahla2_step, hla2, hla2_step, hla3, hla3_step
-from mixers.hla.ahla2 import ahla2_naive
-from mixers.hla.hla3 import hla3_naive
+from mixers.reference import relative_error
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-# Max relative error (max |o - ref| / max |ref|) allowed against the float64 explicit sum.
+# Max relative error (max |o - ref| / max |ref|) allowed against the float64 reference.
 TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 2e-2}
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 16, 16  # 16: the smallest head dim the Triton kernels take
 CHUNK_SIZE = 12          # does not divide the default length: the padded path is checked too
 
 
-def hla2_reference(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=None,
-                   decay_form="masked"):
-    """Second-order HLA as its explicit float64 sum (spec §1), weight on each (t, j, i):
-
-    masked: g^((t-i)+(t-j)) (q_t.k_i)(q_j.k_i) on i <= j <= t; unmasked: the same on
-    i, j <= t; decay_form "paper": the unmasked sum minus g^(t-1-j) (q_t.k_i)(q_j.k_i) on
-    j < i <= t. ridge adds ridge (q_t.q_j) on j <= t (without decay only).
-    """
-    q, k, v = (x.double() for x in (q, k, v))
-    H, T = q.shape[2], q.shape[1]
-    k, v = k.expand(-1, -1, H, -1), v.expand(-1, -1, H, -1)       # multi-query: shared k, v
-    g = torch.ones(H, dtype=torch.float64) if decay is None else \
-        torch.as_tensor(decay, dtype=torch.float64).expand(H)
-    pos = torch.arange(T)
-    t, j, i = pos.view(-1, 1, 1), pos.view(1, -1, 1), pos.view(1, 1, -1)
-    lag = lambda x: g.view(H, 1, 1, 1) ** x.clamp(min=0).double()
-    inside = ((i <= t) & (j <= t)).double()
-    if masked and (decay is None or decay_form == "masked"):
-        weight = lag(t - i) * lag(t - j) * (inside * (i <= j))
-    elif masked:
-        weight = lag(t - i) * lag(t - j) * inside - lag(t - 1 - j) * (inside * (j < i))
-    else:
-        weight = lag(t - i) * lag(t - j) * inside
-    qk = torch.einsum("bthd,bshd->bhts", q, k)
-    w = torch.einsum("htji,bhti,bhji->bhtj", weight, qk, qk)
-    if ridge:
-        if decay is not None:
-            raise ValueError("the ridge reference is written for decay=None only")
-        w = w + ridge * torch.tril(torch.einsum("bthd,bshd->bhts", q, q))
-    o = torch.einsum("bhtj,bjhe->bthe", w, v)
-    if normalize:
-        o = o / (w.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
-    return o
-
-
 @dataclass
 class Case:
-    """One operator with one option set: its forms are checked against `reference`."""
+    """One mixer with one option set: its forms are checked against its reference."""
 
-    operator: str
+    mixer: str
     option: str
     options: dict
     forms: tuple[str, ...]
     continuation: bool = True           # also check initial_state splits and decode steps
     shared_kv: bool = False             # k and v with one head (multi-query)
-    extra: dict = field(default_factory=dict)   # options for the op only (not the reference)
-
-
-OPERATORS = {"hla2": (lambda: hla2, lambda: hla2_step, hla2_reference),
-             "ahla2": (lambda: ahla2, lambda: ahla2_step, ahla2_naive),
-             "hla3": (lambda: hla3, lambda: hla3_step, hla3_naive)}
 
 
 def cases(device: str) -> list[Case]:
@@ -101,9 +61,9 @@ def cases(device: str) -> list[Case]:
              hla2_forms),
         Case("hla2", "masked, decay per head, paper form, normalize",
              {"decay": per_head, "decay_form": "paper", "normalize": True}, hla2_forms),
-        Case("hla2", "unmasked", {"masked": False}, hla2_forms),
-        Case("hla2", "unmasked, decay 0.9, normalize",
-             {"masked": False, "decay": 0.9, "normalize": True}, hla2_forms),
+        Case("hla2-unmasked", "unmasked", {}, hla2_forms),
+        Case("hla2-unmasked", "unmasked, decay 0.9, normalize",
+             {"decay": 0.9, "normalize": True}, hla2_forms),
         Case("hla2", "masked, ridge 0.5", {"ridge": 0.5}, hla2_forms),
         Case("hla2", "masked, ridge 0.5, normalize", {"ridge": 0.5, "normalize": True},
              hla2_forms),
@@ -134,58 +94,59 @@ def random_inputs(seed: int, seq_len: int, dtype: torch.dtype, shared_kv: bool =
     return tuple(x.to(dtype).double() for x in (q, k, v))
 
 
-def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
-    output = output.detach().to("cpu", torch.float64)
-    return ((output - reference).abs().max() / reference.abs().max()).item()
-
-
 def _on_device(options: dict, device: str) -> dict:
     return {key: value.to(device) if isinstance(value, torch.Tensor) else value
             for key, value in options.items()}
 
 
 def run_case(case: Case, *, seed: int, seq_len: int, dtype_name: str, device: str) -> list[dict]:
-    """Rows (operator, option, pair, error, tolerance, status) for every check of `case`."""
+    """Rows (operator, option, pair, error, tolerance, status) for every check of `case`;
+    the operator is the mixer's registry name."""
     dtype, tolerance = DTYPES[dtype_name], TOLERANCES[dtype_name]
-    op_of, step_of, reference_fn = OPERATORS[case.operator]
-    op, step = op_of(), step_of()
+    mixer = registry.get(case.mixer)
     q, k, v = random_inputs(seed, seq_len, dtype, case.shared_kv)
-    reference = reference_fn(q, k, v, **case.options)
+    reference = mixer.reference(**case.options)(q, k, v)
     qd, kd, vd = (x.to(device, dtype) for x in (q, k, v))
     options = _on_device(case.options, device)
     rows = []
 
     def check(pair, compute):
-        row = {"operator": case.operator, "option": case.option, "pair": pair,
+        row = {"operator": case.mixer, "option": case.option, "pair": pair,
                "error": None, "tolerance": tolerance}
         try:
             row["error"] = relative_error(compute(), reference)
             row["status"] = "pass" if row["error"] <= tolerance else "FAIL"
         except NotImplementedError as exc:
             row.update(status="error", note=f"not implemented: {exc}")
-        except ValueError as exc:    # an option a form does not offer (Triton) is not a failure
+        except (ValueError, registry.MixerUnavailableError) as exc:
+            # an option or a requirement a form does not offer (Triton) is not a failure
             row.update(status="skip" if pair.startswith("triton") else "error", note=str(exc))
         rows.append(row)
 
     for form in case.forms:
         check(f"{form} vs naive",
-              lambda: op(qd, kd, vd, impl=form, chunk_size=CHUNK_SIZE, **options)[0])
+              lambda: mixer.op(impl=form, chunk_size=CHUNK_SIZE, **options)(qd, kd, vd)[0])
     if case.continuation:
         split = (2 * seq_len) // 3
 
+        def prefill():
+            """(op, output, state) of the op (impl "auto") on the first `split` tokens."""
+            op = mixer.op(chunk_size=CHUNK_SIZE, **options)
+            first, state = op(qd[:, :split], kd[:, :split], vd[:, :split],
+                              output_final_state=True)
+            return op, first, state
+
         def split_run():
-            first, state = op(qd[:, :split], kd[:, :split], vd[:, :split], chunk_size=CHUNK_SIZE,
-                              output_final_state=True, **options)
-            second, _ = op(qd[:, split:], kd[:, split:], vd[:, split:], chunk_size=CHUNK_SIZE,
-                           initial_state=state, **options)
+            op, first, state = prefill()
+            second, _ = op(qd[:, split:], kd[:, split:], vd[:, split:], initial_state=state)
             return torch.cat([first, second], dim=1)
 
         def prefill_then_steps():
-            first, state = op(qd[:, :split], kd[:, :split], vd[:, :split], chunk_size=CHUNK_SIZE,
-                              output_final_state=True, **options)
+            _, first, state = prefill()
+            decoder = mixer.decoder(**options)
             outputs = [first]
             for t in range(split, seq_len):
-                o_t, state = step(qd[:, t], kd[:, t], vd[:, t], state, **options)
+                o_t, state = decoder.step(qd[:, t], kd[:, t], vd[:, t], state)
                 outputs.append(o_t.unsqueeze(1))
             return torch.cat(outputs, dim=1)
 
@@ -201,6 +162,9 @@ def discrepancies(*, seed: int, seq_len: int, dtype_name: str, device: str) -> l
     q, k, v = (x.to(device, dtype) for x in random_inputs(seed, seq_len, dtype))
     rows = []
 
+    def output(name, **options):
+        return lambda: registry.get(name).op(**options)(q, k, v)[0]
+
     def add(what, setting, compute_paper, compute_corrected):
         row = {"comparison": what, "setting": setting, "relative_difference": None}
         try:
@@ -212,12 +176,12 @@ def discrepancies(*, seed: int, seq_len: int, dtype_name: str, device: str) -> l
 
     for g in (1.0, 0.9, 0.5):
         add("hla2 decay_form paper vs masked", f"decay {g}",
-            lambda: hla2(q, k, v, decay=g, decay_form="paper")[0],
-            lambda: hla2(q, k, v, decay=g, decay_form="masked")[0])
+            output("hla2", decay=g, decay_form="paper"),
+            output("hla2", decay=g, decay_form="masked"))
     for normalize in (False, True):
         add("hla3 variant paper vs causal", "normalize" if normalize else "plain",
-            lambda: hla3(q, k, v, variant="paper", normalize=normalize)[0],
-            lambda: hla3(q, k, v, variant="causal", normalize=normalize)[0])
+            output("hla3", variant="paper", normalize=normalize),
+            output("hla3", variant="causal", normalize=normalize))
     return rows
 
 

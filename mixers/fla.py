@@ -1,4 +1,4 @@
-"""Adapters for flash-linear-attention (fla) kernels as harness mixers.
+"""Adapters for flash-linear-attention (fla) kernels as mixers: the "fla" family's entries.
 
 fla's ops take `[B, T, H, D]` inputs (its current layout) and return (o, final_state) with
 a `[B, H, K, V]` state, which we keep as {"S": state}. Gates and betas are bound to fixed
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hla_bench.registry import Mixer, state_nbytes
+from mixers.entry import Mixer, state_nbytes
 from mixers.layer import MixerLayer
 from mixers.linear_attn import linear_attn_flops
 

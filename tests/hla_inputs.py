@@ -1,4 +1,4 @@
-"""Random HLA inputs and the error measure shared by the operator tests."""
+"""Random HLA inputs shared by the operator tests."""
 
 import torch
 
@@ -19,7 +19,3 @@ def random_qkv(B, T, H, D, DV, *, kv_heads=None, dtype=torch.float64, seed=0, po
         q, k = q.abs(), k.abs()
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
-
-def rel_err(a, b):
-    """Largest absolute difference over the reference's largest magnitude."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()

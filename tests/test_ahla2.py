@@ -6,8 +6,9 @@ import importlib
 import pytest
 import torch
 
-from hla_inputs import random_qkv, rel_err
+from hla_inputs import random_qkv
 from mixers.hla.ahla2 import ahla2, ahla2_flops, ahla2_naive, ahla2_state_bytes, ahla2_step
+from mixers.reference import relative_error
 
 B, T, H, D, DV = 2, 13, 3, 4, 5
 DECAYS = {"none": None, "float": 0.9, "per_head": torch.tensor([0.5, 0.8, 1.0], dtype=torch.float64)}
@@ -30,10 +31,10 @@ def test_forms_match_explicit_sum_float64(decay, normalize):
             o, state = ahla2(q, k, v, normalize=normalize, decay=decay, impl=impl,
                              chunk_size=chunk_size, output_final_state=True)
             assert o.dtype == torch.float64
-            assert rel_err(o, ref) < 1e-10, (impl, chunk_size)
+            assert relative_error(o, ref) < 1e-10, (impl, chunk_size)
             assert state.keys() == ref_state.keys()
             for key in state:   # padding of a partial last chunk must not decay the state
-                assert rel_err(state[key], ref_state[key]) < 1e-10, (impl, chunk_size, key)
+                assert relative_error(state[key], ref_state[key]) < 1e-10, (impl, chunk_size, key)
 
 
 def test_explicit_sum_equals_decayed_matrix_form():
@@ -45,7 +46,7 @@ def test_explicit_sum_equals_decayed_matrix_form():
     L_g = torch.where(lag >= 0, g.view(H, 1, 1) ** lag.clamp(min=0), 0)       # [H, T, T]
     W = L_g * torch.einsum("bthd,bshd->bhts", q, k)
     expected = (W @ W @ v.transpose(1, 2)).transpose(1, 2)
-    assert rel_err(ahla2_naive(q, k, v, decay=g), expected) < 1e-12
+    assert relative_error(ahla2_naive(q, k, v, decay=g), expected) < 1e-12
 
 
 def test_paper_decayed_R_rule_breaks_the_scan(monkeypatch):
@@ -59,9 +60,9 @@ def test_paper_decayed_R_rule_breaks_the_scan(monkeypatch):
         (R_a, P_a, E_a, rho_a), (R_b, P_b, E_b, rho_b) = a, b
         return rho_b * R_a + R_b, rho_b * P_a + P_b, rho_b * (E_a + R_b @ P_a) + E_b, rho_a * rho_b
 
-    assert rel_err(ahla2(q, k, v, decay=0.8, impl="scan")[0], ref) < 1e-10
+    assert relative_error(ahla2(q, k, v, decay=0.8, impl="scan")[0], ref) < 1e-10
     monkeypatch.setattr(scan, "combine", paper_combine)
-    assert rel_err(ahla2(q, k, v, decay=0.8, impl="scan")[0], ref) > 1e-2
+    assert relative_error(ahla2(q, k, v, decay=0.8, impl="scan")[0], ref) > 1e-2
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -73,12 +74,12 @@ def test_low_precision_forms_agree_with_float64(normalize):
     for impl in FORMS:
         o, _ = ahla2(*(x.float() for x in (q, k, v)), normalize=normalize, decay=0.95,
                      impl=impl, chunk_size=16)
-        assert o.dtype == torch.float32 and rel_err(o, ref) < 1e-5, impl
+        assert o.dtype == torch.float32 and relative_error(o, ref) < 1e-5, impl
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     ref_b = ahla2_naive(qb, kb, vb, normalize=normalize, decay=0.95)
     o, state = ahla2(qb, kb, vb, normalize=normalize, decay=0.95, impl="chunk", chunk_size=16,
                      output_final_state=True)
-    assert o.dtype == torch.bfloat16 and rel_err(o, ref_b) < 1e-2
+    assert o.dtype == torch.bfloat16 and relative_error(o, ref_b) < 1e-2
     assert all(x.dtype == torch.float32 for x in state.values())
 
 
@@ -93,19 +94,19 @@ def test_continuation_and_decode_steps(impl, normalize):
                          impl=impl, chunk_size=4, output_final_state=True)
     second, _ = ahla2(q[:, 6:], k[:, 6:], v[:, 6:], normalize=normalize, decay=decay,
                       impl=impl, chunk_size=4, initial_state=state)
-    assert rel_err(torch.cat([first, second], dim=1), full) < 1e-10
+    assert relative_error(torch.cat([first, second], dim=1), full) < 1e-10
     for t in range(6, T):
         o_t, state = ahla2_step(q[:, t], k[:, t], v[:, t], state, normalize=normalize, decay=decay)
-        assert rel_err(o_t, full[:, t]) < 1e-10
+        assert relative_error(o_t, full[:, t]) < 1e-10
     for key in full_state:
-        assert rel_err(state[key], full_state[key]) < 1e-10
+        assert relative_error(state[key], full_state[key]) < 1e-10
 
 
 def test_step_from_empty_state_matches_first_output():
     q, k, v = inputs()
     o, _ = ahla2(q, k, v, impl="chunk")
     o_0, state = ahla2_step(q[:, 0], k[:, 0], v[:, 0])
-    assert rel_err(o_0, o[:, 0]) < 1e-12 and set(state) == {"P", "E"}
+    assert relative_error(o_0, o[:, 0]) < 1e-12 and set(state) == {"P", "E"}
 
 
 def test_gradcheck_and_gradients_agree_between_forms():
@@ -123,7 +124,7 @@ def test_gradcheck_and_gradients_agree_between_forms():
         grads[impl] = torch.autograd.grad((o * weight).sum(), (q, k, v))
     for impl in ("scan", "chunk"):
         for g, g_ref in zip(grads[impl], grads["serial"]):
-            assert rel_err(g, g_ref) < 1e-10
+            assert relative_error(g, g_ref) < 1e-10
 
 
 def test_state_bytes_and_flops():

@@ -229,6 +229,27 @@ def test_decoder_step_continues_the_op_after_a_prefill(name, mixer_options):
     torch.testing.assert_close(o_t, full[:, -1], rtol=1e-8, atol=1e-8)
 
 
+WITH_REFERENCE = [name for name in AVAILABLE if get(name).build_reference is not None]
+
+
+def test_the_operator_families_with_a_naive_form_have_a_reference():
+    assert {get(name).family for name in WITH_REFERENCE} == {"hla", "linear", "ssm"}
+    with pytest.raises(ValueError, match="'sdpa' has no float64 reference"):
+        get("sdpa").reference()
+
+
+@pytest.mark.parametrize("name,mixer_options",
+                         [(name, {}) for name in WITH_REFERENCE] + OPTION_CASES)
+def test_op_matches_its_float64_reference(name, mixer_options):
+    """The reference binds the same options as the op (an unbound option would show)."""
+    mixer = get(name)
+    q, k, v = qkv(T=13, D=key_width(name, mixer_options), dtype=torch.float32)
+    o, _ = mixer.op(**mixer_options)(q.double(), k.double(), v.double())
+    reference = mixer.reference(**mixer_options)(q, k, v)
+    assert reference.dtype == torch.float64
+    torch.testing.assert_close(o, reference, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("name", STREAMING)
 def test_decoder_state_size_is_independent_of_context(name):
     decoder = get(name).decoder()

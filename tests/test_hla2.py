@@ -9,9 +9,10 @@ import os
 import pytest
 import torch
 
-from hla_inputs import random_qkv, rel_err
+from hla_inputs import random_qkv
 from mixers.hla import hla2, hla2_step
-from mixers.hla.hla2 import hla2_flops, hla2_naive, hla2_state_bytes
+from mixers.hla.hla2 import hla2_flops, hla2_naive, hla2_naive_final_state, hla2_state_bytes
+from mixers.reference import relative_error
 
 B, H, D, DV = 2, 2, 4, 5
 PER_HEAD = "per-head"
@@ -37,7 +38,7 @@ def one_decay_if_shared(opts, kv_heads):
 
 def state_err(a, b):
     assert set(a) == set(b)
-    return max(rel_err(a[key], b[key]) for key in a)
+    return max(relative_error(a[key], b[key]) for key in a)
 
 
 OPTIONS = list(itertools.product([True, False], [False, True], [0.0, 0.3], [None, 0.8, PER_HEAD],
@@ -51,14 +52,47 @@ def test_every_impl_matches_explicit_sums(masked, normalize, ridge, decay, decay
                 decay=decay_value(decay, kv_heads), decay_form=decay_form)
     ref = hla2_naive(q, k, v, **opts)
     o_serial, s_serial = hla2(q, k, v, impl="serial", output_final_state=True, **opts)
-    assert rel_err(o_serial, ref) < 1e-10
+    assert relative_error(o_serial, ref) < 1e-10
     assert s_serial["S"].shape[1] == kv_heads
     for impl, chunk_size in [("scan", 1), ("scan", 5), ("chunk", 1), ("chunk", 4), ("chunk", 5),
                              ("chunk", 13), ("chunk", 64)]:
         o, state = hla2(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True, **opts)
         assert o.dtype == q.dtype
-        assert rel_err(o, ref) < 1e-10, (impl, chunk_size)
+        assert relative_error(o, ref) < 1e-10, (impl, chunk_size)
         assert state_err(state, s_serial) < 1e-10, (impl, chunk_size)
+
+
+def test_explicit_sums_match_the_matrix_form_of_the_masked_decay():
+    """Against matrix forms of spec §1 (A = QK^T, L the causal mask, L_g[t, s] = g^(t-s)):
+    masked with decay weights g^((t-i)+(t-j)) on i <= j <= t is ((L_g*A)(L*A)^T * L_g) V."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64) for _ in "qkv")
+    g = 0.8
+    lag = torch.arange(9).view(-1, 1) - torch.arange(9).view(1, -1)
+    L_g = torch.where(lag >= 0, g ** lag.clamp(min=0).double(), 0)
+    A = torch.einsum("bthd,bshd->bhts", q, k)
+    weights = ((L_g * A) @ torch.tril(A).transpose(-1, -2)) * L_g
+    expected = (weights @ v.transpose(1, 2)).transpose(1, 2)
+    assert torch.allclose(hla2_naive(q, k, v, decay=g), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("masked,normalize,ridge,decay,decay_form,kv_heads", OPTIONS)
+def test_explicit_sums_continue_from_an_initial_state(masked, normalize, ridge, decay,
+                                                      decay_form, kv_heads):
+    """From a state (a prefix's, perturbed: any state, not only a reachable one), the
+    explicit sums' outputs and final state are those of the serial recurrence."""
+    q, k, v = make_inputs(11, kv_heads=kv_heads, positive=True)
+    opts = dict(masked=masked, normalize=normalize, ridge=ridge,
+                decay=decay_value(decay, kv_heads), decay_form=decay_form)
+    _, state = hla2(q[:, :5], k[:, :5], v[:, :5], impl="serial", output_final_state=True,
+                    **opts)
+    gen = torch.Generator().manual_seed(3)
+    state = {key: x + 0.1 * torch.rand(x.shape, generator=gen, dtype=x.dtype)
+             for key, x in state.items()}
+    o, final = hla2(q, k, v, impl="serial", initial_state=state, output_final_state=True,
+                    **opts)
+    assert relative_error(hla2_naive(q, k, v, initial_state=state, **opts), o) < 1e-10
+    assert state_err(hla2_naive_final_state(q, k, v, initial_state=state, **opts), final) < 1e-10
 
 
 @pytest.mark.parametrize("T,chunk_size", [(37, 8), (32, 8), (37, 37), (2, 16)])
@@ -71,7 +105,7 @@ def test_longer_sequences_and_dims(T, chunk_size, decay_form):
     _, s_serial = hla2(q, k, v, impl="serial", output_final_state=True, **opts)
     for impl in ("scan", "chunk"):
         o, state = hla2(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True, **opts)
-        assert rel_err(o, ref) < 1e-10
+        assert relative_error(o, ref) < 1e-10
         assert state_err(state, s_serial) < 1e-10
 
 
@@ -80,12 +114,12 @@ def test_paper_and_masked_decay_differ_below_one_and_agree_at_one():
     o_masked, _ = hla2(q, k, v, decay=0.8, decay_form="masked", impl="chunk", chunk_size=4)
     o_paper, s_paper = hla2(q, k, v, decay=0.8, decay_form="paper", impl="chunk", chunk_size=4,
                             output_final_state=True)
-    assert rel_err(o_paper, o_masked) > 0.05
+    assert relative_error(o_paper, o_masked) > 0.05
     assert set(s_paper) == {"S", "C", "G"}
     o_masked, _ = hla2(q, k, v, decay=1.0, decay_form="masked", impl="chunk", chunk_size=4)
     o_paper, _ = hla2(q, k, v, decay=1.0, decay_form="paper", impl="chunk", chunk_size=4)
     o_plain, _ = hla2(q, k, v, impl="chunk", chunk_size=4)
-    assert rel_err(o_paper, o_masked) < 1e-12 and rel_err(o_plain, o_masked) < 1e-12
+    assert relative_error(o_paper, o_masked) < 1e-12 and relative_error(o_plain, o_masked) < 1e-12
 
 
 @pytest.mark.parametrize("decay_form,masked",
@@ -98,7 +132,7 @@ def test_float32_forms_agree(decay_form, masked):
     assert o_serial.dtype == torch.float32 and s_serial["S"].dtype == torch.float32
     for impl in ("scan", "chunk"):
         o, state = hla2(q, k, v, impl=impl, chunk_size=8, **opts)
-        assert rel_err(o, o_serial) < 1e-4 and state_err(state, s_serial) < 1e-4
+        assert relative_error(o, o_serial) < 1e-4 and state_err(state, s_serial) < 1e-4
 
 
 @pytest.mark.parametrize("decay", [None, 0.9])
@@ -106,7 +140,7 @@ def test_bf16_chunk_accumulates_in_float32(decay):
     q, k, v = make_inputs(40, dtype=torch.bfloat16, d=8, dv=8)
     o, state = hla2(q, k, v, decay=decay, impl="chunk", chunk_size=16, output_final_state=True)
     assert o.dtype == torch.bfloat16 and state["A"].dtype == torch.float32
-    assert rel_err(o, hla2_naive(q, k, v, decay=decay)) < 2e-2
+    assert relative_error(o, hla2_naive(q, k, v, decay=decay)) < 2e-2
 
 
 CONTINUATION_OPTIONS = [
@@ -128,7 +162,7 @@ def test_split_sequence_continues_from_state(opts, impl):
                       output_final_state=True, **opts)
         o2, s2 = hla2(q[:, split:], k[:, split:], v[:, split:], impl=impl, chunk_size=4,
                       initial_state=s1, output_final_state=True, **opts)
-        assert rel_err(torch.cat([o1, o2], 1), o_full) < 1e-12
+        assert relative_error(torch.cat([o1, o2], 1), o_full) < 1e-12
         assert state_err(s2, s_full) < 1e-12
 
 
@@ -152,10 +186,10 @@ def test_prefill_then_steps_equals_one_call(opts, kv_heads):
     _, state = hla2(q[:, :5], k[:, :5], v[:, :5], impl="chunk", output_final_state=True, **opts)
     for t in range(5, 12):
         o_t, state = hla2_step(q[:, t], k[:, t], v[:, t], state, **opts)
-        assert rel_err(o_t, o_full[:, t]) < 1e-12
+        assert relative_error(o_t, o_full[:, t]) < 1e-12
     assert state_err(state, s_full) < 1e-12
     o_0, _ = hla2_step(q[:, 0], k[:, 0], v[:, 0], None, impl="torch", **opts)
-    assert rel_err(o_0, o_full[:, 0]) < 1e-12
+    assert relative_error(o_0, o_full[:, 0]) < 1e-12
 
 
 GRAD_OPTIONS = [
@@ -210,7 +244,7 @@ def test_chunk_gradients_equal_serial_gradients(opts, kv_heads):
         ((o * weights).sum() + sum(x.sum() for x in final.values())).backward()
         grads[impl] = [x.grad for x in inputs]
     for g_chunk, g_serial in zip(grads["chunk"], grads["serial"]):
-        assert rel_err(g_chunk, g_serial) < 1e-10
+        assert relative_error(g_chunk, g_serial) < 1e-10
 
 
 def _error_cases():
@@ -281,7 +315,7 @@ def test_triton_impl_is_routed_with_validated_state():
     outs = [hla2(q[:, 4:], k[:, 4:], v[:, 4:], normalize=True, impl=impl, chunk_size=16,
                  initial_state=state, output_final_state=True) for impl in ("triton", "chunk")]
     (o_triton, s_triton), (o_chunk, s_chunk) = outs
-    assert rel_err(o_triton, o_chunk) < 1e-4 and state_err(s_triton, s_chunk) < 1e-4
+    assert relative_error(o_triton, o_chunk) < 1e-4 and state_err(s_triton, s_chunk) < 1e-4
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -293,7 +327,7 @@ def test_triton_step_is_routed():
     o_torch, s_torch = hla2_step(q, k, v, {key: x.clone() for key, x in state.items()},
                                  impl="torch", normalize=True, decay=0.9)
     o_triton, s_triton = hla2_step(q, k, v, state, impl="triton", normalize=True, decay=0.9)
-    assert rel_err(o_triton, o_torch) < 1e-4 and state_err(s_triton, s_torch) < 1e-4
+    assert relative_error(o_triton, o_torch) < 1e-4 and state_err(s_triton, s_torch) < 1e-4
 
 
 def test_auto_routes_to_triton_on_cuda_except_the_untimed_paper_decay_kernel(monkeypatch):

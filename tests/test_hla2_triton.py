@@ -1,4 +1,4 @@
-"""Triton hla2 kernels vs a float64 token-by-token reference (spec §1).
+"""Triton hla2 kernels vs hla2's float64 explicit sums (spec §1, mixers/hla/hla2/naive.py).
 
 On CPU the kernels run in the Triton interpreter (tests/conftest.py) and the half-precision
 test uses fp16 (the interpreter mishandles bf16 memory); on CUDA they run natively, in bf16,
@@ -9,6 +9,7 @@ Tolerances (relative Frobenius error against the float64 reference):
   bf16 / fp16 inputs: outputs and states < 2e-2, gradients < 3e-2
 """
 
+import functools
 import os
 
 import pytest
@@ -18,7 +19,9 @@ from triton.runtime import Autotuner
 from mixers.hla.hla2 import hla2, hla2_step
 from mixers.hla.hla2 import triton as hla2_triton_module
 from mixers.hla.hla2 import triton_kernels as kern
+from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
 from mixers.hla.hla2.triton import hla2_step_triton, hla2_triton, triton_unsupported_reason
+from mixers.reference import relative_error
 
 RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -28,34 +31,15 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 3e-2), torch.float16:
 HALF = torch.bfloat16 if torch.cuda.is_available() else torch.float16
 
 
-def reference(q, k, v, state=None, *, decay=None, normalize=False, eps=1e-6):
-    """Masked hla2 by its recurrence in float64: S = g S + k k^T, A = g^2 A + (S q) v^T,
-    o = q^T A; normalize runs the same with a ones column appended to v (state "a")."""
-    q, k, v = q.double(), k.double(), v.double()
-    B, T, H, D = q.shape
-    if normalize:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], -1)
-    if state is None:
-        S, A = q.new_zeros(B, H, D, D), q.new_zeros(B, H, D, v.shape[-1])
-    else:
-        S, A = state["S"].double(), state["A"].double()
-        if normalize:
-            A = torch.cat([A, state["a"].double().unsqueeze(-1)], -1)
-    g = q.new_ones(H) if decay is None else decay.to(q.device, torch.float64)
-    g = g.view(H, 1, 1)
-    outs = []
-    for t in range(T):
-        S = g * S + k[:, t, :, :, None] * k[:, t, :, None, :]
-        A = g ** 2 * A + (S @ q[:, t, :, :, None]) * v[:, t, :, None, :]
-        outs.append((q[:, t, :, None, :] @ A).squeeze(-2))
-    o = torch.stack(outs, 1)
-    if not normalize:
-        return o, {"S": S, "A": A}
-    return o[..., :-1] / (o[..., -1:] + eps), {"S": S, "A": A[..., :-1], "a": A[..., -1]}
+def reference(q, k, v, state=None, **options):
+    """hla2's float64 explicit sums (mixers/hla/hla2/naive.py) from `state`, differentiable:
+    (o, final state)."""
+    return (hla2_naive(q, k, v, initial_state=state, **options),
+            hla2_naive_final_state(q, k, v, initial_state=state, **options))
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+# The tolerances above are set on the Frobenius norm.
+frobenius_error = functools.partial(relative_error, norm="fro")
 
 
 def make_inputs(B, T, H, D, Dv, dtype, seed=0):
@@ -97,9 +81,9 @@ def check_forward_against_reference(q, k, v, state, *, chunk_size, normalize, de
                                chunk_size=chunk_size, initial_state=state,
                                output_final_state=True)
     ref_o, ref_final = reference(q, k, v, state, decay=decay, normalize=normalize, eps=eps)
-    assert rel(o, ref_o) < TOL[q.dtype][0]
+    assert frobenius_error(o, ref_o) < TOL[q.dtype][0]
     for key in ref_final:
-        assert rel(final[key], ref_final[key]) < TOL[q.dtype][0], key
+        assert frobenius_error(final[key], ref_final[key]) < TOL[q.dtype][0], key
 
 
 def assert_matches(q, k, v, initial_state, got, want, out_tol, grad_tol):
@@ -110,14 +94,14 @@ def assert_matches(q, k, v, initial_state, got, want, out_tol, grad_tol):
     leaves = [q, k, v] + [initial_state[key] for key in names[3:]]
     assert o.dtype == q.dtype and o.shape == v.shape
     assert sorted(final) == sorted(ref_final)
-    assert rel(o, ref_o) < out_tol
+    assert frobenius_error(o, ref_o) < out_tol
     for key in ref_final:
         assert final[key].dtype == torch.float32
-        assert rel(final[key], ref_final[key]) < out_tol, key
+        assert frobenius_error(final[key], ref_final[key]) < out_tol, key
     got_grads = grads(weighted_loss(o, final), leaves)
     want_grads = grads(weighted_loss(ref_o, ref_final), leaves)
     for name, a, b in zip(names, got_grads, want_grads):
-        assert rel(a, b) < grad_tol, name
+        assert frobenius_error(a, b) < grad_tol, name
 
 
 @pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (100, 32, 32, 16), (32, 16, 16, 16), (1, 16, 16, 16)])
@@ -327,9 +311,9 @@ def test_initial_state_continues_the_sequence():
               output_final_state=True)
     first, mid = hla2_triton(q[:, :23], k[:, :23], v[:, :23], initial_state=None, **kw)
     second, last = hla2_triton(q[:, 23:], k[:, 23:], v[:, 23:], initial_state=mid, **kw)
-    assert rel(torch.cat([first, second], 1), full) < 1e-4
+    assert frobenius_error(torch.cat([first, second], 1), full) < 1e-4
     for key in full_state:
-        assert rel(last[key], full_state[key]) < 1e-4
+        assert frobenius_error(last[key], full_state[key]) < 1e-4
 
 
 def test_empty_sequence_returns_the_initial_state():
@@ -423,7 +407,8 @@ def test_bf16_head_dim_128_chunk_128():
     with torch.no_grad():
         o, _ = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=None, decay_form="masked",
                            chunk_size=128, initial_state=None, output_final_state=False)
-    assert rel(o, reference(q, k, v, None, decay=None, normalize=False, eps=1e-6)[0]) < TOL[q.dtype][0]
+    ref_o, _ = reference(q, k, v, None, decay=None, normalize=False, eps=1e-6)
+    assert frobenius_error(o, ref_o) < TOL[q.dtype][0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large head dims run natively only")
@@ -523,9 +508,9 @@ def test_decode_step_matches_reference(normalize, decay):
                                       eps=1e-3, decay=g, decay_form="masked")
         outs.append(o_t)
     assert all(state[key] is tensors[key] for key in state)  # updated in place
-    assert rel(torch.stack(outs, 1), ref_o) < 1e-4
+    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
     for key in ref_state:
-        assert rel(state[key], ref_state[key]) < 1e-4, key
+        assert frobenius_error(state[key], ref_state[key]) < 1e-4, key
 
 
 def test_decode_step_continues_the_chunked_op():
@@ -536,7 +521,7 @@ def test_decode_step_continues_the_chunked_op():
     _, state = hla2_triton(q[:, :32], k[:, :32], v[:, :32], chunk_size=16, initial_state=None,
                            output_final_state=True, **kw)
     o_last, _ = hla2_step_triton(q[:, 32], k[:, 32], v[:, 32], state, **kw)
-    assert rel(o_last, full[:, 32]) < 1e-4
+    assert frobenius_error(o_last, full[:, 32]) < 1e-4
 
 
 @pytest.mark.parametrize("decay, normalize, with_state", [
@@ -561,14 +546,14 @@ def test_multi_query_shares_k_v_and_S():
     ref_o, ref_final = reference(q, kh, vh, {"S": s0.expand(B, H, D, D), "A": a0})
     ref_final["S"] = ref_final["S"][:, :1]
     assert final["S"].shape == (B, 1, D, D)
-    assert rel(o, ref_o) < 1e-4
+    assert frobenius_error(o, ref_o) < 1e-4
     for key in ref_final:
-        assert rel(final[key], ref_final[key]) < 1e-4, key
+        assert frobenius_error(final[key], ref_final[key]) < 1e-4, key
     leaves = (q, k, v, s0, a0)
     got = grads(weighted_loss(o, final), leaves)
     want = grads(weighted_loss(ref_o, ref_final), leaves)
     for name, a, b in zip(["q", "k", "v", "S", "A"], got, want):
-        assert rel(a, b) < 1e-4, name
+        assert frobenius_error(a, b) < 1e-4, name
 
 
 def test_multi_query_decode_step():
@@ -585,20 +570,12 @@ def test_multi_query_decode_step():
         o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, normalize=False,
                                       eps=1e-6, decay=g, decay_form="masked")
         outs.append(o_t)
-    assert rel(torch.stack(outs, 1), ref_o) < 1e-4
-    assert rel(state["S"], ref_final["S"][:, :1]) < 1e-4
-    assert rel(state["A"], ref_final["A"]) < 1e-4
+    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
+    assert frobenius_error(state["S"], ref_final["S"][:, :1]) < 1e-4
+    assert frobenius_error(state["A"], ref_final["A"]) < 1e-4
 
 
 # ---- decay_form="paper" (the paper's §4.3 recurrence with S, C, G) ----------------------
-
-def paper_reference(q, k, v, state=None, *, decay, normalize=False, eps=1e-6):
-    """The serial recurrence of mixers.hla.hla2 in float64 (differentiable)."""
-    state = None if state is None else {key: x.double() for key, x in state.items()}
-    return hla2(q.double(), k.double(), v.double(), decay=decay.double(), decay_form="paper",
-                normalize=normalize, eps=eps, impl="serial", initial_state=state,
-                output_final_state=True)
-
 
 def paper_state(B, H, D, Dv, normalize=False, kv_heads=None, seed=21):
     """A paper-form state: S symmetric PSD, C and G (and m, h) random."""
@@ -618,7 +595,7 @@ def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=
     o, final = hla2_triton(q, k, v, normalize=normalize, eps=eps, decay=decay,
                            decay_form="paper", chunk_size=chunk_size,
                            initial_state=initial_state, output_final_state=True)
-    ref_o, ref_final = paper_reference(q, k, v, initial_state, decay=decay,
+    ref_o, ref_final = reference(q, k, v, initial_state, decay_form="paper", decay=decay,
                                        normalize=normalize, eps=eps)
     assert_matches(q, k, v, initial_state, (o, final), (ref_o, ref_final), out_tol,
                    grad_tol or default_grad_tol)
@@ -686,10 +663,10 @@ def test_paper_initial_state_continues_the_sequence():
                              initial_state=None, **kw)
     second, last = hla2_triton(q[:, 23:], k[:, 23:], v[:, 23:], chunk_size=16,
                                initial_state=mid, **kw)
-    assert rel(torch.cat([first, second], 1), full) < 1e-4
+    assert frobenius_error(torch.cat([first, second], 1), full) < 1e-4
     assert sorted(last) == ["C", "G", "S"]
     for key in full_state:
-        assert rel(last[key], full_state[key]) < 1e-4, key
+        assert frobenius_error(last[key], full_state[key]) < 1e-4, key
 
 
 def test_paper_multi_query():
@@ -700,16 +677,16 @@ def test_paper_multi_query():
     state = paper_state(B, H, D, Dv, kv_heads=1, seed=27)
     o, final = hla2_triton(q, k, v, normalize=False, eps=1e-6, decay=g, decay_form="paper",
                            chunk_size=16, initial_state=state, output_final_state=True)
-    ref_o, ref_final = paper_reference(q, k, v, state, decay=g)
+    ref_o, ref_final = reference(q, k, v, state, decay_form="paper", decay=g)
     assert final["S"].shape == (B, 1, D, D)
-    assert rel(o, ref_o) < 1e-4
+    assert frobenius_error(o, ref_o) < 1e-4
     for key in ref_final:
-        assert rel(final[key], ref_final[key]) < 1e-4, key
+        assert frobenius_error(final[key], ref_final[key]) < 1e-4, key
     leaves = [q, k, v] + [state[key] for key in sorted(state)]
     got = grads(weighted_loss(o, final), leaves)
     want = grads(weighted_loss(ref_o, ref_final), leaves)
     for name, a, b in zip(["q", "k", "v"] + sorted(state), got, want):
-        assert rel(a, b) < 1e-4, name
+        assert frobenius_error(a, b) < 1e-4, name
 
 
 def test_paper_dispatch_runs_triton(monkeypatch):
@@ -726,9 +703,9 @@ def test_paper_dispatch_runs_triton(monkeypatch):
     q, k, v = (x.detach() for x in make_inputs(1, 20, 2, 16, 16, torch.float32, seed=28))
     g = torch.tensor([0.9, 0.7], device=DEVICE)
     o, _ = hla2(q, k, v, decay=g, decay_form="paper", impl="triton")
-    ref_o, _ = paper_reference(q, k, v, decay=g)
+    ref_o, _ = reference(q, k, v, decay_form="paper", decay=g)
     assert launches == [(1, 2)]  # one launch: 1 value slice x B*H
-    assert rel(o, ref_o) < 1e-4
+    assert frobenius_error(o, ref_o) < 1e-4
 
 
 @pytest.mark.parametrize("normalize, shared_kv", [(False, False), (True, False), (False, True)])
@@ -741,16 +718,17 @@ def test_paper_decode_step(normalize, shared_kv):
     g = torch.tensor([0.8, 0.8] if shared_kv else [0.9, 1.0], device=DEVICE)
     state = {key: x.detach() for key, x in
              paper_state(B, H, D, Dv, normalize, kv_heads=k.shape[2]).items()}
-    ref_o, ref_state = paper_reference(q, k, v, state, decay=g, normalize=normalize, eps=1e-3)
+    ref_o, ref_state = reference(q, k, v, state, decay_form="paper", decay=g,
+                                 normalize=normalize, eps=1e-3)
     outs = []
     for t in range(T):
         o_t, state = hla2_step(q[:, t], k[:, t], v[:, t], state, decay=g, decay_form="paper",
                                normalize=normalize, eps=1e-3, impl="triton")
         outs.append(o_t)
-    assert rel(torch.stack(outs, 1), ref_o) < 1e-4
+    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
     assert sorted(state) == sorted(ref_state)
     for key in ref_state:
-        assert rel(state[key], ref_state[key]) < 1e-4, key
+        assert frobenius_error(state[key], ref_state[key]) < 1e-4, key
 
 
 TUNED_KERNELS = {"chunk_increments_kernel": kern.INCREMENTS_WARPS,

@@ -4,8 +4,9 @@ low precision, state continuation, gradients and input errors."""
 import pytest
 import torch
 
-from hla_inputs import random_qkv, rel_err
+from hla_inputs import random_qkv
 from mixers.hla.hla3 import hla3, hla3_flops, hla3_naive, hla3_state_bytes, hla3_step
+from mixers.reference import relative_error
 
 B, T, H, D, DV = 2, 11, 2, 3, 4
 FORMS = {"causal": ("serial", "scan", "chunk"), "paper": ("serial", "scan")}
@@ -27,10 +28,10 @@ def test_forms_match_explicit_sum_float64(variant, normalize):
             o, state = hla3(q, k, v, variant=variant, normalize=normalize, impl=impl,
                             chunk_size=chunk_size, output_final_state=True)
             assert o.dtype == torch.float64
-            assert rel_err(o, ref) < 1e-10, (impl, chunk_size)
+            assert relative_error(o, ref) < 1e-10, (impl, chunk_size)
             assert state.keys() == ref_state.keys()
             for key in state:
-                assert rel_err(state[key], ref_state[key]) < 1e-10, (impl, chunk_size, key)
+                assert relative_error(state[key], ref_state[key]) < 1e-10, (impl, chunk_size, key)
 
 
 def test_causal_sum_is_the_causal_restriction_of_the_tensor_form():
@@ -38,12 +39,12 @@ def test_causal_sum_is_the_causal_restriction_of_the_tensor_form():
     q, k, v = inputs()
     W = torch.tril(torch.einsum("bthd,bshd->bhts", q, k))
     expected = (torch.tril(W @ W.transpose(-1, -2)) @ W @ v.transpose(1, 2)).transpose(1, 2)
-    assert rel_err(hla3_naive(q, k, v), expected) < 1e-12
+    assert relative_error(hla3_naive(q, k, v), expected) < 1e-12
 
 
 def test_paper_and_causal_differ():
     q, k, v = inputs()
-    assert rel_err(hla3(q, k, v, variant="paper")[0], hla3(q, k, v)[0]) > 0.1
+    assert relative_error(hla3(q, k, v, variant="paper")[0], hla3(q, k, v)[0]) > 0.1
 
 
 @pytest.mark.parametrize("variant", ["causal", "paper"])
@@ -56,11 +57,11 @@ def test_low_precision_forms_agree_with_float64(variant):
         for impl in FORMS[variant]:
             o, _ = hla3(*(x.float() for x in (q, k, v)), variant=variant, normalize=normalize,
                         impl=impl, chunk_size=8)
-            assert o.dtype == torch.float32 and rel_err(o, ref) < 1e-5, (impl, normalize)
+            assert o.dtype == torch.float32 and relative_error(o, ref) < 1e-5, (impl, normalize)
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
     o, state = hla3(qb, kb, vb, variant=variant, chunk_size=8, output_final_state=True)
     assert o.dtype == torch.bfloat16
-    assert rel_err(o, hla3_naive(qb, kb, vb, variant=variant)) < 1e-2
+    assert relative_error(o, hla3_naive(qb, kb, vb, variant=variant)) < 1e-2
     assert all(x.dtype == torch.float32 for x in state.values())
 
 
@@ -76,12 +77,12 @@ def test_continuation_and_decode_steps(variant, impl, normalize):
                         output_final_state=True, **opts)
     second, _ = hla3(q[:, 5:], k[:, 5:], v[:, 5:], impl=impl, chunk_size=3,
                      initial_state=state, **opts)
-    assert rel_err(torch.cat([first, second], dim=1), full) < 1e-10
+    assert relative_error(torch.cat([first, second], dim=1), full) < 1e-10
     for t in range(5, T):
         o_t, state = hla3_step(q[:, t], k[:, t], v[:, t], state, **opts)
-        assert rel_err(o_t, full[:, t]) < 1e-10
+        assert relative_error(o_t, full[:, t]) < 1e-10
     for key in full_state:
-        assert rel_err(state[key], full_state[key]) < 1e-10
+        assert relative_error(state[key], full_state[key]) < 1e-10
 
 
 def test_step_from_empty_state_matches_first_output():
@@ -89,7 +90,7 @@ def test_step_from_empty_state_matches_first_output():
     for variant in ("causal", "paper"):
         o, _ = hla3(q, k, v, variant=variant)
         o_0, state = hla3_step(q[:, 0], k[:, 0], v[:, 0], variant=variant)
-        assert rel_err(o_0, o[:, 0]) < 1e-12
+        assert relative_error(o_0, o[:, 0]) < 1e-12
     assert set(state) == {"SK", "SQ", "P", "F"}
 
 
@@ -109,7 +110,7 @@ def test_gradcheck_and_gradients_agree_between_forms():
             grads[impl] = torch.autograd.grad((o * weight).sum(), (q, k, v))
         for impl in forms[1:]:
             for g, g_ref in zip(grads[impl], grads["serial"]):
-                assert rel_err(g, g_ref) < 1e-10, (variant, impl)
+                assert relative_error(g, g_ref) < 1e-10, (variant, impl)
 
 
 def test_state_bytes_and_flops():

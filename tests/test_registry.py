@@ -1,5 +1,6 @@
 """The mixer registry: listing, lookup errors, options, availability, entry-point plugins."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,8 @@ def test_options_override_defaults():
 
 
 def test_missing_package_makes_a_mixer_unavailable_with_the_reason(monkeypatch):
-    real_find_spec = registry.importlib.util.find_spec
-    monkeypatch.setattr(registry.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
     mixer = get("flash-attn")
     assert "flash-attn not installed" in mixer.unavailable_reason()

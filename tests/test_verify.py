@@ -9,7 +9,6 @@ import yaml
 from click.testing import CliRunner
 
 from hla_bench.cli import main
-from hla_bench.verify import hla2_reference
 
 FAST = ["verify", "--seq-len", "14"]
 # The modules (mixers.hla re-exports functions under the same names).
@@ -78,20 +77,6 @@ def test_cuda_without_a_device_is_a_usage_error():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     assert invoke("--device", "cuda").exit_code == 2
-
-
-def test_hla2_reference_masks_and_decays_as_specified():
-    """Against matrix forms of spec §1 (A = QK^T, L the causal mask, L_g[t, s] = g^(t-s)):
-    masked with decay weights g^((t-i)+(t-j)) on i <= j <= t is ((L_g*A)(L*A)^T * L_g) V."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64) for _ in "qkv")
-    g = 0.8
-    lag = torch.arange(9).view(-1, 1) - torch.arange(9).view(1, -1)
-    L_g = torch.where(lag >= 0, g ** lag.clamp(min=0).double(), 0)
-    A = torch.einsum("bthd,bshd->bhts", q, k)
-    weights = ((L_g * A) @ torch.tril(A).transpose(-1, -2)) * L_g
-    expected = (weights @ v.transpose(1, 2)).transpose(1, 2)
-    assert torch.allclose(hla2_reference(q, k, v, decay=g), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_an_unwritable_yaml_path_is_a_usage_error_before_the_checks(tmp_path, monkeypatch):

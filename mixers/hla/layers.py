@@ -1,11 +1,13 @@
-"""Registry glue for the HLA operators: ops with options bound, layers and decoders.
+"""The "hla" family's registry entries: ops with options bound, layers, decoders and the
+float64 references.
 
 Each entry's op is the `mixers.hla` operator with its options bound; the layer is a
 `MixerLayer` around that op (q and k L2-normalised by default so second and third order
 products stay bounded, plus a short causal convolution of size 4 as in fla's linear-attention
-layers); the decoder streams with the operator's `*_step`. Options are passed to each
-operator function only where its signature accepts them, so the entries follow the operators
-as they grow options.
+layers); the decoder streams with the operator's `*_step`; the reference is the operator's
+`*_naive` (its naive.py: explicit sums in float64). Options are passed to each operator
+function only where its signature accepts them, so the entries follow the operators as they
+grow options.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import inspect
 
 import torch
 
-from hla_bench.registry import Mixer, state_nbytes
+from mixers.entry import Mixer, state_nbytes
 from mixers.layer import MixerLayer
 
 LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4, "output_norm": True}
@@ -89,7 +91,8 @@ def _triton_requires(impl="auto", **_):
 
 def hla_entry(name: str, module: str, op_name: str, description: str, options: dict,
               forms: tuple[str, ...], bound: dict | None = None) -> Mixer:
-    """A registry entry for the operator `module.op_name` (its step is `op_name + "_step"`)."""
+    """A registry entry for the operator `module.op_name` (its step is `op_name + "_step"`,
+    its reference `op_name + "_naive"`)."""
     bound = bound or {}
 
     def build_op(**opts):
@@ -105,10 +108,15 @@ def hla_entry(name: str, module: str, op_name: str, description: str, options: d
         state_bytes = getattr(importlib.import_module(module), op_name + "_state_bytes", None)
         return HLADecoder(step, {**bound, **_step_options(opts)}, state_bytes)
 
+    def build_reference(**opts):
+        naive = _operator(module, op_name + "_naive")
+        return functools.partial(naive, **_accepted(naive, {**bound, **_op_options(opts)}))
+
     return Mixer(name=name, family="hla", description=description, build_op=build_op,
                  build_layer=build_layer, build_decoder=build_decoder,
                  options={**options, **LAYER_OPTIONS}, forms=forms,
-                 flops=_flops_fn(module, op_name + "_flops"), option_requires=_triton_requires)
+                 flops=_flops_fn(module, op_name + "_flops"), option_requires=_triton_requires,
+                 build_reference=build_reference)
 
 
 def hla_mixers() -> list[Mixer]:

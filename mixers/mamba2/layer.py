@@ -6,6 +6,9 @@ B and C are shared by all heads (one group), as in Mamba-2.
 
 `forward_stacked` runs N copies with stacked parameters (see `mixers.layer`): their heads
 go side by side into one SSD call, with one B/C group per copy.
+
+The registry entry of the "ssm" family, `mamba2-ssd`, is declared here beside the block: its
+op binds seeded per-head dt and A to the functional SSD, its layer is this block.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mixers.entry import Mixer
 from mixers.layer import ShortConv, stacked_causal_conv, stacked_linear
-from mixers.mamba2 import ssd, ssd_parameters
+from mixers.mamba2 import SSDDecoder, mamba2_ssd, ssd, ssd_flops, ssd_parameters
 
 
 class Mamba2Block(nn.Module):
@@ -75,3 +79,44 @@ class Mamba2Block(nn.Module):
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         y = y * params["norm_weight"][:, None, None, :]
         return stacked_linear(y, params["out_proj.weight"])
+
+
+def _ssd_op(impl, chunk_size, d_skip, seed, **_):
+    def op(q, k, v, initial_state=None, output_final_state=False):
+        dt, A = ssd_parameters(v.shape[2], seed, v.device)
+        D = dt.new_ones(dt.shape) if d_skip else None
+        return mamba2_ssd(q, k, v, dt=dt, A=A, D=D, impl=impl, chunk_size=chunk_size,
+                          initial_state=initial_state, output_final_state=output_final_state)
+
+    return op
+
+
+def _ssd_requires(impl="auto", **_):
+    return ("mamba_ssm", "cuda") if impl == "triton" else ()
+
+
+def _ssd_reference(chunk_size, d_skip, seed, **_):
+    """The token-by-token recurrence (mixers/mamba2/naive.py) on float64 inputs, with the
+    op's dt and A."""
+    op = _ssd_op("naive", chunk_size, d_skip, seed)
+    return lambda q, k, v: op(q.double(), k.double(), v.double())[0]
+
+
+MAMBA2_SSD = Mixer(
+    name="mamba2-ssd", family="ssm",
+    description="Mamba-2 SSD scan (C=q, B=k, x=v, seeded per-head dt and A); mamba_ssm's "
+                "Triton kernel on CUDA when installed, else chunked PyTorch. Layer: a compact "
+                "Mamba-2 block.",
+    build_op=_ssd_op,
+    build_layer=lambda d_model, n_heads, impl, chunk_size, d_state, expand, short_conv, **_:
+        Mamba2Block(d_model, n_heads, d_state=d_state, expand=expand, short_conv=short_conv,
+                    chunk_size=chunk_size, impl=impl),
+    build_decoder=lambda seed, d_skip, **_: SSDDecoder(seed, d_skip),
+    options={"impl": "auto", "chunk_size": 64, "d_skip": False, "seed": 0,
+             "d_state": 64, "expand": 2, "short_conv": 4},
+    forms=("naive", "chunk", "triton"), flops=ssd_flops, option_requires=_ssd_requires,
+    build_reference=_ssd_reference)
+
+
+def mamba2_mixers() -> list[Mixer]:
+    return [MAMBA2_SSD]

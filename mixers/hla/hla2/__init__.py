@@ -1,7 +1,7 @@
 """Second-order symmetric HLA (`hla2`): validation and dispatch to the serial, scan, chunk and
 Triton forms, the single-token decode step, and cost helpers.
 
-Forms: naive.py (explicit sums, the ground truth), serial.py (recurrence), scan.py
+Forms: naive.py (explicit sums with states, the ground truth), serial.py (recurrence), scan.py
 (associative segment scans), chunk.py (dense matmul chunks), triton.py (fused kernels).
 """
 
@@ -14,13 +14,14 @@ import torch
 from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
                                check_decay, check_eps, check_flag, check_qkv, check_state)
 from mixers.hla.hla2.chunk import hla2_chunk
-from mixers.hla.hla2.naive import hla2_naive
+from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
 from mixers.hla.hla2.scan import hla2_scan
 from mixers.hla.hla2.serial import hla2_serial, step_packed
 from mixers.hla.hla2.state import (DECAY_FORMS, compute_dtype, finish, operator_form, pack,
                                    state_shapes, unpack, with_ones, zero_packed)
 
-__all__ = ["hla2", "hla2_step", "hla2_naive", "hla2_state_bytes", "hla2_flops"]
+__all__ = ["hla2", "hla2_step", "hla2_naive", "hla2_naive_final_state", "hla2_state_bytes",
+           "hla2_flops"]
 
 STEP_IMPLS = ("auto", "torch", "triton")
 _FORMS = {"serial": hla2_serial, "scan": hla2_scan, "chunk": hla2_chunk}

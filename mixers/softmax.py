@@ -1,0 +1,63 @@
+"""The "softmax" family's registry entries: causal softmax attention through PyTorch SDPA
+(with a chosen backend) and through flash-attn. The ops and the KV-cache decoder are in
+mixers.attention.
+
+Layers use no q/k norm (the op scales by 1/sqrt(D)) and no short convolution by default.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from mixers.attention import (CUDA_ONLY_BACKENDS, KVCacheDecoder, flash_attn_attention,
+                              sdpa_attention, softmax_flops)
+from mixers.entry import Mixer
+from mixers.layer import MixerLayer
+
+
+def _sdpa_op(backend, scale, **_):
+    return functools.partial(sdpa_attention, backend=backend, scale=scale)
+
+
+def _flash_attn_op(**_):
+    return flash_attn_attention
+
+
+def _sdpa_requires(backend="auto", **_):
+    return ("cuda",) if backend in CUDA_ONLY_BACKENDS else ()
+
+
+def _softmax_layer(build_op, dropout: bool):
+    """Softmax layers: no q/k norm (the op scales by 1/sqrt(D)); `bias` on the projections
+    and, where the op takes it, attention `dropout` while training."""
+    def build_layer(d_model, n_heads, **options):
+        return MixerLayer(d_model, n_heads, build_op(**options), qk_norm="none",
+                          short_conv=options["short_conv"], bias=options["bias"],
+                          dropout=options["dropout"] if dropout else 0.0)
+
+    return build_layer
+
+
+SDPA = Mixer(
+    name="sdpa", family="softmax",
+    description="Causal softmax attention via torch scaled_dot_product_attention "
+                "(backend auto|math|efficient|flash|cudnn); state = KV cache.",
+    build_op=_sdpa_op, build_layer=_softmax_layer(_sdpa_op, dropout=True),
+    build_decoder=lambda backend, scale, cache_reserve, **_: KVCacheDecoder(
+        backend, scale, cache_reserve),
+    options={"backend": "auto", "scale": None, "cache_reserve": 1024, "short_conv": 0,
+             "bias": False, "dropout": 0.0},
+    forms=("math", "efficient", "flash", "cudnn"), flops=softmax_flops,
+    option_requires=_sdpa_requires)
+
+
+FLASH_ATTN = Mixer(
+    name="flash-attn", family="softmax",
+    description="Causal softmax attention via flash-attn's flash_attn_func (fp16/bf16, CUDA).",
+    build_op=_flash_attn_op, build_layer=_softmax_layer(_flash_attn_op, dropout=False),
+    options={"short_conv": 0, "bias": False}, forms=("flash",), requires=("flash_attn", "cuda"),
+    flops=softmax_flops)
+
+
+def softmax_mixers() -> list[Mixer]:
+    return [SDPA, FLASH_ATTN]
