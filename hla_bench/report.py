@@ -19,7 +19,8 @@ from rich.table import Table
 from hla_bench import recall_report, store
 from hla_bench import results as results_io
 from hla_bench.recall_report import render_recall
-from hla_bench.sweeps import format_seq_len, iter_groups
+from hla_bench.engine.config import format_seq_len
+from hla_bench.engine.records import iter_groups
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
