@@ -17,18 +17,20 @@ from typing import Any, Callable
 import click
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import hla_bench
 from hla_bench import registry
 from hla_bench import results as results_io
-from hla_bench.report import render_bench
-from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.engine.config import (SweepConfig, default_text, is_required, load_config,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
 from hla_bench.engine.records import point_key
+from hla_bench.report import render_bench
+from hla_bench.store import ResultsStore, StoreError, default_out_path
+from hla_bench.tables import print_table
 
 CONFIG_DIR = Path(hla_bench.__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-smoke.yaml"
@@ -49,14 +51,35 @@ def list_(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
+    console = Console()
+    print_table(console, mixer_table(rows), lambda: mixer_lines(rows))
+
+
+def _options_text(row: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in row["options"].items())
+
+
+def mixer_table(rows: list[dict[str, Any]]) -> Table:
+    """The mixers as a table: names whole, forms and options wrapped between items."""
     table = Table(title="mixers")
     for column in ("name", "family", "forms", "options (defaults)", "available"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in ("name", "family"))
     for row in rows:
-        options = ", ".join(f"{k}={v}" for k, v in row["options"].items())
-        available = "[green]yes[/green]" if row["available"] else f"[red]no[/red]: {row['reason']}"
-        table.add_row(row["name"], row["family"], ", ".join(row["forms"]), options, available)
-    Console().print(table)
+        available = "[green]yes[/green]" if row["available"] else f"[red]no[/red]: {escape(row['reason'])}"
+        table.add_row(escape(row["name"]), escape(row["family"]), ", ".join(row["forms"]),
+                      escape(_options_text(row)), available)
+    return table
+
+
+def mixer_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The mixers as plain lines, for a console too narrow for the table: a line per
+    mixer, then its forms and its options."""
+    lines = ["mixers"]
+    for row in rows:
+        available = "available" if row["available"] else f"not available: {row['reason']}"
+        lines += [f"{row['name']} ({row['family']}): {available}",
+                  f"  forms: {', '.join(row['forms'])}", f"  options: {_options_text(row)}"]
+    return lines
 
 
 def _check(sweeps: list[SweepConfig]) -> None:
