@@ -16,7 +16,7 @@ a completion marker):
     end_of_results: true     # the completion marker
 
 Every point has a status; time/memory/rate fields are null unless it is `ok`. Schema
-version 1 files (before the store: no settings, complete or marker) are still read.
+version 1 files (no settings, complete or marker) are still read.
 """
 
 from __future__ import annotations
