@@ -6,7 +6,7 @@
 Each mixer is built through the registry and called exactly as `hla-bench run` calls it
 (bf16, H = 16, 65,536 tokens per batch, D = 64 and 128, T = 2k and 32k, fwd and fwd+bwd):
   synced_ms     the harness's figure: CUDA events around one call, synchronised after it
-                (hla_bench.sweeps.time_calls), median of 30;
+                (hla_bench.engine.timing.time_calls), median of 30;
   pipelined_ms  CUDA events around 30 calls back to back, per call: the GPU's time once the
                 host runs ahead of it;
   host_ms       wall time until the call returns (median of 30, after a synchronise): the
@@ -29,8 +29,9 @@ import torch
 import yaml
 
 from hla_bench.results import git_commit
-from hla_bench.sweeps import (MixerSpec, Point, SweepConfig, _build_call, _start, parse_seq_len,
-                              percentile, time_calls)
+from hla_bench.engine.config import MixerSpec, SweepConfig, parse_seq_len
+from hla_bench.engine.runner import Point, build_call, prepare
+from hla_bench.engine.timing import percentile, time_calls
 
 MIXERS = {"hla2-triton": "hla2:impl=triton:label=hla2-triton",
           "fla-linear-attn": "fla-linear-attn"}
@@ -102,11 +103,11 @@ def main():
                 key = f"{spec.label} D={D} T={T} {mode}"
                 try:
                     point = Point(sweep, spec, mode, T)
-                    record, prepared = _start(point, None)
+                    record, prepared = prepare(point, None)
                     if prepared is None:
                         rows[key] = {"status": record["status"], "reason": record["reason"]}
                         continue
-                    call, _, _ = _build_call(point, *prepared, record)
+                    call, _, _ = build_call(point, *prepared, record)
                     synced = percentile(time_calls(call, warmup=0, repeats=CALLS,
                                                    device="cuda"), 50)
                     row = {"synced_ms": round(synced, 4),

@@ -12,21 +12,25 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import hla_bench
 from hla_bench import registry
 from hla_bench import results as results_io
+from hla_bench.engine.config import (SweepConfig, default_text, is_required, load_config,
+                                     parse_mixer_specs, parse_modes, parse_seq_lens,
+                                     setting_fields)
+from hla_bench.engine.records import point_key
 from hla_bench.report import render_bench
 from hla_bench.store import ResultsStore, StoreError, default_out_path
-from hla_bench.sweeps import (MODES, MixerSpec, SweepConfig, load_config, parse_modes,
-                              parse_mixer_specs, parse_seq_lens, point_key, run_sweeps)
+from hla_bench.tables import print_table
 
 CONFIG_DIR = Path(hla_bench.__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "cpu-smoke.yaml"
@@ -47,24 +51,47 @@ def list_(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=str))
         return
+    console = Console()
+    print_table(console, mixer_table(rows), lambda: mixer_lines(rows))
+
+
+def _options_text(row: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in row["options"].items())
+
+
+def mixer_table(rows: list[dict[str, Any]]) -> Table:
+    """The mixers as a table: names whole, forms and options wrapped between items."""
     table = Table(title="mixers")
     for column in ("name", "family", "forms", "options (defaults)", "available"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in ("name", "family"))
     for row in rows:
-        options = ", ".join(f"{k}={v}" for k, v in row["options"].items())
-        available = "[green]yes[/green]" if row["available"] else f"[red]no[/red]: {row['reason']}"
-        table.add_row(row["name"], row["family"], ", ".join(row["forms"]), options, available)
-    Console().print(table)
+        available = "[green]yes[/green]" if row["available"] else f"[red]no[/red]: {escape(row['reason'])}"
+        table.add_row(escape(row["name"]), escape(row["family"]), ", ".join(row["forms"]),
+                      escape(_options_text(row)), available)
+    return table
+
+
+def mixer_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The mixers as plain lines, for a console too narrow for the table: a line per
+    mixer, then its forms and its options."""
+    lines = ["mixers"]
+    for row in rows:
+        available = "available" if row["available"] else f"not available: {row['reason']}"
+        lines += [f"{row['name']} ({row['family']}): {available}",
+                  f"  forms: {', '.join(row['forms'])}", f"  options: {_options_text(row)}"]
+    return lines
 
 
 def _check(sweeps: list[SweepConfig]) -> None:
     """Usage errors for unknown mixers or options, options of layers only, option values a
     mixer rejects, or an absent device: every spec of every sweep, before anything runs."""
+    from hla_bench.engine.runner import check_options
+
     for sweep in sweeps:
         try:
             sweep.check_mixers()
             sweep.check_device()
-            sweep.check_options()
+            check_options(sweep)
         except ValueError as error:
             raise click.UsageError(str(error)) from None
 
@@ -103,6 +130,8 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
             baseline: str | None, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Check everything, run the sweeps with a progress bar, keeping the results file
     current after every point; print tables or data."""
+    from hla_bench.engine.runner import run_sweeps
+
     mode = _mode(out, resume, overwrite)
     _check(sweeps)
     errors = Console(stderr=True)
@@ -189,57 +218,45 @@ def with_output_options(command):
     return command
 
 
+def _setting_option(each) -> Callable:
+    """The click option of one sweep setting (see `hla_bench.engine.config`): its type from
+    the setting's kind, its default and help from the setting itself. List kinds are taken
+    as comma-separated text and parsed by the config, so one parser serves both."""
+    kind, default = each.metadata["kind"], default_text(each)
+    flag = "--" + each.name.replace("_", "-")
+    types = {"count": click.IntRange(min=1), "count0": click.IntRange(min=0),
+             "seconds": click.FloatRange(min=0, min_open=True)}
+    if kind == "flag":
+        return click.option(flag, is_flag=True, default=each.default, help=each.metadata["help"])
+    return click.option(flag, type=types.get(kind, str), required=is_required(each),
+                        default=default, show_default=default is not None,
+                        help=each.metadata["help"])
+
+
+def with_setting_options(command: Callable) -> Callable:
+    """Every sweep setting the command line takes, as options, in declaration order."""
+    for each in reversed([each for each in setting_fields() if each.metadata["cli"]]):
+        command = _setting_option(each)(command)
+    return command
+
+
 @click.command()
-@click.option("--mixers", required=True,
-              help="Comma-separated NAME[:key=value...] specs; label= names a variant, "
-                   "e.g. hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn")
-@click.option("--seq-lens", default="1k,4k", show_default=True, help="e.g. 1k,4k,16k,64k")
-@click.option("--batch", type=click.IntRange(min=1), help="Fixed batch size.")
-@click.option("--tokens-per-batch", type=click.IntRange(min=1),
-              help="Keep batch*T fixed: batch = N // T (at least 1).")
-@click.option("--decode-batch", type=click.IntRange(min=1), help="Batch for decode points.")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Consecutive tokens per timed decode call (times are per token).")
-@click.option("--decode-graph", is_flag=True,
-              help="Replay each decode run as a CUDA graph (times the GPU work, not the host).")
-@click.option("--heads", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--head-dim", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--value-dim", type=click.IntRange(min=1), help="Default: head dim.")
-@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), bf16, fp16, fp32")
-@click.option("--modes", default="fwd,fwdbwd,decode", show_default=True, help=f"Some of {','.join(MODES)}.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
-@click.option("--repeats", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
-@click.option("--point-timeout-s", type=click.FloatRange(min=0, min_open=True),
-              help="Record a point that runs longer as a timeout and go on.")
+@with_setting_options
 @with_output_options
-def bench(mixers: str, seq_lens: str, batch: int | None, tokens_per_batch: int | None,
-          decode_batch: int | None, decode_steps: int, decode_graph: bool,
-          heads: int, head_dim: int, value_dim: int | None, dtype: str,
-          modes: str, device: str, repeats: int, warmup: int, point_timeout_s: float | None,
-          out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
-          resume: bool, overwrite: bool) -> None:
+def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
+          resume: bool, overwrite: bool, **settings: Any) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
-        specs = parse_mixer_specs(mixers)
-        config = {
-            "name": "bench", "mixers": [_spec_dict(s) for s in specs],
-            "seq_lens": parse_seq_lens(seq_lens), "modes": parse_modes(modes), "batch": batch,
-            "tokens_per_batch": tokens_per_batch, "decode_batch": decode_batch,
-            "decode_steps": decode_steps, "decode_graph": decode_graph, "heads": heads,
-            "head_dim": head_dim, "value_dim": value_dim, "dtype": dtype, "device": device,
-            "warmup": warmup, "repeats": repeats, "baseline": baseline,
-            "point_timeout_s": point_timeout_s,
-        }
+        settings.update(name="bench", baseline=baseline,
+                        mixers=[spec.to_dict() for spec in parse_mixer_specs(settings["mixers"])],
+                        seq_lens=parse_seq_lens(settings["seq_lens"]),
+                        modes=parse_modes(settings["modes"]))
+        config = {each.name: settings[each.name] for each in setting_fields()}
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     execute(config, [sweep], out, output_format, baseline, resume, overwrite)
-
-
-def _spec_dict(spec: MixerSpec) -> dict[str, Any]:
-    return {"name": spec.name, "label": spec.label, "options": spec.options}
 
 
 @click.command()

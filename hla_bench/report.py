@@ -18,8 +18,10 @@ from rich.table import Table
 
 from hla_bench import recall_report, store
 from hla_bench import results as results_io
+from hla_bench.engine.config import format_seq_len
+from hla_bench.engine.records import iter_groups
 from hla_bench.recall_report import render_recall
-from hla_bench.sweeps import format_seq_len, iter_groups
+from hla_bench.tables import fit, pack, print_table
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
@@ -109,19 +111,70 @@ def _caption(metric: str, labels: list[str], baseline: str | None, sep: str) -> 
 
 
 def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
-                baseline: str | None = None) -> Table:
-    """Rows: T (with batch); columns: mixer labels; best value per row in bold."""
-    labels, rows = bench_cells(points, metric, baseline)
-    table = Table(title=title, caption=_caption(metric, labels, baseline, "; "))
-    table.add_column("T", justify="right")
-    table.add_column("batch", justify="right")
-    for label in labels:
-        table.add_column(label, justify="right", overflow="fold")
+                baseline: str | None = None, labels: list[str] | None = None) -> Table:
+    """Rows: T (with batch); columns: mixer labels (`labels`, default all); best value per
+    row in bold, over all the mixers. A mixer's column is never narrower than its label;
+    its values wrap between words."""
+    every, rows = bench_cells(points, metric, baseline)
+    shown = [every.index(label) for label in (labels or every)]
+    table = Table(title=title, caption=_caption(metric, every, baseline, "; "))
+    table.add_column("T", justify="right", no_wrap=True)
+    table.add_column("batch", justify="right", no_wrap=True)
+    for index in shown:
+        table.add_column(every[index], justify="right", overflow="fold",
+                         min_width=len(every[index]))
     for seq_len, batch, cells in rows:
         texts = ["" if cell is None else f"[dim]{cell}[/dim]" if isinstance(cell, str)
-                 else f"[bold]{cell[0]}[/bold]" if cell[1] else cell[0] for cell in cells]
+                 else f"[bold]{cell[0]}[/bold]" if cell[1] else cell[0]
+                 for cell in (cells[index] for index in shown)]
         table.add_row(format_seq_len(seq_len), str(batch), *texts)
     return table
+
+
+def bench_tables(points: list[dict[str, Any]], title: str, metric: str, baseline: str | None,
+                 console: Console) -> list[Table]:
+    """The bench table of `points` sized to the console (see `hla_bench.tables.fit`): one
+    table when it fits, else the mixer columns in consecutive groups, each table with T and
+    batch: as few tables as fit, their columns shared out evenly where that fits too; []
+    when not even one mixer column fits."""
+    whole = bench_table(points, title, metric, baseline)
+    if fit(whole, console):
+        return [whole]
+    labels = list(dict.fromkeys(p["mixer"] for p in points))
+
+    def part(start: int, end: int) -> Table | None:
+        which = f"mixer {end}" if end == start + 1 else f"mixers {start + 1}–{end}"
+        table = bench_table(points, f"{title} · {which} of {len(labels)}", metric, baseline,
+                            labels[start:end])
+        return table if fit(table, console) else None
+
+    greedy: list[Table] = []
+    start = 0
+    while start < len(labels):
+        end, table = start + 1, part(start, start + 1)
+        if table is None:
+            return []
+        while end < len(labels) and (wider := part(start, end + 1)) is not None:
+            end, table = end + 1, wider
+        greedy.append(table)
+        start = end
+    size = -(-len(labels) // len(greedy))
+    even = [part(start, min(start + size, len(labels))) for start in range(0, len(labels), size)]
+    return even if len(even) == len(greedy) and all(even) else greedy
+
+
+def bench_lines(points: list[dict[str, Any]], title: str, metric: str = "time",
+                baseline: str | None = None) -> list[str]:
+    """The bench table as plain lines, for a console too narrow for any table: a line per
+    (T, mixer)."""
+    labels, rows = bench_cells(points, metric, baseline)
+    lines = [title, _caption(metric, labels, baseline, "; ")]
+    for seq_len, batch, cells in rows:
+        for label, cell in zip(labels, cells):
+            if cell is not None:
+                text = cell if isinstance(cell, str) else cell[0] + (" (best)" if cell[1] else "")
+                lines.append(f"  T={format_seq_len(seq_len)} batch={batch} {label}: {text}")
+    return lines
 
 
 def bench_markdown(points: list[dict[str, Any]], title: str, metric: str = "time",
@@ -152,11 +205,14 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
     """A table per (sweep, mode) and metric, then the reasons points failed; with `markdown`,
     GitHub markdown tables printed as plain text."""
     env = data.get("environment", {})
-    header = (f"bench {data.get('created', '')}  host {env.get('hostname')}  "
-              f"gpu {env.get('gpu') or 'none'}  torch {env.get('torch')}  "
-              f"commit {str(env.get('git_commit', ''))[:12]}")
-    console.print(header if markdown else f"[bold]bench[/bold]{escape(header[5:])}",
-                  markup=not markdown, highlight=False, soft_wrap=True)
+    fields = [f"bench {data.get('created', '')}", f"host {env.get('hostname')}",
+              f"gpu {env.get('gpu') or 'none'}", f"torch {env.get('torch')}",
+              f"commit {str(env.get('git_commit', ''))[:12]}"]
+    if markdown:
+        console.print("  ".join(fields), markup=False, highlight=False, soft_wrap=True)
+    else:  # the fields whole, as many to a line as the console's width takes
+        for line in pack(fields, console.width):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     baselines = {s.get("name"): s.get("baseline") for s in data.get("sweeps", [])}
     for (sweep, mode), points in iter_groups(data["points"]):
         for metric in metrics:
@@ -166,7 +222,11 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
                 console.print(bench_markdown(points, title, metric, base), markup=False,
                               highlight=False, soft_wrap=True)
             else:
-                console.print(bench_table(points, title, metric, base))
+                tables = bench_tables(points, title, metric, base, console)
+                for table in tables:
+                    console.print(table)
+                for line in [] if tables else bench_lines(points, title, metric, base):
+                    console.print(line, markup=False, highlight=False, soft_wrap=True)
         for note in _failure_notes(points):
             if markdown:
                 console.print(f"- {note}", markup=False, highlight=False, soft_wrap=True)
@@ -207,16 +267,36 @@ def comparison_table(rows: list[dict[str, Any]], old_name: str, new_name: str,
     table = Table(title=f"{old_name} -> {new_name}",
                   caption=f"speedup = old/new median; red: slower by more than {threshold:.0%}")
     for name in ("sweep", "mode", "mixer", "T", "old ms", "new ms", "speedup"):
-        table.add_column(name, justify="right" if name in ("T", "old ms", "new ms", "speedup") else "left")
+        numeric = name in ("old ms", "new ms", "speedup")
+        table.add_column(name, justify="right" if numeric or name == "T" else "left",
+                         no_wrap=not numeric, overflow="fold")
     for row in rows:
-        def cell(ms: float | None, status: str) -> str:
-            return _format_value("time", ms) if ms is not None else STATUS_LABELS.get(status, status)
-        speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "—"
+        old, new, speedup = _comparison_cells(row)
         style = "red" if row["regression"] else ("green" if (row["speedup"] or 0) > 1.05 else None)
         table.add_row(row["sweep"], row["mode"], row["mixer"], format_seq_len(row["seq_len"]),
-                      cell(row["old_ms"], row["old_status"]), cell(row["new_ms"], row["new_status"]),
-                      speedup, style=style)
+                      old, new, speedup, style=style)
     return table
+
+
+def _comparison_cells(row: dict[str, Any]) -> tuple[str, str, str]:
+    """(old, new, speedup) of a comparison row as the table shows them."""
+    def cell(ms: float | None, status: str) -> str:
+        return _format_value("time", ms) if ms is not None else STATUS_LABELS.get(status, status)
+    speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "—"
+    return cell(row["old_ms"], row["old_status"]), cell(row["new_ms"], row["new_status"]), speedup
+
+
+def comparison_lines(rows: list[dict[str, Any]], old_name: str, new_name: str,
+                     threshold: float) -> list[str]:
+    """The comparison as plain lines, for a console too narrow for its table."""
+    lines = [f"{old_name} -> {new_name} (speedup = old/new median; "
+             f"REGRESSION: slower by more than {threshold:.0%})"]
+    for row in rows:
+        old, new, speedup = _comparison_cells(row)
+        flag = "  REGRESSION" if row["regression"] else ""
+        lines.append(f"  {row['sweep']} {row['mode']} {row['mixer']} "
+                     f"T={format_seq_len(row['seq_len'])}: {old} -> {new} ms, {speedup}{flag}")
+    return lines
 
 
 def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -332,7 +412,9 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
         if not rows:
             console.print("[yellow]no points in common[/yellow]")
         else:
-            console.print(comparison_table(rows, Path(old_path).name, Path(new_path).name, threshold))
+            names = Path(old_path).name, Path(new_path).name
+            print_table(console, comparison_table(rows, *names, threshold),
+                        lambda: comparison_lines(rows, *names, threshold))
             console.print(f"{sum(r['regression'] for r in rows)} regression(s) in {len(rows)} points")
         return
     for path, kind, data in loaded:

@@ -11,12 +11,12 @@ a completion marker):
     environment: {...}       # versions, GPU, host, git commit, memory method
     earlier_runs: [...]      # optional: config and environment of the runs a resume continued
     settings: {sweeps: {NAME: {...}}}   # per sweep, what a resume must match
-    points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields in POINT_FIELDS
+    points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields: engine.records.FIELDS
     complete: true           # the plan ran to its end
     end_of_results: true     # the completion marker
 
 Every point has a status; time/memory/rate fields are null unless it is `ok`. Schema
-version 1 files (before the store: no settings, complete or marker) are still read.
+version 1 files (no settings, complete or marker) are still read.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from typing import Any, Mapping
 
 from hla_bench import __version__
 from hla_bench import store
-from hla_bench.sweeps import MODES, STATUSES, SweepConfig, memory_method
+from hla_bench.engine import records
+from hla_bench.engine.config import SweepConfig
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -40,28 +41,17 @@ KIND = "bench"
 OPTIONAL_PACKAGES = ("triton", "flash-linear-attention", "mamba-ssm", "flash-attn",
                      "causal-conv1d", "numpy")
 
-_INT, _NUM, _STR, _MAP, _BOOL = (int,), (int, float), (str,), (dict,), (bool,)
+_INT, _STR, _MAP = (int,), (str,), (dict,)
 # field -> (accepted types, may be null)
-POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "sweep": (_STR, False), "mixer": (_STR, False), "name": (_STR, False),
-    "options": (_MAP, False), "mode": (_STR, False), "seq_len": (_INT, False),
-    "batch": (_INT, False), "heads": (_INT, False), "head_dim": (_INT, False),
-    "value_dim": (_INT, False), "dtype": (_STR, False), "device": (_STR, False),
-    "status": (_STR, False), "reason": (_STR, True), "repeats": (_INT, False),
-    "warmup": (_INT, False), "median_ms": (_NUM, True), "p20_ms": (_NUM, True),
-    "p80_ms": (_NUM, True), "tokens_per_s": (_NUM, True), "peak_memory_bytes": (_INT, True),
-    "state_bytes": (_INT, True), "flops": (_NUM, True), "tflops": (_NUM, True),
-}
-# Checked when present: files written before a field existed stay readable. decode_steps is
-# the tokens per timed decode call (absent: 1); decode_graph, whether it replayed a CUDA graph.
-OPTIONAL_POINT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "decode_steps": (_INT, True), "decode_graph": (_BOOL, True),
-}
 TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "kind": (_STR, False), "schema_version": (_INT, False), "created": (_STR, False),
     "config": (_MAP, False), "sweeps": ((list,), False), "environment": (_MAP, False),
     "points": ((list,), False),
 }
+# A point's fields, from the one record definition: those every file has, and those files
+# written before the field existed may lack.
+POINT_FIELDS = {f.name: (f.types, f.nullable) for f in records.FIELDS if not f.optional}
+OPTIONAL_POINT_FIELDS = {f.name: (f.types, f.nullable) for f in records.FIELDS if f.optional}
 OPTIONAL_TOP_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "earlier_runs": ((list,), False),
 }
@@ -100,6 +90,8 @@ def git_commit() -> str:
 def capture_environment(device: str) -> dict[str, Any]:
     """What the numbers depend on: hardware, driver and library versions, code version."""
     import torch
+
+    from hla_bench.engine.timing import memory_method
 
     env: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -186,6 +178,19 @@ def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, 
             raise ResultsSchemaError(f"{prefix}{name}: expected {expected}, got {value!r}")
 
 
+def _check_point(where: str, point: Any) -> None:
+    """One point against `records.FIELDS`: types, nullability and choices (an optional field
+    only where present); an `ok` point must have its median time."""
+    _check_fields(where, point, POINT_FIELDS, OPTIONAL_POINT_FIELDS)
+    for field in records.FIELDS:
+        value = point.get(field.name)
+        if field.choices and value is not None and value not in field.choices:
+            raise ResultsSchemaError(f"{where}.{field.name}: expected one of "
+                                     f"{', '.join(field.choices)}, got {value!r}")
+    if point["status"] == "ok" and point["median_ms"] is None:
+        raise ResultsSchemaError(f"{where}.median_ms: required when status is ok")
+
+
 def validate(data: Any) -> dict[str, Any]:
     """Check `data` against the bench schema (after the structure every results file has,
     see `store.check_structure`); ResultsSchemaError names the first bad field."""
@@ -200,16 +205,7 @@ def validate(data: Any) -> dict[str, Any]:
                                  f"got {data['schema_version']!r}")
     _check_fields("", data, TOP_FIELDS, OPTIONAL_TOP_FIELDS)
     for index, point in enumerate(data["points"]):
-        where = f"points[{index}]"
-        _check_fields(where, point, POINT_FIELDS, OPTIONAL_POINT_FIELDS)
-        if point["status"] not in STATUSES:
-            raise ResultsSchemaError(f"{where}.status: expected one of {', '.join(STATUSES)}, "
-                                     f"got {point['status']!r}")
-        if point["mode"] not in MODES:
-            raise ResultsSchemaError(f"{where}.mode: expected one of {', '.join(MODES)}, "
-                                     f"got {point['mode']!r}")
-        if point["status"] == "ok" and point["median_ms"] is None:
-            raise ResultsSchemaError(f"{where}.median_ms: required when status is ok")
+        _check_point(f"points[{index}]", point)
     return data
 
 

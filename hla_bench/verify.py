@@ -22,10 +22,12 @@ import click
 import torch
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import registry
 from hla_bench.store import StoreError, atomic_write_text, check_writable
+from hla_bench.tables import pack, print_table
 from mixers.reference import relative_error
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -202,27 +204,77 @@ STATUS_STYLE = {"pass": "[green]pass[/green]", "FAIL": "[bold red]FAIL[/bold red
                 "error": "[bold red]error[/bold red]", "skip": "[yellow]skip[/yellow]"}
 
 
-def render(result: dict, console: Console) -> None:
+def checks_table(result: dict) -> Table:
+    """The checks, a heading row per case (operator · options) and a row per form pair;
+    the pair column is never narrower than its longest pair, and a heading breaks only
+    between option phrases."""
     table = Table(title=f"HLA identities ({result['dtype']} on {result['device']}, "
                         f"T={result['seq_len']}, seed {result['seed']}; reference: float64 "
                         f"explicit sums on the CPU)")
-    for column in ("operator", "option", "form pair", "max rel. error", "tolerance", "result"):
-        table.add_column(column, no_wrap=column != "option",
-                         justify="right" if column in ("max rel. error", "tolerance") else "left")
-    for row in result["checks"]:
+    pairs = [f"  {row['pair']}" for row in result["checks"]]
+    width = max(map(len, pairs), default=0)
+    table.add_column("case · form pair", min_width=width)
+    table.add_column("max rel. error", justify="right", no_wrap=True)
+    table.add_column("tolerance", justify="right", no_wrap=True)
+    table.add_column("result")
+    case = None
+    for row, pair in zip(result["checks"], pairs):
+        if (row["operator"], row["option"]) != case:
+            case = row["operator"], row["option"]
+            heading = escape("\n".join(pack(_case_items(row), width, " ")))
+            table.add_row(heading.replace(row["operator"], f"[bold]{row['operator']}[/bold]", 1),
+                          "", "", "")
         error = "-" if row["error"] is None else f"{row['error']:.2e}"
-        status = STATUS_STYLE[row["status"]] + (f" {row['note']}" if row.get("note") else "")
-        table.add_row(row["operator"], row["option"], row["pair"], error,
-                      f"{row['tolerance']:.0e}", status)
-    console.print(table)
+        status = STATUS_STYLE[row["status"]] + (f" {escape(row['note'])}" if row.get("note") else "")
+        table.add_row(pair, error, f"{row['tolerance']:.0e}", status)
+    return table
+
+
+def _case_items(row: dict) -> list[str]:
+    """A case's heading as items that stay whole: the operator, then each option phrase
+    (`decay per head`) with its comma."""
+    phrases = row["option"].split(", ")
+    return [f"{row['operator']} · {phrases[0]}" + ("," if len(phrases) > 1 else ""),
+            *(phrase + "," for phrase in phrases[1:-1]), *phrases[1:][-1:]]
+
+
+def checks_lines(result: dict) -> list[str | list[str]]:
+    """The checks as plain lines, for a console too narrow for their table (a check's line
+    as items, so that its form pair stays on one line)."""
+    lines = [f"HLA identities ({result['dtype']} on {result['device']}, T={result['seq_len']}, "
+             f"seed {result['seed']}; reference: float64 explicit sums on the CPU)"]
+    case = None
+    for row in result["checks"]:
+        if (row["operator"], row["option"]) != case:
+            case = row["operator"], row["option"]
+            lines.append(_case_items(row))
+        error = "-" if row["error"] is None else f"{row['error']:.2e}"
+        lines.append([f"  {row['pair']}:", error, f"(tolerance {row['tolerance']:.0e})",
+                      row["status"], *(row.get("note") or "").split()])
+    return lines
+
+
+def discrepancies_table(result: dict) -> Table:
     notes = Table(title="Paper formulas vs corrected operators (data, not failures)")
-    for column in ("comparison", "setting", "relative difference"):
-        notes.add_column(column)
+    notes.add_column("comparison", no_wrap=True)
+    notes.add_column("setting", no_wrap=True)
+    notes.add_column("relative difference", justify="right")
     for row in result["discrepancies"]:
-        value = row["relative_difference"]
-        notes.add_row(row["comparison"], row["setting"],
-                      f"{value:.3g}" if value is not None else f"- ({row.get('note')})")
-    console.print(notes)
+        notes.add_row(row["comparison"], row["setting"], _difference(row))
+    return notes
+
+
+def _difference(row: dict) -> str:
+    value = row["relative_difference"]
+    return f"{value:.3g}" if value is not None else f"- ({row.get('note')})"
+
+
+def render(result: dict, console: Console) -> None:
+    print_table(console, checks_table(result), lambda: checks_lines(result))
+    print_table(console, discrepancies_table(result), lambda: [
+        "Paper formulas vs corrected operators (data, not failures)",
+        *([f"  {row['comparison']},", f"{row['setting']}:", *_difference(row).split()]
+          for row in result["discrepancies"])])
     failed = sum(row["status"] in ("FAIL", "error") for row in result["checks"])
     console.print(f"{len(result['checks']) - failed}/{len(result['checks'])} checks agree "
                   f"in {result['wall_s']} s" + ("" if result["passed"] else

@@ -7,7 +7,10 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, registry, results, sweeps
+from hla_bench import bench, registry, results
+from hla_bench.engine import runner as engine_runner
+from hla_bench.engine.config import load_config
+from hla_bench.engine.records import point_key
 from hla_bench.cli import main
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
 
@@ -75,6 +78,21 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
     data = json.loads(stdout)
     assert data["kind"] == "bench"
     assert [(p["mode"], p["status"]) for p in data["points"]] == [("fwd", "ok"), ("fwdbwd", "ok"), ("decode", "ok")]
+
+
+def test_bench_options_are_the_sweep_settings_with_their_defaults(runner, monkeypatch):
+    """A bench run without options and a config file giving only the mixers are the same
+    sweep: one default per setting."""
+    from hla_bench.engine.config import SweepConfig, setting_fields
+
+    seen = []
+    monkeypatch.setattr(bench, "execute", lambda config, sweeps, *a: seen.append(sweeps))
+    result = runner.invoke(main, ["bench", "--mixers", "sdpa"])
+    assert result.exit_code == 0, result.output
+    from_file = SweepConfig.from_dict({"name": "bench", "mixers": ["sdpa"]})
+    assert seen[0][0].to_dict() == from_file.to_dict()
+    options = {param.name for param in bench.bench.params}
+    assert {each.name for each in setting_fields() if each.metadata["cli"]} <= options
 
 
 @pytest.mark.parametrize("args, message", [
@@ -156,8 +174,8 @@ def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp
     data["points"] = [p for p in data["points"] if p["seq_len"] == 16]  # as if killed
     results.save(data, out)
     measured = []
-    original = sweeps.run_point
-    monkeypatch.setattr(sweeps, "run_point",
+    original = engine_runner.run_point
+    monkeypatch.setattr(engine_runner, "run_point",
                         lambda point, oom_at=None: measured.append(point.describe())
                         or original(point, oom_at))
     result = runner.invoke(main, args + ["--resume"])
@@ -192,8 +210,6 @@ def test_cuda_config_without_cuda_exit_2(runner):
 
 
 def test_shipped_configs_parse_and_name_registered_mixers():
-    from hla_bench.sweeps import load_config
-
     for name in ("cpu-smoke.yaml", "h200.yaml", "h200-kernels.yaml"):
         _, sweeps = load_config(bench.CONFIG_DIR / name)
         for sweep in sweeps:
@@ -296,7 +312,7 @@ def test_a_file_being_written_is_refused_naming_the_writer(runner, fake_mixers, 
     from hla_bench.store import ResultsStore
 
     out = tmp_path / "r.yaml"
-    holder = ResultsStore.open(out, kind="bench", key=sweeps.point_key, settings={},
+    holder = ResultsStore.open(out, kind="bench", key=point_key, settings={},
                                mode="new", header={"schema_version": 2})
     try:
         for flag in ([], ["--resume"], ["--overwrite"]):
@@ -342,8 +358,8 @@ def test_a_cut_short_file_is_refused_by_resume_and_report(runner, fake_mixers, t
 def test_bad_option_values_are_usage_errors_before_any_point(runner, tmp_path, monkeypatch,
                                                              spec, message, modes):
     """Decode points are checked against the op too, so the message lists the op's impls."""
-    monkeypatch.setattr(sweeps, "run_point", lambda *a: pytest.fail("a point ran"))
-    monkeypatch.setattr(sweeps, "run_decode_points", lambda *a: pytest.fail("a point ran"))
+    monkeypatch.setattr(engine_runner, "run_point", lambda *a: pytest.fail("a point ran"))
+    monkeypatch.setattr(engine_runner, "run_decode_points", lambda *a: pytest.fail("a point ran"))
     out = tmp_path / "r.yaml"
     result = runner.invoke(main, ["bench", "--mixers", f"linear-attn,{spec}", "--seq-lens", "32",
                                   "--modes", modes, "--heads", "2", "--head-dim", "8",

@@ -23,7 +23,8 @@ SEQ_LENS = (16, 32, 64, 128, 256, 512)
 # logged as `pid label T` to $FAULT_LOG.
 DRIVER = textwrap.dedent("""
     import os, sys, time
-    from hla_bench import registry, sweeps
+    from hla_bench import registry
+    from hla_bench.engine import runner
     from hla_bench.cli import main
 
     def build(**options):
@@ -36,14 +37,14 @@ DRIVER = textwrap.dedent("""
 
     registry.register(registry.Mixer("fake-sleepy", "fake", "sleeps", build,
                                      options={"scale": 1.0}), replace=True)
-    measure = sweeps.run_point
+    measure = runner.run_point
 
     def logged(point, oom_at=None):
         with open(os.environ["FAULT_LOG"], "a") as log:
             log.write(f"{os.getpid()} {point.spec.label} {point.seq_len}\\n")
         return measure(point, oom_at)
 
-    sweeps.run_point = logged
+    runner.run_point = logged
     import gc
     gc.freeze()  # the runner collects garbage around every point: keep that quick here
     main(sys.argv[1:], prog_name="hla-bench")

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from hla_bench import report, results
-from hla_bench.sweeps import run_sweeps
+from hla_bench.engine.runner import run_sweeps
 from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
 
 

@@ -10,9 +10,13 @@ import pytest
 import torch
 
 from hla_bench import registry
-from hla_bench.sweeps import (MixerSpec, SweepConfig, format_seq_len, parse_config,
-                              parse_mixer_specs, parse_seq_len, parse_seq_lens, percentile,
-                              plan, run_sweeps, summarize_times, time_calls)
+from hla_bench.engine import runner
+from hla_bench.engine.config import (MixerSpec, SweepConfig, format_seq_len, parse_config,
+                                     parse_mixer_specs, parse_seq_len, parse_seq_lens,
+                                     setting_fields)
+from hla_bench.engine.records import FIELDS, KEY, empty_record
+from hla_bench.engine.runner import plan, run_sweeps
+from hla_bench.engine.timing import percentile, summarize_times, time_calls
 
 
 def _fast_op(**options):
@@ -156,6 +160,43 @@ def test_parse_config_sweeps_inherit_top_level_keys():
         parse_config({"seq_lens": [1]})
 
 
+def test_a_config_needs_only_mixers_and_resume_matches_the_matched_settings():
+    sweep = SweepConfig.from_dict({"mixers": ["a"]})
+    assert (sweep.seq_lens, sweep.modes, sweep.heads, sweep.head_dim) == \
+        ([1024, 4096], ["fwd", "fwdbwd", "decode"], 16, 64)
+    assert SweepConfig.from_dict({"mixers": ["a"]}).modes is not sweep.modes  # not shared
+    matched = {each.name for each in setting_fields() if each.metadata["matched"]}
+    assert set(sweep.settings()) == matched == {
+        "heads", "head_dim", "value_dim", "batch", "tokens_per_batch", "decode_batch",
+        "decode_steps", "decode_graph", "dtype", "device", "warmup", "repeats"}
+    assert sweep.settings()["value_dim"] == 64
+
+
+@pytest.mark.parametrize("key, bad, message", [
+    ("warmup", -1, "warmup must be a non-negative integer, got -1"),
+    ("heads", 2.0, "heads must be a positive integer, got 2.0"),
+    ("value_dim", 0, "value_dim must be a positive integer, got 0"),
+    ("decode_batch", True, "decode_batch must be a positive integer, got True"),
+    ("dtype", None, "dtype must be a string, got None"),
+    ("baseline", 3, "baseline must be a string, got 3"),
+])
+def test_each_setting_is_checked_by_its_kind(key, bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_sweep(["a"], **{key: bad})
+
+
+def test_records_hold_exactly_the_declared_fields(fake_mixers):
+    sweep = tiny_sweep(["fake-fast", "fake-broken", "fake-missing"], modes=["fwd", "decode"])
+    records = run_sweeps([sweep])
+    assert {r["status"] for r in records} == {"ok", "error", "unavailable", "unsupported"}
+    assert all(list(r) == [each.name for each in FIELDS] for r in records)
+    assert KEY == ("sweep", "mixer", "name", "options", "mode", "seq_len", "batch", "heads",
+                   "head_dim", "value_dim", "dtype", "device")
+    empty = empty_record(plan([sweep])[0])
+    assert empty["status"] == "ok" and empty["batch"] == 2 and empty["value_dim"] == 8
+    assert all(empty[each.name] is None for each in FIELDS if each.planned is None)
+
+
 # ---------------------------------------------------------------- timing
 
 
@@ -276,7 +317,7 @@ def test_decode_times_are_per_token(fake_mixers, monkeypatch):
         fn()
         return [6.0] * repeats
 
-    monkeypatch.setattr("hla_bench.sweeps.time_calls", fixed_times)
+    monkeypatch.setattr(runner, "time_calls", fixed_times)
     sweep = tiny_sweep(["fake-fast"], modes=["fwd", "decode"], seq_lens=[16], decode_steps=4)
     by = {p["mode"]: p for p in run_sweeps([sweep])}
     assert by["fwd"]["median_ms"] == 6.0 and by["fwd"]["decode_steps"] is None
@@ -353,11 +394,9 @@ def test_decode_rounds_record_failures_per_point(context_mixer):
 
 
 def test_only_eager_decode_points_are_timed_in_rounds(context_mixer, monkeypatch):
-    import hla_bench.sweeps as sweeps
-
     grouped = []
-    rounds = sweeps.run_decode_points
-    monkeypatch.setattr(sweeps, "run_decode_points",
+    rounds = runner.run_decode_points
+    monkeypatch.setattr(runner, "run_decode_points",
                         lambda points, *a: grouped.append(len(points)) or rounds(points, *a))
     context_mixer()
     run_sweeps([tiny_sweep(["fake-context"], modes=["fwd", "decode"], seq_lens=[16, 32, 64])])
@@ -398,7 +437,7 @@ def test_decode_graph_needs_cuda_and_a_flag(fake_mixers):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_runs_the_captured_work_and_refuses_host_syncs():
-    from hla_bench.sweeps import cuda_graph_replay
+    from hla_bench.engine.timing import cuda_graph_replay
 
     x = torch.zeros(4, device="cuda")
     replay = cuda_graph_replay(lambda: x.add_(1))
@@ -411,7 +450,7 @@ def test_cuda_graph_replay_runs_the_captured_work_and_refuses_host_syncs():
 
 
 def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):
-    from hla_bench.sweeps import peak_memory_bytes
+    from hla_bench.engine.timing import peak_memory_bytes
 
     size = 64 * 2 ** 20
     measured = peak_memory_bytes(lambda: torch.ones(size // 4).sum(), "cpu")
@@ -439,15 +478,13 @@ def _memory_error_op(**options):
 
 @pytest.mark.parametrize("build", [_allocating_op, _memory_error_op])
 def test_cpu_allocation_failures_are_oom_and_skip_larger_t(build, monkeypatch):
-    import hla_bench.sweeps as sweeps
-
     registry.register(registry.Mixer("fake-cpu-oom", "fake", "CPU allocation failure", build),
                       replace=True)
     try:
         sweep = tiny_sweep(["fake-cpu-oom"], seq_lens=[16, 32, 64, 128], warmup=0, repeats=1)
         tried = []
-        original = sweeps._build_call
-        monkeypatch.setattr(sweeps, "_build_call",
+        original = runner.build_call
+        monkeypatch.setattr(runner, "build_call",
                             lambda point, *a: tried.append(point.seq_len) or original(point, *a))
         records = run_sweeps([sweep])
         assert [r["status"] for r in records] == ["ok", "oom", "oom", "oom"]
