@@ -128,6 +128,65 @@ def test_zoology_init_scales_the_output_projections():
     assert model.blocks[0].mixer.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
+def test_mad_lab_backbone_rms_norms_untied_head_and_swiglu_width():
+    from tasks.model import mad_swiglu_hidden
+
+    torch.manual_seed(0)
+    model = TinyLM(32, 128, lambda: MixerLayer(128, 1, softmax_op(), qk_norm="none"),
+                   state_mixer="swiglu", norm="rms", head="untied", readout="last",
+                   swiglu_hidden=mad_swiglu_hidden(128), max_len=8)
+    assert mad_swiglu_hidden(128) == 352  # MAD-lab's width at d 128 (mad/model/layers/mlp.py)
+    assert [mad_swiglu_hidden(d) for d in (64, 256)] == [176, 688]
+    mixer_modules = {id(m) for block in model.blocks for m in block.mixer.modules()}
+    norms = [m for m in model.modules() if id(m) not in mixer_modules
+             and isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))]
+    # before each mixer, in each state mixer, final, and twice in the decoder: all RMSNorm
+    assert len(norms) == 2 * 2 + 1 + 2
+    assert all(isinstance(m, torch.nn.RMSNorm) and m.eps == 1e-5 for m in norms)
+    assert model.blocks[0].state_mixer[1].w1.out_features == 352
+    assert isinstance(model.head, torch.nn.Linear) and model.head.bias is not None
+    assert model.head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert not model.head.bias.any()
+    x = torch.randn(2, 8, 128)
+    torch.testing.assert_close(model.norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+                               * model.norm.weight)
+    inputs = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(model(inputs), model.hidden(inputs) @ model.head.weight.T
+                               + model.head.bias)
+    tied = softmax_model()
+    assert tied.head is None
+    torch.testing.assert_close(tied(inputs), tied.hidden(inputs) @ tied.embed.weight.T)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        softmax_model(norm="batch")
+    with pytest.raises(ValueError, match="swiglu_hidden must be"):
+        softmax_model(swiglu_hidden=0)
+
+
+def test_mad_lab_decoder_reads_the_raw_last_state_and_norms_before_the_head():
+    from tasks.model import fairseq_positions
+
+    codes = fairseq_positions(5, 8)  # sines of the 4 frequencies 10000^(-i/3), then cosines
+    freq = torch.tensor([10_000.0 ** (-i / 3) for i in range(4)])
+    angles = torch.arange(5.0)[:, None] * freq
+    torch.testing.assert_close(codes, torch.cat([angles.sin(), angles.cos()], 1))
+    torch.manual_seed(0)
+    make = lambda decoder: TinyLM(16, 32, lambda: MixerLayer(32, 1, softmax_op(), qk_norm="none"),  # noqa: E731
+                                  readout="last", max_len=8, norm="rms", decoder=decoder)
+    mad, default = make("mad-lab"), make("default")
+    inputs = torch.randint(0, 16, (2, 8))
+    x = mad.embed(inputs)
+    for block in mad.blocks:
+        x = block(x)
+    code = x[:, -1:]  # the residual stream, no norm
+    expected = mad.norm(mad.decoder.mlp(code + fairseq_positions(8, 32)))
+    torch.testing.assert_close(mad.hidden(inputs), expected)
+    y = default.embed(inputs)
+    for block in default.blocks:
+        y = block(y)
+    torch.testing.assert_close(default.hidden(inputs),
+                               default.decoder.mlp(default.norm(y)[:, -1:] + default.decoder.positions))
+
+
 def test_schedules():
     assert warmup_cosine(0, 100, 10) == pytest.approx(0.1)
     assert warmup_cosine(9, 100, 10) == pytest.approx(1.0)
