@@ -527,8 +527,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
            overwrite, time_limit, plots_dir, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
-    d_model) the test accuracy of the learning rate chosen on validation, with its spread
-    over seeds, beside the one chosen on test as Zoology does."""
+    d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
+    with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
     console = Console()
     try:
         config = load_config(config_file, options)
