@@ -1,10 +1,15 @@
 """`hla-bench recall` (train and score mixers on synthetic recall tasks) and `hla-bench tasks`.
 
-A recall config (YAML, see configs/recall-*.yaml and configs/zoology-*.yaml) names the
-mixers, widths, learning rates, seeds, the model, the training protocol and the task
-settings; `validate_config` checks every key and value before any run starts. Runs that
-differ only in learning rate and seed train together as one stacked model
-(`hla_bench.training`, `tasks.train`).
+A recall config (YAML, see configs/recall-*.yaml, configs/zoology-*.yaml, configs/mad.yaml)
+names the mixers, widths, learning rates, weight decays, seeds, the model (with per-mixer
+overrides in `mixer_model`), the training protocol and the task settings; `validate_config`
+checks every key and value before any run starts. Runs that differ only in learning rate,
+weight decay and seed train together as one stacked model (`hla_bench.training`,
+`tasks.train`).
+
+A setting is `{task, params, train, model, name}` (all but `task` optional); its label, which
+names it in the results and the report, is its `name`, else the task with its params and its
+`train` / `model` overrides (`setting_label`). Labels must differ between settings.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from hla_bench.recall_report import RecallFileError, render_recall, summarize, v
 from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.training import (FAILED, assign_devices, default_workers, failed_result,
                                 plan_groups, run_groups)
-from tasks.model import INITS, STATE_MIXERS
-from tasks.train import SCHEDULES, RunSpec
+from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
+from tasks.train import METRICS, SCHEDULES, RunSpec
 
 SCHEMA_VERSION = 2
 ROLE_STYLES = {"key": "bold cyan", "value": "bold green", "query": "bold magenta",
@@ -96,6 +101,10 @@ MODEL_FIELDS = {
     "state_mixer": ("mlp", _choice(STATE_MIXERS)),
     "embed_dropout": (0.0, _number(0, 1)),
     "init": ("default", _choice(INITS)),
+    "norm": ("layer", _choice(NORMS)),
+    "head": ("tied", _choice(HEADS)),
+    "swiglu_hidden": (None, _optional(_int(1))),
+    "decoder": ("default", _choice(DECODERS)),
 }
 TRAIN_FIELDS = {
     "epochs": (8, _int(1)),
@@ -109,6 +118,8 @@ TRAIN_FIELDS = {
     "weight_decay": (0.1, _number(0)),
     "stop_accuracy": (0.99, _number(0, open_low=True, high=None)),
     "shuffle": (True, _bool),
+    "metric": ("micro", _choice(METRICS)),
+    "test_at_best_val": (False, _bool),
 }
 TOP_FIELDS = {
     "name": ("recall", _str),
@@ -122,8 +133,12 @@ TOP_FIELDS = {
     "seeds": ([0], _list(_int(0))),
     "mixers": (["sdpa", "linear-attn", "hla2", "mamba2-ssd"], _list(_str)),
     "mixer_options": ({}, lambda v: None if isinstance(v, dict) else "a mapping"),
+    # per mixer, `model` keys that replace the config's for that mixer's runs
+    "mixer_model": ({}, lambda v: None if isinstance(v, dict) else "a mapping"),
     "d_model": ([64], _list(_int(1))),
     "lrs": ([1e-3, 3e-3], _list(_number(0, open_low=True, high=None))),
+    # the weight-decay grid; null: each setting's train.weight_decay alone
+    "weight_decays": (None, _optional(_list(_number(0)))),
 }
 SECTIONS = {"model": MODEL_FIELDS, "train": TRAIN_FIELDS}
 DEFAULT_SETTINGS = [{"task": "mqar", "params": {}}]
@@ -157,7 +172,9 @@ def default_config() -> dict:
 
 def validate_config(loaded: Any, where: str = "config") -> dict:
     """Defaults overridden by `loaded` (a parsed YAML mapping), every key and value checked;
-    ConfigError names the first problem."""
+    ConfigError names the first problem. Given `weight_decays`, that grid replaces
+    `train.weight_decay` (a setting may then not set its own; `load_config` refuses a file
+    that gives both)."""
     if not isinstance(loaded, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values")
     allowed = set(TOP_FIELDS) | set(SECTIONS) | {"settings"}
@@ -184,15 +201,21 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
     if not isinstance(settings, list) or not settings:
         raise ConfigError(f"{where}.settings must be a non-empty list of task settings")
     checked = []
+    accepted = ("task", "params", "train", "model", "name")
     for index, setting in enumerate(settings):
         at = f"{where}.settings[{index}]"
         if not isinstance(setting, dict) or "task" not in setting:
             raise ConfigError(f"{at} must be a mapping with a `task`")
-        unknown = sorted(set(setting) - {"task", "params", "train", "model"})
+        unknown = sorted(set(setting) - set(accepted))
         if unknown:
             raise ConfigError(f"{at}: unknown key {', '.join(unknown)} "
-                              "(accepted: task, params, train, model)")
+                              f"(accepted: {', '.join(accepted)})")
         entry = {"task": setting["task"], "params": dict(setting.get("params") or {})}
+        if "name" in setting:
+            problem = _str(setting["name"])
+            if problem:
+                raise ConfigError(f"{at}.name must be {problem}, got {setting['name']!r}")
+            entry["name"] = setting["name"]
         for section, fields in SECTIONS.items():
             if section in setting:
                 entry[section] = _check_section(f"{at}.{section}", setting[section], fields)
@@ -201,18 +224,36 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
 
 
 def _check_plan(config: dict, where: str) -> None:
-    """Names in the config that exist: tasks and their parameters, mixers and options."""
+    """Names in the config that exist: tasks and their parameters, mixers and options;
+    settings told apart by their labels; per-mixer model keys that no setting also sets."""
+    labels: dict[str, int] = {}
     for index, setting in enumerate(config["settings"]):
         try:
             task = tasks.get(setting["task"])
             task.make("test", 1, 0, **setting["params"])
         except ValueError as error:
             raise ConfigError(f"{where}.settings[{index}]: {error}") from None
+        label = setting_label(task.name, setting["params"], setting.get("train"),
+                              setting.get("model"), setting.get("name"))
+        if label in labels:
+            raise ConfigError(f"{where}.settings[{labels[label]}] and settings[{index}] have the "
+                              f"same label {label!r}; give one a `name` or remove the duplicate")
+        labels[label] = index
+        if config["weight_decays"] is not None and "weight_decay" in setting.get("train", {}):
+            raise ConfigError(f"{where}.settings[{index}].train.weight_decay: the config has a "
+                              "`weight_decays` grid; give the weight decays there")
+    for key in ("mixer_options", "mixer_model"):
+        unknown = sorted(set(config[key]) - set(config["mixers"]))
+        if unknown:
+            raise ConfigError(f"{where}.{key} names mixers not in `mixers`: {', '.join(unknown)}")
+    for mixer, model in config["mixer_model"].items():
+        checked = _check_section(f"{where}.mixer_model.{mixer}", model, MODEL_FIELDS)
+        for index, setting in enumerate(config["settings"]):
+            both = sorted(set(checked) & set(setting.get("model", {})))
+            if both:
+                raise ConfigError(f"{where}.settings[{index}].model and mixer_model.{mixer} both "
+                                  f"set {', '.join(both)}")
     options = config["mixer_options"]
-    unknown = sorted(set(options) - set(config["mixers"]))
-    if unknown:
-        raise ConfigError(f"{where}.mixer_options names mixers not in `mixers`: "
-                          f"{', '.join(unknown)}")
     for mixer in config["mixers"]:
         try:
             entry = registry.get(mixer)
@@ -255,7 +296,11 @@ def check_mixer_options(config: dict, device: str) -> None:
 
 
 def load_config(path: str | None, overrides: dict) -> dict:
-    """Defaults, then the YAML file, then the command-line options given (checked alike)."""
+    """Defaults, then the YAML file, then the command-line options given (checked alike).
+    Options replace what the file gives: `mixers` keeps the file's `mixer_options` and
+    `mixer_model` of those mixers only, `weight_decays` replaces the file's grid or
+    `train.weight_decay`. A file that gives both `weight_decays` and `train.weight_decay`
+    is refused (one of them would be ignored)."""
     loaded: dict = {}
     if path:
         try:
@@ -266,6 +311,18 @@ def load_config(path: str | None, overrides: dict) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values")
     merged = copy.deepcopy(loaded)
+    train = merged.get("train")
+    if isinstance(train, dict) and "weight_decay" in train:
+        if overrides.get("weight_decays") is not None:
+            del train["weight_decay"]
+        elif merged.get("weight_decays") is not None:
+            raise ConfigError(f"{where}: give `weight_decays` (a grid) or train.weight_decay, "
+                              "not both")
+    if overrides.get("mixers") is not None:
+        for key in ("mixer_options", "mixer_model"):
+            if isinstance(merged.get(key), dict):
+                merged[key] = {mixer: value for mixer, value in merged[key].items()
+                               if mixer in overrides["mixers"]}
     for key, value in overrides.items():
         if value is None:
             continue
@@ -280,42 +337,66 @@ def load_config(path: str | None, overrides: dict) -> dict:
     return validate_config(merged, where)
 
 
-def setting_label(task: str, params: dict) -> str:
-    return " ".join([task] + [f"{key}={value}" for key, value in sorted(params.items())])
+def _assignments(values: dict | None) -> list[str]:
+    return [f"{key}={value}" for key, value in sorted((values or {}).items())]
+
+
+def setting_label(task: str, params: dict, train: dict | None = None, model: dict | None = None,
+                  name: str | None = None) -> str:
+    """A setting's name in results and reports: `name` when given, else the task, its params
+    and then its train and model overrides, each `key=value` in key order (task parameters
+    and train / model keys do not share names, so distinct settings get distinct labels)."""
+    if name:
+        return name
+    return " ".join([task] + _assignments(params) + _assignments(train) + _assignments(model))
 
 
 def plan_runs(config: dict, device: str) -> list[dict]:
-    """One spec per (setting, mixer, d_model, lr, seed)."""
+    """One spec per (setting, mixer, d_model, lr, weight decay, seed). A run's model is the
+    config's, then the mixer's `mixer_model` keys, then the setting's `model` keys (the two
+    never set the same key); its weight decays are `weight_decays`, else the setting's
+    train.weight_decay."""
     specs = []
     for setting in config["settings"]:
         task = tasks.get(setting["task"])
         params = setting["params"]
-        model = {**config["model"], **setting.get("model", {})}
         train = {**config["train"], **setting.get("train", {})}
+        decays = config["weight_decays"] or [train["weight_decay"]]
+        label = setting_label(task.name, params, setting.get("train"), setting.get("model"),
+                              setting.get("name"))
         for mixer in config["mixers"]:
+            model = {**config["model"], **config["mixer_model"].get(mixer, {}),
+                     **setting.get("model", {})}
             for d_model in config["d_model"]:
                 for lr in config["lrs"]:
-                    for seed in config["seeds"]:
-                        specs.append(RunSpec(
-                            task=task.name, mixer=mixer, d_model=int(d_model), lr=float(lr),
-                            params=dict(params),
-                            mixer_options=dict(config["mixer_options"].get(mixer) or {}),
-                            seed=int(seed), device=device,
-                            setting=setting_label(task.name, params), run_id=len(specs),
-                            **model, **train).as_dict())
+                    for weight_decay in decays:
+                        for seed in config["seeds"]:
+                            specs.append(RunSpec(
+                                task=task.name, mixer=mixer, d_model=int(d_model), lr=float(lr),
+                                params=dict(params),
+                                mixer_options=dict(config["mixer_options"].get(mixer) or {}),
+                                seed=int(seed), device=device, setting=label,
+                                run_id=len(specs),
+                                **model, **{**train, "weight_decay": float(weight_decay)}).as_dict())
     return specs
 
 
+_SPEC_DEFAULTS = RunSpec(task="", mixer="", d_model=1, lr=1.0).as_dict()
+
+
 def run_key(run: dict) -> str:
-    """What identifies a run across sweeps: its spec without the run id and device."""
-    spec = {key: run.get(key) for key in RunSpec.__dataclass_fields__ if key not in ("run_id", "device")}
+    """What identifies a run across sweeps: its spec without the run id and device. A field
+    a stored run lacks (it predates the field) counts as the field's default, which is what
+    that run trained with."""
+    spec = {key: run.get(key, _SPEC_DEFAULTS[key]) for key in RunSpec.__dataclass_fields__
+            if key not in ("run_id", "device")}
     return yaml.safe_dump(spec, sort_keys=True)
 
 
 # --- the results file --------------------------------------------------------------------
 
 # What a resumed sweep must share with its file: runs of another protocol would mix.
-PROTOCOL_KEYS = ("model", "train")
+PROTOCOL_KEYS = ("model", "train", "mixer_model")
 
 
 def store_mode(out: str | None, resume: bool, overwrite: bool) -> str:
@@ -416,7 +497,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                 progress.remove_task(bars.pop(key))
             for result in results:
                 where = escape(f"{result['mixer']} d={result['d_model']} lr={result['lr']:g} "
-                               f"seed={result['seed']} [{result['setting']}]")
+                               f"wd={result['weight_decay']:g} seed={result['seed']} "
+                               f"[{result['setting']}]")
                 outcome = (f"test {result['test_accuracy']:.3f} (val {result['val_accuracy']:.3f}) "
                            f"in {result['steps']} steps" if result["status"] == "ok" else
                            f"[red]{result['status']}: {escape(result.get('error', ''))}[/]")
@@ -441,6 +523,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.option("--param", "extra_params", multiple=True, callback=parse_params,
               help="Any other task parameter, KEY=VALUE (repeatable).")
 @click.option("--lrs", callback=_comma_list(float), help="Comma-separated learning rates.")
+@click.option("--weight-decays", "weight_decays", callback=_comma_list(float),
+              help="Comma-separated weight decays (a grid axis like --lrs; replaces the "
+                   "config's weight decays).")
 @click.option("--seeds", callback=_comma_list(int), help="Comma-separated run seeds "
               "(initialisation, data and batch order); tables show mean and spread over them.")
 @click.option("--epochs", type=int)
@@ -471,8 +556,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
            overwrite, time_limit, plots_dir, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
-    d_model) the test accuracy of the learning rate chosen on validation, with its spread
-    over seeds, beside the one chosen on test as Zoology does."""
+    d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
+    with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
     console = Console()
     try:
         config = load_config(config_file, options)

@@ -1,11 +1,19 @@
 """Recall results (`kind: recall` YAML): the summary over learning rates and seeds, tables
 and plots.
 
-Scoring. For each (setting, mixer, d_model) and seed, the learning rate is chosen on the
-validation split (carved from the training data) and that run's test accuracy, scored once
-when it stopped, is the cell's score ("val-picked"). Zoology picks the best test accuracy
-over learning rates; that number is reported beside it, labelled "test-picked". A cell
-shows the mean over seeds with the sample standard deviation.
+Scoring. For each (setting, mixer, d_model) and seed, the (learning rate, weight decay) of
+the grid is chosen on the validation split (carved from the training data) and that run's
+test accuracy, scored once when it stopped, is the cell's score ("val-picked"). Beside it,
+"test-picked" is the best test accuracy over the grid: as Zoology, of each run's final test
+accuracy; or, where the runs recorded their test accuracy at their evaluation of lowest
+validation loss (`test_at_best_val`), the best of that, MAD-lab's pick (its runs report the
+test accuracy of their epoch of lowest test perplexity, and a setting the best run of its
+grid; here validation, carrying test targets, stands in for test in choosing the epoch). A
+cell shows the mean over seeds with the sample standard deviation.
+
+MAD score view (`mad_scores`): per task of the MAD suite, the mean over its settings of the
+cells' scores, val-picked and test-picked, beside MAD-lab's published scores
+(configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
 """
 
 from __future__ import annotations
@@ -15,11 +23,16 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-SPLIT_NAMES = {"val": "val-picked", "test": "test-picked (as Zoology)"}
+from tasks.mad import MAD_TASKS, mad_settings
+
+MAD_REFERENCE = Path(__file__).resolve().parents[1] / "configs" / "reference" / "mad-lab.yaml"
+METRIC_NAMES = {"micro": "accuracy over the labelled positions",
+                "mad-macro": "MAD-lab's macro accuracy per batch of 128, averaged"}
 REQUIRED_RUN_FIELDS = ("setting", "mixer", "d_model", "lr", "seed", "status")
 
 
@@ -47,16 +60,21 @@ def _spread(values: list[float]) -> dict[str, Any]:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
-def _pick(runs: list[dict], by: str) -> dict:
-    """The run with the best `by` accuracy (ties: the smaller learning rate)."""
-    return max(sorted(runs, key=lambda r: r["lr"]), key=lambda r: r[f"{by}_accuracy"] or 0.0)
+def _pick(runs: list[dict], key: str) -> dict:
+    """The run with the best `key` (ties: the smaller learning rate, then the smaller weight
+    decay)."""
+    return max(sorted(runs, key=lambda r: (r["lr"], r.get("weight_decay") or 0.0)),
+               key=lambda r: r[key] or 0.0)
 
 
 def summarize(runs: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
-    """{setting: {mixer: {d_model: cell}}}; a cell holds, over seeds, the val-picked and
-    test-picked scores ({mean, std, min, max, n}), the chosen learning rates, state bytes,
-    and means of the chosen runs' steps, steps to 0.5 / 0.9 and in-context value rate. A
-    cell whose runs all failed has `score: None` and the failure."""
+    """{setting: {mixer: {d_model: cell}}}; a cell holds, over seeds, the val-picked score
+    and the test-picked ones ({mean, std, min, max, n}): `test_picked` of the final test
+    accuracies (Zoology's), `test_picked_mad` of the test accuracies at the lowest
+    validation loss (MAD-lab's; None unless every run of the cell recorded one); the chosen
+    learning rates and weight decays, the weight decays of the grid, the metric, state
+    bytes, and means of the chosen runs' steps, steps to 0.5 / 0.9 and in-context value
+    rate. A cell whose runs all failed has `score: None` and the failure."""
     cells: dict[tuple, dict[int, list[dict]]] = {}
     for run in runs:
         key = (run["setting"], run["mixer"], int(run["d_model"]))
@@ -74,13 +92,24 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
             cell.update({"score": None, "status": failed[0].get("status"),
                          "error": failed[0].get("error", "")})
         else:
-            picked = {seed: _pick(seed_runs, "val") for seed, seed_runs in sorted(ok.items())}
-            best_test = {seed: _pick(seed_runs, "test") for seed, seed_runs in sorted(ok.items())}
+            picked = {seed: _pick(seed_runs, "val_accuracy") for seed, seed_runs in sorted(ok.items())}
+            best_test = {seed: _pick(seed_runs, "test_accuracy")
+                         for seed, seed_runs in sorted(ok.items())}
+            at_best = "test_accuracy_at_best_val_loss"
+            mad_pick = None
+            if all(r.get(at_best) is not None for seed_runs in ok.values() for r in seed_runs):
+                mad_pick = _spread([_pick(seed_runs, at_best)[at_best]
+                                    for _, seed_runs in sorted(ok.items())])
             cell.update({
                 "status": "ok",
                 "score": _spread([p["test_accuracy"] for p in picked.values()]),
                 "test_picked": _spread([p["test_accuracy"] for p in best_test.values()]),
+                "test_picked_mad": mad_pick,
+                "metric": next(iter(picked.values())).get("metric", "micro"),
                 "lrs": [p["lr"] for p in picked.values()],
+                "weight_decays": [p.get("weight_decay") for p in picked.values()],
+                "grid_weight_decays": sorted({r.get("weight_decay") for seed_runs in ok.values()
+                                              for r in seed_runs}, key=lambda v: v or 0.0),
                 "seeds": list(picked),
                 "steps": statistics.fmean(p["steps"] for p in picked.values()),
                 "in_context_rate": _mean_or_none([p.get("in_context_rate") for p in picked.values()]),
@@ -126,38 +155,69 @@ def format_score(score: dict | None) -> str:
     return text + (f"±{score['std']:.3f}" if score["n"] > 1 else "")
 
 
-def _cell_row(mixer: str, d_model: int, cell: dict) -> list[str]:
+def _test_rule(cells: list[dict]) -> str:
+    """"mad-lab" when every scored cell has MAD-lab's test pick, else "zoology"."""
+    scored = [cell for cell in cells if cell["score"] is not None]
+    return "mad-lab" if scored and all(c["test_picked_mad"] for c in scored) else "zoology"
+
+
+def _cell_row(mixer: str, d_model: int, cell: dict, rule: str = "zoology") -> list[str]:
     if cell["score"] is None:
         return [mixer, str(d_model), format_bytes(cell.get("state_bytes")), cell["status"],
-                "", "", "", "", ""]
+                "", "", "", "", "", ""]
     score = cell["score"]
     lrs = sorted(set(cell["lrs"]))
+    decays = sorted({wd for wd in cell["weight_decays"] if wd is not None})
     steps = f"{cell['steps']:.0f}"
     in_context = "-" if cell["in_context_rate"] is None else f"{cell['in_context_rate']:.2f}"
+    test = cell["test_picked_mad"] if rule == "mad-lab" else cell["test_picked"]
     return [mixer, str(d_model), format_bytes(cell.get("state_bytes")), format_score(score),
-            str(score["n"]), f"{cell['test_picked']['mean']:.3f}",
-            ",".join(format_lr(lr) for lr in lrs), in_context, steps]
+            str(score["n"]), f"{test['mean']:.3f}",
+            ",".join(format_lr(lr) for lr in lrs), ",".join(f"{wd:g}" for wd in decays),
+            in_context, steps]
 
 
-COLUMNS = ("mixer", "d_model", "state", "val-picked", "seeds", "test-picked", "lr", "in-ctx", "steps")
+COLUMNS = ("mixer", "d_model", "state", "val-picked", "seeds", "test-picked", "lr", "wd",
+           "in-ctx", "steps")
 # Short headers for the terminal table, explained in its caption.
 SHORT = {"d_model": "d", "val-picked": "val", "seeds": "n", "test-picked": "test", "in-ctx": "ctx"}
+TEST_RULES = {"zoology": "the best final test accuracy over the grid, as Zoology",
+              "mad-lab": "the best over the grid of each run's test accuracy at its lowest "
+                         "validation loss, as MAD-lab"}
+
+
+def _table_notes(cells: list[dict]) -> tuple[str, bool]:
+    """The caption's words for the metric and the test pick, and whether the cells have a
+    weight-decay grid (then the chosen weight decay gets a column)."""
+    metrics = sorted({cell["metric"] for cell in cells if cell["score"] is not None})
+    metric = "; ".join(METRIC_NAMES.get(m, m) for m in metrics) or METRIC_NAMES["micro"]
+    rule = _test_rule(cells)
+    grid = any(len(cell.get("grid_weight_decays") or ()) > 1 for cell in cells)
+    return f"metric: {metric}; test-picked: {TEST_RULES[rule]}", grid
+
+
+def _rows(by_mixer: dict) -> list[tuple[str, int, dict]]:
+    return [(mixer, int(d_model), cells[d_model])
+            for mixer, cells in by_mixer.items() for d_model in sorted(cells, key=int)]
 
 
 def setting_table(setting: str, by_mixer: dict) -> Table:
     """One row per (mixer, d_model): state size, the val-picked test accuracy (mean ± std
-    over seeds), the test-picked one (Zoology's), chosen lrs, in-context rate, steps."""
+    over seeds), the test-picked one, chosen lrs (and weight decays, given a grid of them),
+    in-context rate, steps."""
+    cells = [cell for _, _, cell in _rows(by_mixer)]
+    notes, grid = _table_notes(cells)
+    rule = _test_rule(cells)
     table = Table(title=setting, box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="test accuracy, mean ±std over n seeds, of the lr chosen on "
-                  "validation (val), and the mean of the lr chosen on test as Zoology does "
-                  "(test); d: d_model; state: "
-                  "recurrent state per sequence; ctx: share of answers that are a value of "
-                  "the context")
-    rows = [(_cell_row(mixer, int(d_model), cells[d_model]), cells[d_model])
-            for mixer, cells in by_mixer.items() for d_model in sorted(cells, key=int)]
+                  caption="test accuracy, mean ±std over n seeds, of the (lr, wd) chosen on "
+                  "validation (val), and the mean of the test-picked one (test); d: d_model; "
+                  "state: recurrent state per sequence; ctx: share of answers that are a "
+                  f"value of the context; {notes}")
+    rows = [(_cell_row(mixer, d_model, cell, rule), cell) for mixer, d_model, cell in _rows(by_mixer)]
     seeds = {row[4] for row, cell in rows if cell["score"] is not None}
     shown = [index for index, column in enumerate(COLUMNS)
-             if not (column == "seeds" and len(seeds) <= 1)]  # one seed count: in the caption
+             if not (column == "seeds" and len(seeds) <= 1)  # one seed count: in the caption
+             and not (column == "wd" and not grid)]
     if len(seeds) == 1:
         table.caption += f"; n = {seeds.pop()}"
     for index in shown:
@@ -177,12 +237,125 @@ def setting_table(setting: str, by_mixer: dict) -> Table:
 
 def setting_markdown(setting: str, by_mixer: dict) -> str:
     """The same table as GitHub markdown."""
-    lines = [f"**{setting}** (test accuracy: lr chosen on validation, mean ± std over seeds; "
-             "test-picked: lr chosen on test, as Zoology)", "",
-             "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
-    for mixer, cells in by_mixer.items():
-        for d_model in sorted(cells, key=int):
-            lines.append("| " + " | ".join(_cell_row(mixer, int(d_model), cells[d_model])) + " |")
+    cells = [cell for _, _, cell in _rows(by_mixer)]
+    notes, grid = _table_notes(cells)
+    rule = _test_rule(cells)
+    shown = [index for index, column in enumerate(COLUMNS) if not (column == "wd" and not grid)]
+    lines = [f"**{setting}** (test accuracy: (lr, wd) chosen on validation, mean ± std over "
+             f"seeds; {notes})", "",
+             "| " + " | ".join(COLUMNS[i] for i in shown) + " |",
+             "| --- |" + " ---: |" * (len(shown) - 1)]
+    for mixer, d_model, cell in _rows(by_mixer):
+        row = _cell_row(mixer, d_model, cell, rule)
+        lines.append("| " + " | ".join(row[i] for i in shown) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --- the MAD score view ---------------------------------------------------------------------
+
+def load_mad_reference(path: str | Path = MAD_REFERENCE) -> dict | None:
+    """MAD-lab's published scores (configs/reference/mad-lab.yaml), or None without the file."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except OSError:
+        return None
+
+
+def mad_scores(runs: list[dict], summary: dict | None = None) -> dict[tuple[str, int], dict]:
+    """{(mixer, d_model): {task: entry}} for the MAD tasks among `runs`. An entry holds the
+    mean over the task's scored settings of the cells' val-picked means (`val`) and
+    test-picked means (`test`: MAD-lab's pick where every such cell has it, else Zoology's;
+    `rule` names which), the number of settings scored and MAD-lab's number of settings of
+    the task (`settings`, `expected`)."""
+    summary = summarize(runs) if summary is None else summary
+    task_of = {run["setting"]: run.get("task") for run in runs}
+    collected: dict[tuple[str, int], dict[str, list[dict]]] = {}
+    for setting, by_mixer in summary.items():
+        task = task_of.get(setting)
+        if task not in MAD_TASKS:
+            continue
+        for mixer, cells in by_mixer.items():
+            for d_model, cell in cells.items():
+                if cell["score"] is not None:
+                    collected.setdefault((mixer, int(d_model)), {}).setdefault(task, []).append(cell)
+    scores: dict[tuple[str, int], dict] = {}
+    for key, by_task in collected.items():
+        for task, cells in by_task.items():
+            rule = _test_rule(cells)
+            test = [(c["test_picked_mad"] if rule == "mad-lab" else c["test_picked"])["mean"]
+                    for c in cells]
+            scores.setdefault(key, {})[task] = {
+                "val": statistics.fmean(c["score"]["mean"] for c in cells),
+                "test": statistics.fmean(test), "rule": rule, "settings": len(cells),
+                "expected": len(mad_settings(task))}
+    return dict(sorted(scores.items()))
+
+
+def _mad_layout(scores: dict, reference: dict | None):
+    """(tasks shown, rows of texts, caption) of the MAD score view."""
+    shown = [task for task in MAD_TASKS if any(task in row for row in scores.values())]
+    complete = len(shown) == len(MAD_TASKS)
+    matches = dict((reference or {}).get("architectures_in_hla_bench") or {})
+    published = (reference or {}).get("scores") or {}
+    rows = []
+    for (mixer, d_model), by_task in scores.items():
+        texts = []
+        for task in shown:
+            entry = by_task.get(task)
+            if entry is None:
+                texts.append("-")
+                continue
+            text = f"{entry['val']:.3f} / {entry['test']:.3f}"
+            if entry["settings"] < entry["expected"]:
+                text += f" ({entry['settings']}/{entry['expected']})"
+            texts.append(text)
+        if complete:
+            full = [by_task.get(task) for task in MAD_TASKS]
+            texts.append("-" if None in full else
+                         f"{statistics.fmean(e['val'] for e in full):.3f} / "
+                         f"{statistics.fmean(e['test'] for e in full):.3f}")
+        rows.append([mixer, str(d_model), *texts])
+        for architecture, matched in matches.items():
+            if matched == mixer and architecture in published:
+                values = [f"{published[architecture][task]:.3f}" if task in published[architecture]
+                          else "-" for task in shown]
+                if complete:
+                    values.append(f"{published[architecture].get('mean', float('nan')):.3f}")
+                rows.append([f"MAD-lab: {architecture}", "128", *values])
+    rules = {entry["rule"] for by_task in scores.values() for entry in by_task.values()}
+    caption = ("per task, the mean over its settings of each setting's best run; a cell is "
+               "val-picked / test-picked (test-picked: "
+               + " or ".join(TEST_RULES[rule] for rule in sorted(rules))
+               + "); (n/m): n of MAD-lab's m settings scored")
+    if reference is None:
+        caption += "; MAD-lab's published scores: configs/reference/mad-lab.yaml not found"
+    elif not matches:
+        caption += ("; MAD-lab's published scores (configs/reference/mad-lab.yaml) are not shown: "
+                    "no architecture it scored matches an hla-bench mixer")
+    elif not any(m in {mixer for mixer, _ in scores} for m in matches.values()):
+        caption += ("; MAD-lab's published scores: none of their architectures' hla-bench "
+                    f"mixers ({', '.join(sorted(set(matches.values())))}) ran here")
+    else:
+        caption += "; MAD-lab rows: its published scores (read from its figure)"
+    return shown + (["mean"] if complete else []), rows, caption
+
+
+def mad_table(scores: dict, reference: dict | None) -> Table:
+    columns, rows, caption = _mad_layout(scores, reference)
+    table = Table(title="MAD scores", box=box.SIMPLE_HEAD, pad_edge=False, caption=caption)
+    for index, header in enumerate(["mixer", "d", *columns]):
+        table.add_column(header, justify="left" if index == 0 else "right",
+                         no_wrap=index == 0, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def mad_markdown(scores: dict, reference: dict | None) -> str:
+    columns, rows, caption = _mad_layout(scores, reference)
+    lines = [f"**MAD scores** ({caption})", "", "| " + " | ".join(["mixer", "d", *columns]) + " |",
+             "| --- |" + " ---: |" * (len(columns) + 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -240,8 +413,9 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[
 
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
                   markdown: bool = False) -> list[Path]:
-    """Print one table per task setting (GitHub markdown with `markdown`); with `plots_dir`,
-    write the plots there and return their paths."""
+    """Print one table per task setting and, for runs of MAD tasks, the MAD score view
+    (GitHub markdown with `markdown`); with `plots_dir`, write the plots there and return
+    their paths."""
     validate_recall(data)
     runs = data["runs"]
     summary = summarize(runs)
@@ -256,6 +430,14 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                           soft_wrap=True)
         else:
             console.print(setting_table(setting, by_mixer))
+    scores = mad_scores(runs, summary)
+    if scores:
+        reference = load_mad_reference()
+        if markdown:
+            console.print(mad_markdown(scores, reference), markup=False, highlight=False,
+                          soft_wrap=True)
+        else:
+            console.print(mad_table(scores, reference))
     for run in runs:
         if run.get("status") != "ok":
             where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} seed={run.get('seed', 0)} [{run['setting']}]"

@@ -1,8 +1,8 @@
 """The harness side of recall training: models from the registry, groups of runs on a pool
 of worker processes, and the summary of a sweep's runs.
 
-`tasks.train.train_group` trains one group (runs that differ only in lr and seed) as one
-stacked model. Here a sweep's runs are planned into groups (`plan_groups`), the groups go
+`tasks.train.train_group` trains one group (runs that differ only in lr, weight decay and
+seed) as one stacked model. Here a sweep's runs are planned into groups (`plan_groups`), the groups go
 to worker processes (spawned: CUDA needs it), and every finished run comes back as an event
 so the caller can store it at once. A group that runs out of memory is split in two and
 retried; any other failure is recorded on each of its runs.
@@ -44,7 +44,9 @@ def build_model(spec: dict) -> TinyLM:
                   lambda: entry.layer(run.d_model, run.n_heads, **run.mixer_options),
                   n_layers=run.n_layers, state_mixer=run.state_mixer,
                   positions=entry.family == "softmax", embed_dropout=run.embed_dropout,
-                  max_len=int(params["seq_len"]), readout=task.readout, init=run.init)
+                  max_len=int(params["seq_len"]), readout=task.readout, init=run.init,
+                  norm=run.norm, head=run.head, swiglu_hidden=run.swiglu_hidden,
+                  decoder=run.decoder)
 
 
 def stackable(spec: dict) -> bool:

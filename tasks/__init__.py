@@ -4,7 +4,9 @@ A `Task` turns (split, number of examples, seed, parameters) into `(inputs, labe
 LongTensors of shape `[N, T]`; labels are -100 (ignored) except at the target tokens the
 task scores. Train and test data come from disjoint seeds (`split_seed`). `Task.splits`
 also carves a validation split from the training stream (for choosing learning rates
-without looking at test) and guarantees it shares no example with train or test.
+without looking at test) and guarantees it shares no example with train or test. Where a
+task trains on other targets than it is tested on (`Task.val_labels == "test"`), validation
+carries the test split's targets, so that it measures what test measures.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 IGNORE = -100
 SPLITS = ("train", "test")
+VAL_LABELS = ("train", "test")
 
 
 def split_seed(seed: int, split: str) -> int:
@@ -36,10 +39,11 @@ class Splits(NamedTuple):
     test: tuple[torch.Tensor, torch.Tensor]
 
 
-def _row_keys(inputs: torch.Tensor, labels: torch.Tensor) -> list[tuple[int, int]]:
-    """A 128-bit hash per example (its inputs and labels): equal examples have equal keys,
-    so filtering by key removes every duplicate (and, with negligible odds, a non-duplicate)."""
-    both = torch.cat([inputs, labels], 1).numpy().astype(np.uint64)
+def _row_keys(*parts: torch.Tensor) -> list[tuple[int, int]]:
+    """A 128-bit hash per example (its rows of `parts`, e.g. inputs and labels): equal
+    examples have equal keys, so filtering by key removes every duplicate (and, with
+    negligible odds, a non-duplicate)."""
+    both = torch.cat(parts, 1).numpy().astype(np.uint64)
     multipliers = np.random.default_rng(0).integers(1, 2**63, size=(2, both.shape[1]),
                                                     dtype=np.uint64) | np.uint64(1)
     with np.errstate(over="ignore"):
@@ -58,6 +62,11 @@ class Task:
     the last position's state, an encoder-style target such as MAD's compression).
     `context_values(inputs, **params)` (optional) gives `[N, K]` the value tokens present
     in each example's context, for the in-context value rate of a model's answers.
+    `val_labels`: "train" when `generate` gives train and test examples the same kind of
+    targets (validation is then more of the training stream); "test" when they differ (MAD's
+    recall tasks train on every next token and test on the recalled values): validation
+    examples are then drawn as test examples, from the training seed's generator after the
+    training examples, so they carry test targets.
     """
 
     name: str
@@ -70,6 +79,11 @@ class Task:
     readout: str = "causal"
     source: str = ""
     context_values: Callable[..., np.ndarray] | None = None
+    val_labels: str = "train"
+
+    def __post_init__(self):
+        if self.val_labels not in VAL_LABELS:
+            raise ValueError(f"val_labels must be one of {VAL_LABELS}, got {self.val_labels!r}")
 
     def resolve_params(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
         """Defaults overridden by `params`; unknown names raise ValueError."""
@@ -92,20 +106,40 @@ class Task:
     def splits(self, num_train: int, num_val: int, num_test: int, seed: int = 0,
                **params: Any) -> Splits:
         """Train, validation and test data of one seed. The first `num_train` examples of
-        the training stream train; validation is drawn after them from the same stream
-        (same distribution), minus any example that also occurs in train or test, so
-        choosing on it never looks at test. `num_val` may be 0 (an empty split)."""
+        the training stream train; validation is drawn after them from the same stream,
+        minus any example that also occurs in train or test, so choosing on it never looks
+        at test. `num_val` may be 0 (an empty split).
+
+        val_labels "train": validation is more of the training stream (training targets);
+        an example is a duplicate when its inputs and labels both recur. val_labels "test":
+        the generator, after drawing the training examples, draws the validation examples as
+        test examples (test targets and the test split's distribution); a validation example
+        is a duplicate when its inputs recur (its targets are of another kind than train's)."""
         if not isinstance(num_val, int) or num_val < 0:
             raise ValueError(f"num_val must be a non-negative int, got {num_val!r}")
-        inputs, labels = self.make("train", num_train + num_val, seed, **params)
         test = self.make("test", num_test, seed, **params)
-        train = inputs[:num_train], labels[:num_train]
-        val_x, val_y = inputs[num_train:], labels[num_train:]
-        if num_val:
-            seen = set(_row_keys(*train)) | set(_row_keys(*test))
-            keep = torch.tensor([key not in seen for key in _row_keys(val_x, val_y)])
-            val_x, val_y = val_x[keep], val_y[keep]
-        return Splits(train, (val_x, val_y), test)
+        if self.val_labels == "train":
+            inputs, labels = self.make("train", num_train + num_val, seed, **params)
+            train = inputs[:num_train], labels[:num_train]
+            val_x, val_y = inputs[num_train:], labels[num_train:]
+            if num_val:
+                seen = set(_row_keys(*train)) | set(_row_keys(*test))
+                keep = torch.tensor([key not in seen for key in _row_keys(val_x, val_y)])
+                val_x, val_y = val_x[keep], val_y[keep]
+            return Splits(train, (val_x, val_y), test)
+        if not isinstance(num_train, int) or num_train < 1:
+            raise ValueError(f"num_examples must be a positive int, got {num_train!r}")
+        rng = np.random.default_rng(split_seed(seed, "train"))
+        resolved = self.resolve_params(params)
+        train = tuple(torch.as_tensor(a, dtype=torch.long)
+                      for a in self.generate(rng, num_train, "train", seed, **resolved))
+        if not num_val:
+            return Splits(train, (train[0][:0], train[1][:0]), test)
+        val_x, val_y = (torch.as_tensor(a, dtype=torch.long)
+                        for a in self.generate(rng, num_val, "test", seed, **resolved))
+        seen = set(_row_keys(train[0])) | set(_row_keys(test[0]))
+        keep = torch.tensor([key not in seen for key in _row_keys(val_x)])
+        return Splits(train, (val_x[keep], val_y[keep]), test)
 
     def vocab_size(self, **params: Any) -> int:
         return int(self.resolve_params(params)["vocab_size"])

@@ -11,7 +11,9 @@ lists MAD-lab's protocol and every remaining difference. Choices this module mak
 
 - The recall tasks train on every next token (MAD-lab's training targets are the shifted
   inputs) and are scored on the recalled values only (MAD-lab's test targets); multi-query
-  recall sequences have MAD-lab's length, `seq_len - 1` tokens.
+  recall sequences have MAD-lab's length, `seq_len - 1` tokens. Their validation examples
+  are drawn as test examples (`Task.val_labels == "test"`), so validation scores the
+  recalled values as test does.
 - In-context recall redraws an example whose every pair came out as noise: MAD-lab's
   generator cannot finish such an example (it has no key to probe).
 - Fuzzy recall draws the probed pair's position from MAD-lab's range, so a few examples end
@@ -318,14 +320,14 @@ register(Task(
     description="MAD in-context recall: key-value pairs, recall a value when its key recurs",
     generate=generate_in_context_recall, roles=in_context_recall_roles,
     params=dict(vocab_size=16, seq_len=128, multi_query=True, noise_vocab_size=0, frac_noise=0.0),
-    source=MAD_SOURCE,
+    source=MAD_SOURCE, val_labels="test",
 ))
 register(Task(
     name="noisy_in_context_recall",
     description="MAD noisy in-context recall: recall with noise tokens between the pairs",
     generate=generate_in_context_recall, roles=in_context_recall_roles,
     params=dict(vocab_size=32, seq_len=128, multi_query=True, noise_vocab_size=16, frac_noise=0.2),
-    source=MAD_SOURCE,
+    source=MAD_SOURCE, val_labels="test",
 ))
 register(Task(
     name="fuzzy_in_context_recall",
@@ -333,7 +335,7 @@ register(Task(
     generate=generate_fuzzy_in_context_recall, roles=fuzzy_in_context_recall_roles,
     params=dict(vocab_size=16, seq_len=128, k_motif_size=3, v_motif_size=3, multi_query=True,
                 noise_vocab_size=0, frac_noise=0.0),
-    source=MAD_SOURCE,
+    source=MAD_SOURCE, val_labels="test",
 ))
 register(Task(
     name="selective_copying",
@@ -407,26 +409,42 @@ def mad_settings(task: str | None = None) -> list[dict]:
     return settings
 
 
-def mad_accuracy(predictions, targets, num_classes: int) -> float:
-    """MAD-lab's accuracy of one evaluation batch: torchmetrics' MulticlassAccuracy with its
-    default macro average (mad/metrics.py). Positions labelled IGNORE are dropped; each class's
-    recall (correct / labelled) is averaged over the classes that occur as a label or as a
-    prediction, so a wrongly predicted class that is never a label counts as a zero.
+MAD_METRIC_BATCH = 128  # MAD-lab's evaluation batch (MADConfig batch_size): the metric's unit
 
-    `predictions` are logits `[..., num_classes]` or class ids shaped like `targets`. MAD-lab's
-    score of a split is the batch-size-weighted mean of this over its batches (128 examples)."""
+
+def macro_accuracy(predictions, targets, num_classes: int):
+    """MAD-lab's accuracy (torchmetrics' MulticlassAccuracy, default macro average) of each
+    of N batches at once: `predictions` and `targets` `[N, R]` class ids, positions labelled
+    IGNORE dropped; returns `[N]` (float64). Per batch, each class's recall (correct /
+    labelled) is averaged over the classes that occur as a label or as a prediction, so a
+    predicted class that is never a label counts as a zero; a batch with no labelled
+    position scores 0."""
+    import torch
+
+    predictions, targets = torch.as_tensor(predictions), torch.as_tensor(targets)
+    N = targets.shape[0]
+    valid = targets != IGNORE
+    offsets = torch.arange(N, device=targets.device).view(N, 1) * num_classes
+    labelled = (targets.clamp_min(0) + offsets)[valid]
+    predicted = (predictions.long() + offsets)[valid]
+    size = N * num_classes
+    support = torch.bincount(labelled, minlength=size).view(N, num_classes)
+    chosen = torch.bincount(predicted, minlength=size).view(N, num_classes)
+    correct = torch.bincount(labelled[predicted == labelled], minlength=size).view(N, num_classes)
+    occurs = (support + chosen) > 0
+    recall = correct.double() / support.clamp(min=1).double()
+    classes = occurs.sum(1)
+    return torch.where(classes > 0, (recall * occurs).sum(1) / classes.clamp(min=1), 0.0)
+
+
+def mad_accuracy(predictions, targets, num_classes: int) -> float:
+    """MAD-lab's accuracy of one evaluation batch (mad/metrics.py): `macro_accuracy` over all
+    its positions. `predictions` are logits `[..., num_classes]` or class ids shaped like
+    `targets`. MAD-lab's score of a split is the batch-size-weighted mean of this over its
+    batches of MAD_METRIC_BATCH examples (the trainer's metric "mad-macro")."""
     import torch
 
     predictions, targets = torch.as_tensor(predictions), torch.as_tensor(targets)
     if predictions.dim() == targets.dim() + 1:
         predictions = predictions.argmax(-1)
-    keep = targets != IGNORE
-    predicted, labelled = predictions[keep].long().flatten(), targets[keep].long().flatten()
-    confusion = torch.bincount(labelled * num_classes + predicted,
-                               minlength=num_classes * num_classes).view(num_classes, num_classes)
-    correct, support, chosen = confusion.diag(), confusion.sum(1), confusion.sum(0)
-    occurs = (support + chosen) > 0
-    if not bool(occurs.any()):
-        return 0.0
-    recall = correct.double() / support.clamp(min=1).double()
-    return float(recall[occurs].mean())
+    return float(macro_accuracy(predictions.reshape(1, -1), targets.reshape(1, -1), num_classes)[0])

@@ -1,18 +1,27 @@
 """A tiny language model around one sequence-mixer layer, for the synthetic tasks.
 
 Token embedding (+ learned positions when asked: softmax attention has no notion of order
-otherwise), embedding dropout, `n_layers` pre-norm blocks, final norm, head tied to the
-embedding. A block is `x + mixer(norm(x))` followed by its state mixer:
+otherwise), embedding dropout, `n_layers` pre-norm blocks, final norm, head. A block is
+`x + mixer(norm(x))` followed by its state mixer:
 
 - "mlp": `x + mlp(x)`, a pre-norm 4x GELU MLP;
-- "swiglu": `x + swiglu(x)`, a pre-norm SwiGLU MLP (hidden 4x, as MAD's channel mixer);
+- "swiglu": `x + swiglu(x)`, a pre-norm SwiGLU MLP (hidden `swiglu_hidden`, default 4x;
+  MAD-lab's channel mixer is `mad_swiglu_hidden(d_model)` wide);
 - "identity": `x + norm2(x)`: Zoology's block with `torch.nn.Identity` as its state
   mixer, whose output (the normalised residual) is added back to the residual stream;
 - "none": nothing.
 
+`norm` is the kind of every norm of the model (blocks, state mixers, final norm, decoder):
+"layer" (LayerNorm with bias) or "rms" (RMSNorm, eps 1e-5, as MAD-lab's). `head` "tied"
+projects with the embedding matrix; "untied" is a Linear with bias (MAD-lab's head).
+
 The mixer layer comes from a factory (`make_mixer()`, called once per block), so this
 module knows no mixer registry. With `readout="last"` every position is predicted from the
-last position's state (MAD's auto-encoder readout for compression).
+last position's state (MAD's auto-encoder readout for compression) through `decoder`:
+"default": the final-normed last state plus interleaved sin/cos position codes through a
+2-layer MLP, then the head; "mad-lab": MAD-lab's AutoEncoder, where the code is the last
+position's residual stream (no norm), plus fairseq-layout sin/cos codes, through the same
+MLP, then the final norm and the head.
 """
 
 from __future__ import annotations
@@ -29,6 +38,26 @@ from tasks import IGNORE
 READOUTS = ("causal", "last")
 STATE_MIXERS = ("mlp", "swiglu", "identity", "none")
 INITS = ("default", "zoology")
+NORMS = ("layer", "rms")
+HEADS = ("tied", "untied")
+DECODERS = ("default", "mad-lab")
+RMS_EPS = 1e-5  # MAD-lab's RMSNorm (mad/model/layers/ops/norm/rmsnorm.py)
+
+
+def mad_swiglu_hidden(d_model: int) -> int:
+    """MAD-lab's SwiGLU inner width: int(2 * 4 * d / 3) rounded up to a multiple of 16
+    (mad/model/layers/mlp.py); 352 at d_model 128."""
+    return 16 * math.ceil(int(2 * 4 * d_model / 3) / 16)
+
+
+def norm_module(kind: str, d_model: int) -> nn.Module:
+    """A LayerNorm ("layer", eps 1e-5, weight and bias) or an RMSNorm ("rms", eps 1e-5,
+    weight only)."""
+    if kind == "layer":
+        return nn.LayerNorm(d_model)
+    if kind == "rms":
+        return nn.RMSNorm(d_model, eps=RMS_EPS)
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
 class SwiGLU(nn.Module):
@@ -44,25 +73,28 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def state_mixer_module(kind: str, d_model: int) -> nn.Module | None:
-    """The block's state mixer (with its own pre-norm), or None for "none"."""
+def state_mixer_module(kind: str, d_model: int, norm: str = "layer",
+                       swiglu_hidden: int | None = None) -> nn.Module | None:
+    """The block's state mixer (with its own pre-norm of kind `norm`), or None for "none"."""
     if kind == "mlp":
-        return nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                             nn.Linear(4 * d_model, d_model))
+        return nn.Sequential(norm_module(norm, d_model), nn.Linear(d_model, 4 * d_model),
+                             nn.GELU(), nn.Linear(4 * d_model, d_model))
     if kind == "swiglu":
-        return nn.Sequential(nn.LayerNorm(d_model), SwiGLU(d_model, 4 * d_model))
+        return nn.Sequential(norm_module(norm, d_model),
+                             SwiGLU(d_model, swiglu_hidden or 4 * d_model))
     if kind == "identity":
-        return nn.LayerNorm(d_model)
+        return norm_module(norm, d_model)
     return None
 
 
 class Block(nn.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + state_mixer(x)."""
 
-    def __init__(self, d_model: int, mixer: nn.Module, state_mixer: str):
+    def __init__(self, d_model: int, mixer: nn.Module, state_mixer: str, norm: str = "layer",
+                 swiglu_hidden: int | None = None):
         super().__init__()
-        self.mixer_norm, self.mixer = nn.LayerNorm(d_model), mixer
-        self.state_mixer = state_mixer_module(state_mixer, d_model)
+        self.mixer_norm, self.mixer = norm_module(norm, d_model), mixer
+        self.state_mixer = state_mixer_module(state_mixer, d_model, norm, swiglu_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x))
@@ -70,7 +102,8 @@ class Block(nn.Module):
 
 
 def sincos_positions(length: int, dim: int) -> torch.Tensor:
-    """Fixed sinusoidal position codes `[length, dim]`."""
+    """Fixed sinusoidal position codes `[length, dim]`, sine and cosine of each frequency
+    interleaved (frequencies 10000^(-2i / dim))."""
     position = torch.arange(length, dtype=torch.float32)[:, None]
     freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10_000.0) / dim))
     codes = torch.zeros(length, dim)
@@ -79,15 +112,32 @@ def sincos_positions(length: int, dim: int) -> torch.Tensor:
     return codes
 
 
+def fairseq_positions(length: int, dim: int) -> torch.Tensor:
+    """Fixed sinusoidal position codes `[length, dim]` in fairseq's layout, which MAD-lab's
+    decoder uses (`posemb_sincos_1d`): the sines of all `dim // 2` frequencies
+    10000^(-i / (dim // 2 - 1)), then their cosines, a zero column for odd `dim`."""
+    half = dim // 2
+    if half < 2:
+        raise ValueError(f"fairseq position codes need dim >= 4, got {dim}")
+    freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10_000.0) / (half - 1)))
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * freq[None, :]
+    codes = torch.cat([torch.sin(angles), torch.cos(angles)], 1)
+    return torch.cat([codes, torch.zeros(length, dim - 2 * half)], 1)
+
+
 class LastStateDecoder(nn.Module):
     """Reconstruct every position from the last state: state + position code -> 2-layer MLP
-    (MAD's non-expanding auto-encoder decoder)."""
+    (MAD's non-expanding auto-encoder decoder). `layout` "interleaved" or "fairseq" names
+    the position codes (`sincos_positions`, `fairseq_positions`)."""
 
-    def __init__(self, d_model: int, max_len: int):
+    def __init__(self, d_model: int, max_len: int, norm: str = "layer",
+                 layout: str = "interleaved"):
         super().__init__()
-        self.register_buffer("positions", sincos_positions(max_len, d_model), persistent=False)
-        self.mlp = nn.Sequential(nn.LayerNorm(d_model), nn.Linear(d_model, d_model), nn.GELU(),
-                                 nn.LayerNorm(d_model), nn.Linear(d_model, d_model), nn.GELU())
+        codes = {"interleaved": sincos_positions, "fairseq": fairseq_positions}[layout]
+        self.register_buffer("positions", codes(max_len, d_model), persistent=False)
+        self.mlp = nn.Sequential(norm_module(norm, d_model), nn.Linear(d_model, d_model),
+                                 nn.GELU(), norm_module(norm, d_model),
+                                 nn.Linear(d_model, d_model), nn.GELU())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         last = hidden[:, -1:, :]
@@ -104,34 +154,44 @@ def output_projection(mixer: nn.Module) -> nn.Linear | None:
 
 
 class TinyLM(nn.Module):
-    """Embedding, mixer blocks and a tied head; `loss` scores labelled positions only.
+    """Embedding, mixer blocks and a head; `loss` scores labelled positions only.
 
     init "default": every Linear and Embedding weight ~ N(0, 0.02), biases 0. "zoology":
     the same, and each mixer's output projection ~ N(0, 0.02 / sqrt(2 n_layers)) (GPT-2's
-    residual scaling, as Zoology initialises its models).
+    residual scaling, as Zoology initialises its models). Norm weights start at 1 (and
+    LayerNorm biases at 0) either way.
     """
 
     def __init__(self, vocab_size: int, d_model: int, make_mixer: Callable[[], nn.Module], *,
                  n_layers: int = 2, state_mixer: str = "mlp", positions: bool = False,
                  embed_dropout: float = 0.0, max_len: int = 2048, readout: str = "causal",
-                 init: str = "default"):
+                 init: str = "default", norm: str = "layer", head: str = "tied",
+                 swiglu_hidden: int | None = None, decoder: str = "default"):
         super().__init__()
         for name, value, choices in (("readout", readout, READOUTS),
                                      ("state_mixer", state_mixer, STATE_MIXERS),
-                                     ("init", init, INITS)):
+                                     ("init", init, INITS), ("norm", norm, NORMS),
+                                     ("head", head, HEADS), ("decoder", decoder, DECODERS)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers must be an int >= 1, got {n_layers!r}")
         if not 0 <= embed_dropout < 1:
             raise ValueError(f"embed_dropout must lie in [0, 1), got {embed_dropout!r}")
+        if swiglu_hidden is not None and (isinstance(swiglu_hidden, bool) or
+                                          not isinstance(swiglu_hidden, int) or swiglu_hidden < 1):
+            raise ValueError(f"swiglu_hidden must be an int >= 1 or None, got {swiglu_hidden!r}")
         self.max_len, self.embed_dropout, self.state_mixer = max_len, float(embed_dropout), state_mixer
+        self.decoder_kind = decoder
         self.embed = nn.Embedding(vocab_size, d_model)
         self.positions = nn.Embedding(max_len, d_model) if positions else None
-        self.blocks = nn.ModuleList(Block(d_model, make_mixer(), state_mixer)
+        self.blocks = nn.ModuleList(Block(d_model, make_mixer(), state_mixer, norm, swiglu_hidden)
                                     for _ in range(n_layers))
-        self.norm = nn.LayerNorm(d_model)
-        self.decoder = LastStateDecoder(d_model, max_len) if readout == "last" else None
+        self.norm = norm_module(norm, d_model)
+        self.decoder = (LastStateDecoder(d_model, max_len, norm,
+                                         "fairseq" if decoder == "mad-lab" else "interleaved")
+                        if readout == "last" else None)
+        self.head = nn.Linear(d_model, vocab_size) if head == "untied" else None
         self.apply(self._init_weights)
         if init == "zoology":
             for block in self.blocks:
@@ -147,7 +207,9 @@ class TinyLM(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def hidden(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Final normalised states `[B, T, d_model]` (decoded from the last one for "last")."""
+        """The states the head reads, `[B, T, d_model]`: the final-normed block output, or
+        for readout "last" every position decoded from the last one (decoder "default":
+        norm, then decode; "mad-lab": decode the raw residual stream, then norm)."""
         T = inputs.shape[1]
         if T > self.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len {self.max_len}")
@@ -157,12 +219,19 @@ class TinyLM(nn.Module):
         x = F.dropout(x, self.embed_dropout, self.training)
         for block in self.blocks:
             x = block(x)
-        x = self.norm(x)
-        return self.decoder(x) if self.decoder is not None else x
+        if self.decoder is None:
+            return self.norm(x)
+        if self.decoder_kind == "default":
+            return self.decoder(self.norm(x))
+        return self.norm(self.decoder(x))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head: `hidden @ embed.T` (tied) or the untied Linear with bias."""
+        return self.head(hidden) if self.head is not None else hidden @ self.embed.weight.T
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits `[B, T, vocab]` at every position."""
-        return self.hidden(inputs) @ self.embed.weight.T
+        return self.logits(self.hidden(inputs))
 
     def labelled_logits(self, inputs: torch.Tensor, labels: torch.Tensor,
                         count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,9 +244,9 @@ class TinyLM(nn.Module):
         labels = labels.flatten()
         if count is None:
             mask = labels != IGNORE
-            return hidden[mask] @ self.embed.weight.T, labels[mask]
+            return self.logits(hidden[mask]), labels[mask]
         rows = labelled_rows(labels, count)
-        return hidden[rows] @ self.embed.weight.T, labels[rows]
+        return self.logits(hidden[rows]), labels[rows]
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor,
              count: int | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ into one buffer `flat [N, P]` (row n holds model n's parameters in `named_parame
 and exposes each parameter as a view `[N, *shape]` of it. Each view's `.grad` is a view of a
 second buffer `grad [N, P]`, into which backward accumulates in place, so one optimizer
 (`FlatAdamW`) updates every parameter of every model with a handful of elementwise kernels,
-each model with its own learning rate.
+each model with its own learning rate and weight decay.
 
 `losses(tokens, labels)` takes `[N, B, T]` tokens and labels (model n reads its own batch)
 and returns `[N]` mean cross-entropies over each model's labelled positions; their sum has,
@@ -146,6 +146,8 @@ class StackedLM:
         if isinstance(module, nn.LayerNorm):
             y = F.layer_norm(x, module.normalized_shape, eps=module.eps)
             return torch.addcmul(_rows(p[prefix + "bias"]), y, _rows(p[prefix + "weight"]))
+        if isinstance(module, nn.RMSNorm):
+            return F.rms_norm(x, module.normalized_shape, eps=module.eps) * _rows(p[prefix + "weight"])
         if isinstance(module, nn.Linear):
             return _linear(x, p[prefix + "weight"], p.get(prefix + "bias"))
         if isinstance(module, nn.Sequential):
@@ -168,7 +170,8 @@ class StackedLM:
         return block.mixer.forward_stacked(params, x)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final normalised states `[N, B, T, d]` of every model for its own tokens."""
+        """The states each model's head reads, `[N, B, T, d]`, for its own tokens (as
+        `TinyLM.hidden`)."""
         model, p = self.template, self.params
         N, B, T = tokens.shape
         if T > model.max_len:
@@ -186,12 +189,24 @@ class StackedLM:
                                 self._apply(block.mixer_norm, prefix + "mixer_norm.", x))
             if block.state_mixer is not None:
                 x = x + self._apply(block.state_mixer, prefix + "state_mixer.", x)
-        x = self._apply(model.norm, "norm.", x)
-        if model.decoder is not None:
-            decoder: LastStateDecoder = model.decoder
-            last = x[:, :, -1:] + decoder.positions[:T].to(x.dtype)
-            x = self._apply(decoder.mlp, "decoder.mlp.", last)
-        return x
+        if model.decoder is None:
+            return self._apply(model.norm, "norm.", x)
+        if model.decoder_kind == "default":
+            return self._decode(self._apply(model.norm, "norm.", x))
+        return self._apply(model.norm, "norm.", self._decode(x))
+
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The template's LastStateDecoder for every model: each position from the last."""
+        decoder: LastStateDecoder = self.template.decoder
+        last = x[:, :, -1:] + decoder.positions[:x.shape[2]].to(x.dtype)
+        return self._apply(decoder.mlp, "decoder.mlp.", last)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of `[N, R, d]` states: the tied embedding or the untied Linear with bias."""
+        p = self.params
+        if "head.weight" in p:
+            return torch.baddbmm(p["head.bias"].unsqueeze(1), hidden, p["head.weight"].transpose(1, 2))
+        return torch.bmm(hidden, p["embed.weight"].transpose(1, 2))
 
     def labelled_logits(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int):
         """At each model's labelled positions: logits `[N, R, V]` (R = `max_rows`, at least
@@ -204,8 +219,7 @@ class StackedLM:
         valid = torch.arange(max_rows, device=labels.device) < counts[:, None]
         targets = torch.where(valid, labels.reshape(N, B * T).gather(1, rows), IGNORE)
         picked = hidden.reshape(N, B * T, d).gather(1, rows[..., None].expand(-1, -1, d))
-        logits = torch.bmm(picked, self.params["embed.weight"].transpose(1, 2))
-        return logits, targets, counts, rows
+        return self._head(picked), targets, counts, rows
 
     def losses(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int) -> torch.Tensor:
         """`[N]` mean cross-entropy of each model over its labelled positions."""
@@ -231,20 +245,30 @@ def labelled_rows(labels: torch.Tensor, max_rows: int) -> tuple[torch.Tensor, to
 
 class FlatAdamW:
     """torch.optim.AdamW's update (decoupled weight decay) on `StackedLM.flat` rows, one
-    learning rate per row. All state lives on the parameters' device and `step` reads the
-    learning rates from a device tensor, so a CUDA graph can capture it."""
+    learning rate and one weight decay per row (`weight_decay`: a number for every row, or
+    one per row). All state lives on the parameters' device and `step` reads the learning
+    rates from a device tensor, so a CUDA graph can capture it."""
 
     def __init__(self, model: StackedLM, *, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
-        self.model, self.betas, self.eps, self.weight_decay = model, betas, eps, weight_decay
+                 weight_decay: float | list[float] | torch.Tensor = 0.0):
+        self.model, self.betas, self.eps = model, betas, eps
+        rows = model.flat.shape[0]
+        decay = torch.as_tensor(weight_decay, dtype=model.flat.dtype, device=model.flat.device)
+        if decay.dim() == 0:
+            decay = decay.expand(rows)
+        if decay.shape != (rows,):
+            raise ValueError(f"weight_decay needs one value or {rows} (one per row), "
+                             f"got shape {tuple(decay.shape)}")
+        self.weight_decay = decay.reshape(rows, 1).clone()      # [N, 1]
         self.exp_avg = torch.zeros_like(model.flat)
         self.exp_avg_sq = torch.zeros_like(model.flat)
         self.steps = torch.zeros((), dtype=model.flat.dtype, device=model.flat.device)
 
     def select(self, model: StackedLM, keep: list[int]) -> "FlatAdamW":
         """This optimizer's state for the rows `keep`, bound to `model` (= old.select(keep))."""
-        chosen = FlatAdamW(model, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         index = torch.as_tensor(keep, device=self.exp_avg.device)
+        chosen = FlatAdamW(model, betas=self.betas, eps=self.eps,
+                           weight_decay=self.weight_decay.index_select(0, index).view(-1))
         chosen.exp_avg = self.exp_avg.index_select(0, index)
         chosen.exp_avg_sq = self.exp_avg_sq.index_select(0, index)
         chosen.steps = self.steps.clone()

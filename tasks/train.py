@@ -1,19 +1,30 @@
 """Train tiny LMs on a task and score them: many runs of one shape at once.
 
 A run is a plain dict (`RunSpec.as_dict()`), so it crosses process boundaries and lands in
-the result YAML unchanged. Runs that differ only in learning rate and seed form a group
-(`group_key`); `train_group` trains a group as one stacked model (`tasks.stacked`): one
-launch per op for all of its runs, each run with its own initialisation (`torch.manual_seed`
-of its seed before its model is built), its own data (its seed's splits) and batch order,
-its own learning rate, and its own early stop (a stopped run leaves the stack). On CUDA
-the training step is captured as a CUDA graph and replayed.
+the result YAML unchanged. Runs that differ only in learning rate, weight decay and seed
+form a group (`group_key`); `train_group` trains a group as one stacked model
+(`tasks.stacked`): one launch per op for all of its runs, each run with its own
+initialisation (`torch.manual_seed` of its seed before its model is built), its own data
+(its seed's splits) and batch order, its own learning rate and weight decay, and its own
+early stop (a stopped run leaves the stack). On CUDA the training step is captured as a
+CUDA graph and replayed.
 
 Protocol: each run evaluates its validation split every `eval_every` steps (0: once per
 epoch) and stops early once validation accuracy exceeds `stop_accuracy`; its test split is
-scored once, when it stops. A run records its curve (loss and validation accuracy per
-evaluation), steps to 0.5 and 0.9 validation accuracy, the final training loss, and on test
-the accuracy and the in-context value rate (the share of answers that are some value of the
-example's context, where the task defines its context values).
+scored once, when it stops. A run records its curve (training loss, validation loss and
+accuracy per evaluation), steps to 0.5 and 0.9 validation accuracy, the final training
+loss, and on test the accuracy and the in-context value rate (the share of answers that are
+some value of the example's context, where the task defines its context values).
+
+`metric`: "micro" is the share of labelled positions predicted right over the split;
+"mad-macro" is MAD-lab's: `tasks.mad.macro_accuracy` per batch of 128 examples, the batches'
+values averaged weighted by their number of examples. It scores validation (and so the
+early stop) and test alike.
+
+`test_at_best_val`: the test accuracy of each run is also recorded at its evaluation of
+lowest validation loss so far (`test_accuracy_at_best_val_loss`), MAD-lab's choice of
+checkpoint with validation in the place of its test split. Nothing the run does depends on
+it: test is read at those evaluations, never used to stop or to choose.
 
 This module knows no mixer registry: the caller passes `build_model(spec) -> TinyLM`.
 """
@@ -29,17 +40,20 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import tasks
 from tasks import IGNORE, Splits
-from tasks.model import TinyLM
+from tasks.mad import MAD_METRIC_BATCH, macro_accuracy
+from tasks.model import TinyLM, at_least_float32
 from tasks.stacked import FlatAdamW, StackedLM
 
 STOP_ACCURACY = 0.99
 SCHEDULES = ("warmup-cosine", "epoch-cosine", "constant")
+METRICS = ("micro", "mad-macro")
 MILESTONES = (0.5, 0.9)
 # Spec fields that may differ between the runs of one group.
-PER_RUN_FIELDS = ("lr", "seed", "run_id")
+PER_RUN_FIELDS = ("lr", "weight_decay", "seed", "run_id")
 
 
 @dataclass
@@ -51,6 +65,8 @@ class RunSpec:
     CosineAnnealingLR stepped once per epoch over `epochs`, no warmup) or "constant".
     `shuffle`: a fresh batch order every epoch (False: the same batches in the same order,
     as Zoology's loader). `num_val` validation examples come from the training stream.
+    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model (`tasks.model.TinyLM`);
+    `metric` and `test_at_best_val` are described in this module's docstring.
     """
 
     task: str
@@ -64,6 +80,10 @@ class RunSpec:
     state_mixer: str = "mlp"
     embed_dropout: float = 0.0
     init: str = "default"
+    norm: str = "layer"
+    head: str = "tied"
+    swiglu_hidden: int | None = None
+    decoder: str = "default"
     epochs: int = 8
     num_train: int | None = None
     num_val: int = 0
@@ -75,6 +95,8 @@ class RunSpec:
     weight_decay: float = 0.1
     stop_accuracy: float = STOP_ACCURACY
     shuffle: bool = True
+    metric: str = "micro"
+    test_at_best_val: bool = False
     seed: int = 0
     device: str = "cpu"
     setting: str = ""
@@ -88,7 +110,8 @@ SPEC_FIELDS = tuple(f.name for f in fields(RunSpec))
 
 
 def group_key(spec: dict) -> str:
-    """What runs of one group share: every spec field but learning rate, seed and id."""
+    """What runs of one group share: every spec field but learning rate, weight decay, seed
+    and id."""
     return repr(sorted((key, repr(spec[key])) for key in SPEC_FIELDS if key not in PER_RUN_FIELDS))
 
 
@@ -259,7 +282,7 @@ class _GroupTrainer:
             models.append(build_model(spec.as_dict()))
         self.n_params = sum(p.numel() for p in models[0].parameters())
         self.model = StackedLM(models).to(self.device)
-        self.optimizer = FlatAdamW(self.model, weight_decay=first.weight_decay)
+        self.optimizer = FlatAdamW(self.model, weight_decay=[spec.weight_decay for spec in specs])
         factors = torch.tensor(lr_factors(first.schedule, first.epochs, self.steps_per_epoch,
                                           first.warmup_frac), dtype=torch.float64)
         base = torch.tensor([spec.lr for spec in specs], dtype=torch.float64)
@@ -276,7 +299,11 @@ class _GroupTrainer:
         self.order_generators = [torch.Generator().manual_seed(seed) for seed in self.seeds]
         self.step, self.last_eval = 0, 0
         self.curves: list[list[dict]] = [[] for _ in specs]
+        self.best: dict[int, dict] = {}     # run index -> its evaluation of lowest val loss
         self.results: dict[int, dict] = {}
+        if first.metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {first.metric!r}")
+        self.vocab_size = task.vocab_size(**self.params)
         self.use_graphs = graphs and self.cuda
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.programs: dict[int, _Step] = {}
@@ -366,18 +393,23 @@ class _GroupTrainer:
         self.train_seconds += time.perf_counter() - started
 
     @torch.no_grad()
-    def _accuracy(self, split: list[tuple[torch.Tensor, torch.Tensor]],
-                  context: bool = False) -> tuple[list[float], list[float | None]]:
-        """Accuracy, and with `context` the in-context value rate (None where the task
-        defines no context values), of every active model on its seed's `split`."""
+    def _scores(self, split: list[tuple[torch.Tensor, torch.Tensor]],
+                context: bool = False) -> tuple[list[float], list[float], list[float | None]]:
+        """Accuracy (the runs' `metric`), mean cross-entropy over the labelled positions and,
+        with `context`, the in-context value rate (None where the task defines no context
+        values) of every active model on its seed's `split`."""
         self.model.eval()
         n = len(self.active)
+        macro = self.specs[0].metric == "mad-macro"
+        batch = MAD_METRIC_BATCH if macro else self.batch_size
         correct, total, hits = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        loss_sum = torch.zeros(n, dtype=torch.float64)
+        macro_sum, examples = torch.zeros(n, dtype=torch.float64), 0
         seeds = [self.seeds.index(self.specs[i].seed) for i in self.active]
         values_fn = self.task.context_values if context else None
-        for start in range(0, len(split[0][0]), self.batch_size):
-            tokens = torch.stack([split[s][0][start:start + self.batch_size] for s in seeds])
-            labels = torch.stack([split[s][1][start:start + self.batch_size] for s in seeds])
+        for start in range(0, len(split[0][0]), batch):
+            tokens = torch.stack([split[s][0][start:start + batch] for s in seeds])
+            labels = torch.stack([split[s][1][start:start + batch] for s in seeds])
             N, B, T = tokens.shape
             with self.autocast():
                 logits, targets, _, rows = self.model.labelled_logits(
@@ -385,18 +417,25 @@ class _GroupTrainer:
             predictions, valid = logits.argmax(-1), targets != IGNORE
             correct += ((predictions == targets) & valid).sum(1).cpu()
             total += valid.sum(1).cpu()
+            ce = F.cross_entropy(at_least_float32(logits).flatten(0, 1), targets.flatten(),
+                                 ignore_index=IGNORE, reduction="none")
+            loss_sum += ce.view(N, -1).sum(1).double().cpu()
+            if macro:
+                macro_sum += macro_accuracy(predictions, targets, self.vocab_size).cpu() * B
+                examples += B
             if values_fn is not None:
                 values = values_fn(tokens.reshape(N * B, T).cpu().numpy(), **self.params)
                 values = torch.as_tensor(np.asarray(values), device=tokens.device).view(N, B, -1)
                 hits += in_context_hits(predictions, valid, rows, values, T).cpu()
         self.model.train()
-        accuracy = (correct / total.clamp_min(1)).tolist()
+        accuracy = (macro_sum / max(1, examples) if macro else correct / total.clamp_min(1)).tolist()
+        loss = (loss_sum / total.clamp_min(1).double()).tolist()
         if values_fn is None:
-            return accuracy, [None] * n
-        return accuracy, (hits / total.clamp_min(1)).tolist()
+            return accuracy, loss, [None] * n
+        return accuracy, loss, (hits / total.clamp_min(1)).tolist()
 
     def _evaluate(self) -> None:
-        accuracy, _ = self._accuracy(self.data.val)
+        accuracy, val_loss, _ = self._scores(self.data.val)
         mean_loss = (self.loss_sum / max(1, self.step - self.last_eval)).tolist()
         self.loss_sum.zero_()
         self.last_eval = self.step
@@ -405,13 +444,28 @@ class _GroupTrainer:
             self.curves[index].append({"step": self.step,
                                        "epoch": round(self.step / self.steps_per_epoch, 3),
                                        "loss": round(mean_loss[slot], 5),
+                                       "val_loss": round(val_loss[slot], 5),
                                        "accuracy": round(accuracy[slot], 5)})
             if accuracy[slot] > self.specs[index].stop_accuracy:
                 stopped.append(index)
+        if self.specs[0].test_at_best_val:
+            self._record_best(val_loss)
         self.progress({"event": "eval", "step": self.step, "total": self.total,
                        "accuracy": max(accuracy), "active": len(self.active)})
         for index in stopped:
             self._finish(index, early=True)
+
+    def _record_best(self, val_loss: list[float]) -> None:
+        """For each active run whose validation loss is below every earlier one (strictly:
+        the first of equal evaluations is kept), its test accuracy now."""
+        improved = [slot for slot, index in enumerate(self.active)
+                    if val_loss[slot] < self.best.get(index, {}).get("val_loss", math.inf)]
+        if not improved:
+            return
+        test_accuracy, _, _ = self._scores(self.data.test)
+        for slot in improved:
+            self.best[self.active[slot]] = {"val_loss": val_loss[slot], "step": self.step,
+                                            "test_accuracy": test_accuracy[slot]}
 
     def _finish(self, index: int, early: bool) -> None:
         """Score run `index` on test, once, and take it out of the stack."""
@@ -419,20 +473,26 @@ class _GroupTrainer:
         stack, active = self.model, self.active
         self.model, self.active = stack.select([slot]), [index]
         try:
-            (test_accuracy,), (rate,) = self._accuracy(self.data.test, context=True)
+            (test_accuracy,), _, (rate,) = self._scores(self.data.test, context=True)
         finally:
             self.model, self.active = stack, active
         spec, curve = self.specs[index], self.curves[index]
+        best = self.best.get(index)
         self.results[index] = {
             **spec.as_dict(),
             "resolved": {"params": self.params, **self.sizes},
             "status": "ok",
             "val_accuracy": curve[-1]["accuracy"] if curve else None,
+            "val_loss": curve[-1]["val_loss"] if curve else None,
             "test_accuracy": round(test_accuracy, 5),
             "in_context_rate": None if rate is None else round(rate, 5),
             "steps": self.step, "early_stopped": early,
             **{f"steps_to_{m}": first_step_reaching(curve, m) for m in MILESTONES},
             "final_train_loss": curve[-1]["loss"] if curve else None,
+            "best_val_loss": None if best is None else round(best["val_loss"], 5),
+            "best_val_loss_step": None if best is None else best["step"],
+            "test_accuracy_at_best_val_loss":
+                None if best is None else round(best["test_accuracy"], 5),
             "n_params": self.n_params, "seq_len": int(self.data.train_x.shape[-1]),
             "curve": curve,
         }
@@ -452,7 +512,8 @@ class _GroupTrainer:
             "flat": self.model.flat.cpu(),
             "optimizer": {k: v.cpu() for k, v in self.optimizer.state().items()},
             "columns": self.columns.cpu(), "step": self.step, "last_eval": self.last_eval,
-            "curves": self.curves, "results": self.results, "loss_sum": self.loss_sum.cpu(),
+            "curves": self.curves, "best": self.best, "results": self.results,
+            "loss_sum": self.loss_sum.cpu(),
             "order_generators": [g.get_state() for g in self.order_generators],
             "order": self.order.cpu(), "batch_index": int(self.batch_index),
             "rng": torch.get_rng_state(),
@@ -469,6 +530,7 @@ class _GroupTrainer:
         if state["run_ids"] != [spec.run_id for spec in self.specs]:
             return  # a checkpoint of another plan: start over
         self.results, self.curves = state["results"], state["curves"]
+        self.best = state.get("best", {})
         self.active = list(range(len(self.specs)))
         self._keep([self.active.index(i) for i in state["active"]])
         self.model.flat.copy_(state["flat"].to(self.device))
@@ -491,14 +553,15 @@ class _GroupTrainer:
 def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
                 progress: Callable[[dict], None] | None = None, graphs: bool = True,
                 deadline: float | None = None, checkpoint: str | Path | None = None) -> list[dict]:
-    """Train the runs `specs` (one group: they differ only in lr, seed and run id) as one
-    stack; returns one result per spec, in order. `deadline` (a `time.time()` value) stops
+    """Train the runs `specs` (one group: they differ only in lr, weight decay, seed and run
+    id) as one stack; returns one result per spec, in order. `deadline` (a `time.time()` value) stops
     training at the next evaluation after it, saving `checkpoint` (raises `Interrupted`);
     a later call with the same checkpoint path continues from it."""
     runs = [RunSpec(**spec) for spec in specs]
     keys = {group_key(run.as_dict()) for run in runs}
     if len(keys) != 1:
-        raise ValueError("train_group needs runs that differ only in lr, seed and run_id")
+        raise ValueError("train_group needs runs that differ only in lr, weight_decay, seed "
+                         "and run_id")
     trainer = _GroupTrainer(runs, build_model, graphs, progress)
     results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)
     seconds = round(time.perf_counter() - trainer.started, 2)

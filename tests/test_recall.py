@@ -1,6 +1,8 @@
 """Tiny LM, the recall protocol (validation split, scoring, in-context rate), result YAML,
 resume and the `recall` / `tasks` commands."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -128,6 +130,65 @@ def test_zoology_init_scales_the_output_projections():
     assert model.blocks[0].mixer.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
+def test_mad_lab_backbone_rms_norms_untied_head_and_swiglu_width():
+    from tasks.model import mad_swiglu_hidden
+
+    torch.manual_seed(0)
+    model = TinyLM(32, 128, lambda: MixerLayer(128, 1, softmax_op(), qk_norm="none"),
+                   state_mixer="swiglu", norm="rms", head="untied", readout="last",
+                   swiglu_hidden=mad_swiglu_hidden(128), max_len=8)
+    assert mad_swiglu_hidden(128) == 352  # MAD-lab's width at d 128 (mad/model/layers/mlp.py)
+    assert [mad_swiglu_hidden(d) for d in (64, 256)] == [176, 688]
+    mixer_modules = {id(m) for block in model.blocks for m in block.mixer.modules()}
+    norms = [m for m in model.modules() if id(m) not in mixer_modules
+             and isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))]
+    # before each mixer, in each state mixer, final, and twice in the decoder: all RMSNorm
+    assert len(norms) == 2 * 2 + 1 + 2
+    assert all(isinstance(m, torch.nn.RMSNorm) and m.eps == 1e-5 for m in norms)
+    assert model.blocks[0].state_mixer[1].w1.out_features == 352
+    assert isinstance(model.head, torch.nn.Linear) and model.head.bias is not None
+    assert model.head.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert not model.head.bias.any()
+    x = torch.randn(2, 8, 128)
+    torch.testing.assert_close(model.norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+                               * model.norm.weight)
+    inputs = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(model(inputs), model.hidden(inputs) @ model.head.weight.T
+                               + model.head.bias)
+    tied = softmax_model()
+    assert tied.head is None
+    torch.testing.assert_close(tied(inputs), tied.hidden(inputs) @ tied.embed.weight.T)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        softmax_model(norm="batch")
+    with pytest.raises(ValueError, match="swiglu_hidden must be"):
+        softmax_model(swiglu_hidden=0)
+
+
+def test_mad_lab_decoder_reads_the_raw_last_state_and_norms_before_the_head():
+    from tasks.model import fairseq_positions
+
+    codes = fairseq_positions(5, 8)  # sines of the 4 frequencies 10000^(-i/3), then cosines
+    freq = torch.tensor([10_000.0 ** (-i / 3) for i in range(4)])
+    angles = torch.arange(5.0)[:, None] * freq
+    torch.testing.assert_close(codes, torch.cat([angles.sin(), angles.cos()], 1))
+    torch.manual_seed(0)
+    make = lambda decoder: TinyLM(16, 32, lambda: MixerLayer(32, 1, softmax_op(), qk_norm="none"),  # noqa: E731
+                                  readout="last", max_len=8, norm="rms", decoder=decoder)
+    mad, default = make("mad-lab"), make("default")
+    inputs = torch.randint(0, 16, (2, 8))
+    x = mad.embed(inputs)
+    for block in mad.blocks:
+        x = block(x)
+    code = x[:, -1:]  # the residual stream, no norm
+    expected = mad.norm(mad.decoder.mlp(code + fairseq_positions(8, 32)))
+    torch.testing.assert_close(mad.hidden(inputs), expected)
+    y = default.embed(inputs)
+    for block in default.blocks:
+        y = block(y)
+    torch.testing.assert_close(default.hidden(inputs),
+                               default.decoder.mlp(default.norm(y)[:, -1:] + default.decoder.positions))
+
+
 def test_schedules():
     assert warmup_cosine(0, 100, 10) == pytest.approx(0.1)
     assert warmup_cosine(9, 100, 10) == pytest.approx(1.0)
@@ -224,6 +285,74 @@ def test_summary_picks_the_lr_on_validation_and_reports_the_test_pick_beside_it(
     assert failed["score"] is None and failed["status"] == "oom"
 
 
+def test_summary_picks_over_lr_and_weight_decay_and_offers_mad_labs_test_pick():
+    runs = [run(lr=1e-3, weight_decay=0.0, val_accuracy=0.7, test_accuracy=0.70,
+                test_accuracy_at_best_val_loss=0.72, metric="mad-macro"),
+            run(lr=1e-3, weight_decay=0.1, val_accuracy=0.9, test_accuracy=0.85,  # val's pick
+                test_accuracy_at_best_val_loss=0.80, metric="mad-macro"),
+            run(lr=3e-3, weight_decay=0.0, val_accuracy=0.8, test_accuracy=0.95,  # Zoology's
+                test_accuracy_at_best_val_loss=0.60, metric="mad-macro"),
+            run(lr=3e-3, weight_decay=0.1, val_accuracy=0.6, test_accuracy=0.50,  # MAD-lab's
+                test_accuracy_at_best_val_loss=0.90, metric="mad-macro")]
+    cell = summarize(runs)["s"]["m"][64]
+    assert cell["lrs"] == [1e-3] and cell["weight_decays"] == [0.1]
+    assert cell["score"]["mean"] == 0.85 and cell["test_picked"]["mean"] == 0.95
+    assert cell["test_picked_mad"]["mean"] == 0.90
+    assert cell["grid_weight_decays"] == [0.0, 0.1] and cell["metric"] == "mad-macro"
+    tie = summarize([run(lr=1e-3, weight_decay=0.1, val_accuracy=0.5, test_accuracy=0.1),
+                     run(lr=1e-3, weight_decay=0.0, val_accuracy=0.5, test_accuracy=0.2)])
+    assert tie["s"]["m"][64]["weight_decays"] == [0.0]  # ties: the smaller weight decay
+    console = Console(record=True, width=250)
+    render_recall({"kind": "recall", "config": {}, "environment": {}, "runs": runs}, console)
+    text = console.export_text()
+    assert " wd " in text and "0.900" in text and "as MAD-lab" in text
+    assert "MAD-lab's macro accuracy per batch of 128" in text
+    # without a record at the lowest validation loss: Zoology's pick, no wd column without a grid
+    plain = [dict(r, weight_decay=0.1, test_accuracy_at_best_val_loss=None, metric="micro")
+             for r in runs[:2]]
+    assert summarize(plain)["s"]["m"][64]["test_picked_mad"] is None
+    console = Console(record=True, width=250)
+    render_recall({"kind": "recall", "config": {}, "environment": {}, "runs": plain}, console)
+    text = console.export_text()
+    assert "as Zoology" in text and " wd " not in text and "MAD scores" not in text
+
+
+def mad_run(task, setting, mixer="hla2", val=0.5, test=0.6, at_best=None, **fields):
+    return run(**{"setting": setting, "mixer": mixer, "d_model": 128, "task": task, "lr": 1e-3,
+                  "weight_decay": 0.0, "val_accuracy": val, "test_accuracy": test,
+                  "test_accuracy_at_best_val_loss": at_best, **fields})
+
+
+def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings():
+    from hla_bench.recall_report import mad_markdown, mad_scores, mad_table
+
+    runs = [mad_run("in_context_recall", "icr", test=0.9, at_best=0.95),
+            mad_run("in_context_recall", "icr", val=0.9, test=0.8, at_best=0.7, lr=3e-3),
+            mad_run("in_context_recall", "icr num_train=800", test=0.4, at_best=0.5),
+            mad_run("memorization", "mem", test=0.3, at_best=0.3),
+            mad_run("mqar", "mqar", test=1.0, at_best=1.0)]   # not a MAD task: not in the view
+    scores = mad_scores(runs)
+    entry = scores[("hla2", 128)]["in_context_recall"]
+    assert entry["val"] == pytest.approx((0.8 + 0.4) / 2)   # val-picked: the lr of val 0.9
+    assert entry["test"] == pytest.approx((0.95 + 0.5) / 2)  # MAD-lab's pick per setting
+    assert entry["rule"] == "mad-lab" and (entry["settings"], entry["expected"]) == (2, 11)
+    assert set(scores[("hla2", 128)]) == {"in_context_recall", "memorization"}
+    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
+                                "mad-lab.yaml").read_text())
+    console = Console(record=True, width=250)
+    console.print(mad_table(scores, reference))
+    text = " ".join(console.export_text().split())
+    assert "0.600 / 0.725 (2/11)" in text and "0.300 / 0.300 (1/6)" in text
+    assert "no architecture it scored matches an hla-bench mixer" in text
+    # a mapped architecture gets its published row under its mixer
+    mapped = {**reference, "architectures_in_hla_bench": {"Hyena + SwiGLU": "hla2"}}
+    markdown = mad_markdown(scores, mapped)
+    assert "| MAD-lab: Hyena + SwiGLU | 128 | 0.818 | 0.895 |" in markdown
+    assert "its published scores" in markdown
+    absent = {**reference, "architectures_in_hla_bench": {"Hyena + SwiGLU": "sdpa"}}
+    assert "mixers (sdpa) ran here" in mad_markdown(scores, absent)
+
+
 def test_recall_file_validation():
     with pytest.raises(RecallFileError, match="kind: recall"):
         validate_recall({"kind": "bench"})
@@ -250,6 +379,25 @@ def test_recall_file_validation():
     ({"settings": [{"task": "mqar", "params": {"seq_len": 15}}]}, "seq_len must be an even"),
     ({"settings": [{"task": "mqar", "trian": {}}]}, "unknown key trian"),
     ({"bogus": 1}, "unknown key bogus"),
+    ({"weight_decays": [-0.1]}, "weight_decays must be a list of a number in"),
+    ({"weight_decays": [0.1], "settings": [{"task": "mqar", "train": {"weight_decay": 0.0}}]},
+     r"settings\[0\].train.weight_decay: the config has a `weight_decays` grid"),
+    ({"train": {"metric": "macro"}}, "metric must be one of micro, mad-macro"),
+    ({"model": {"norm": "batch"}}, "norm must be one of layer, rms"),
+    ({"model": {"head": "shared"}}, "head must be one of tied, untied"),
+    ({"model": {"swiglu_hidden": 0}}, "swiglu_hidden must be an int >= 1"),
+    ({"model": {"decoder": "mad"}}, "decoder must be one of default, mad-lab"),
+    ({"mixer_model": {"hla2x": {}}}, "mixer_model names mixers not in"),
+    ({"mixers": ["hla2"], "mixer_model": {"hla2": {"layers": 4}}}, "mixer_model.hla2: unknown key"),
+    ({"mixers": ["hla2"], "mixer_model": {"hla2": {"n_layers": 4}},
+      "settings": [{"task": "mqar", "model": {"n_layers": 3}}]},
+     r"settings\[0\].model and mixer_model.hla2 both set n_layers"),
+    ({"settings": [{"task": "mqar", "name": ""}]}, "name must be a non-empty string"),
+    ({"settings": [{"task": "mqar", "train": {"num_train": 10}},
+                   {"task": "mqar", "train": {"num_train": 10}}]},
+     r"settings\[0\] and settings\[1\] have the same label 'mqar num_train=10'"),
+    ({"settings": [{"task": "mqar", "name": "a"}, {"task": "memorization", "name": "a"}]},
+     "have the same label 'a'"),
 ])
 def test_config_validation_names_the_problem(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -259,11 +407,105 @@ def test_config_validation_names_the_problem(changes, message):
 def test_configs_in_the_repository_are_valid():
     from pathlib import Path
 
+    from hla_bench.recall import plan_runs
+    from hla_bench.training import plan_groups
+
+    checked = []
     for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
         data = yaml.safe_load(path.read_text())
         if "settings" in data:  # a recall config
             config = load_config(str(path), {})
             assert config["name"] == path.stem
+            specs = plan_runs(config, "cpu")
+            assert len({spec["setting"] for spec in specs}) == len(config["settings"])
+            for spec in specs[:200]:  # every run's model builds (spot check: the first runs)
+                RunSpec(**spec)
+            assert plan_groups(specs[:64], 32)
+            checked.append(path.stem)
+    assert {"mad", "zoology-fig2", "zoology-smoke", "recall-cpu"} <= set(checked)
+
+
+def test_weight_decay_grid_plans_every_lr_wd_and_seed_in_one_group_per_cell(tmp_path):
+    from hla_bench.recall import plan_runs
+    from hla_bench.training import plan_groups
+
+    config = validate_config({
+        "mixers": ["hla2", "linear-attn"], "d_model": [32], "lrs": [1e-3, 3e-3],
+        "weight_decays": [0.0, 0.1, 0.3], "seeds": [0, 1],
+        "settings": [{"task": "mqar", "params": {"seq_len": 16, "num_kv_pairs": 2}}]})
+    specs = plan_runs(config, "cpu")
+    assert len(specs) == 2 * 2 * 3 * 2
+    assert {(s["lr"], s["weight_decay"], s["seed"]) for s in specs if s["mixer"] == "hla2"} == {
+        (lr, wd, seed) for lr in (1e-3, 3e-3) for wd in (0.0, 0.1, 0.3) for seed in (0, 1)}
+    groups = plan_groups(specs, 32)
+    assert sorted(len(g) for g in groups) == [12, 12]
+    # without the grid: each setting's own train.weight_decay, as before
+    single = validate_config({"mixers": ["hla2"], "lrs": [1e-3], "train": {"weight_decay": 0.2},
+                              "settings": [{"task": "mqar"},
+                                           {"task": "mqar", "train": {"weight_decay": 0.0}}]})
+    assert [s["weight_decay"] for s in plan_runs(single, "cpu")] == [0.2, 0.0]
+    # a file gives one or the other; the command line's grid replaces the file's decay
+    path = tmp_path / "both.yaml"
+    path.write_text(yaml.safe_dump({"mixers": ["hla2"], "weight_decays": [0.0, 0.1],
+                                    "train": {"weight_decay": 0.2}}))
+    with pytest.raises(ConfigError, match="give `weight_decays` .a grid. or train.weight_decay"):
+        load_config(str(path), {})
+    path.write_text(yaml.safe_dump({"mixers": ["hla2"], "train": {"weight_decay": 0.2}}))
+    assert load_config(str(path), {"weight_decays": [0.0, 0.5]})["weight_decays"] == [0.0, 0.5]
+
+
+def test_settings_are_told_apart_by_their_overrides_or_named():
+    from hla_bench.recall import plan_runs, setting_label
+
+    config = validate_config({
+        "mixers": ["hla2"], "lrs": [1e-3],
+        "settings": [{"task": "in_context_recall"},
+                     {"task": "in_context_recall", "train": {"num_train": 6400}},
+                     {"task": "in_context_recall", "params": {"vocab_size": 32},
+                      "model": {"n_layers": 4}},
+                     {"task": "in_context_recall", "train": {"num_train": 800}, "name": "icr-800"}]})
+    labels = [spec["setting"] for spec in plan_runs(config, "cpu")]
+    assert labels == ["in_context_recall", "in_context_recall num_train=6400",
+                      "in_context_recall vocab_size=32 n_layers=4", "icr-800"]
+    assert setting_label("mqar", {"seq_len": 8}) == "mqar seq_len=8"  # no overrides: as before
+    # task parameters never share a name with a train or model key, so labels stay unambiguous
+    from hla_bench.recall import MODEL_FIELDS, TRAIN_FIELDS
+    for task in tasks.all_tasks():
+        assert not set(task.params) & (set(MODEL_FIELDS) | set(TRAIN_FIELDS)), task.name
+
+
+def test_mixer_model_overrides_the_model_of_one_mixer(tmp_path):
+    from hla_bench.recall import plan_runs
+
+    config = validate_config({
+        "mixers": ["hla2", "mamba2-ssd"], "lrs": [1e-3],
+        "model": {"n_layers": 2, "state_mixer": "swiglu"},
+        "mixer_model": {"mamba2-ssd": {"n_layers": 4, "state_mixer": "none"}},
+        "settings": [{"task": "mqar", "model": {"n_heads": 2}}]})
+    by_mixer = {spec["mixer"]: spec for spec in plan_runs(config, "cpu")}
+    assert (by_mixer["hla2"]["n_layers"], by_mixer["hla2"]["state_mixer"]) == (2, "swiglu")
+    assert (by_mixer["mamba2-ssd"]["n_layers"], by_mixer["mamba2-ssd"]["state_mixer"]) == (4, "none")
+    assert by_mixer["mamba2-ssd"]["n_heads"] == by_mixer["hla2"]["n_heads"] == 2
+    model = build_model(by_mixer["mamba2-ssd"])
+    assert len(model.blocks) == 4 and model.blocks[0].state_mixer is None
+    # --mixers on the command line keeps the file's per-mixer entries of those mixers only
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"mixers": ["hla2", "mamba2-ssd"],
+                                    "mixer_options": {"mamba2-ssd": {"d_state": 4}},
+                                    "mixer_model": {"mamba2-ssd": {"n_layers": 4}}}))
+    narrowed = load_config(str(path), {"mixers": ["hla2"]})
+    assert narrowed["mixer_options"] == {} and narrowed["mixer_model"] == {}
+    assert load_config(str(path), {})["mixer_model"] == {"mamba2-ssd": {"n_layers": 4}}
+
+
+def test_run_key_reads_a_field_a_stored_run_lacks_as_its_default():
+    from hla_bench.recall import run_key
+
+    spec = tiny_spec()
+    stored = {k: v for k, v in spec.items() if k not in ("norm", "head", "metric", "decoder",
+                                                          "swiglu_hidden", "test_at_best_val")}
+    assert run_key(stored) == run_key(spec)
+    assert run_key(stored) != run_key({**spec, "norm": "rms"})
 
 
 def recall_args(tmp_path, *extra):
@@ -428,3 +670,31 @@ def test_unavailable_mixer_is_recorded_not_run(tmp_path):
     run_ = yaml.safe_load((tmp_path / "recall.yaml").read_text())["runs"][0]
     assert run_["status"] == "unavailable" and "CUDA" in run_["error"] and run_["curve"] == []
     assert "unavailable" in result.output
+
+
+def test_mad_config_smoke_on_the_cpu_through_the_cli(tmp_path):
+    """configs/mad.yaml's protocol at tiny sizes: one task setting, two mixers (one with a
+    per-mixer model), its lr x weight-decay grid, MAD-lab's metric and test pick."""
+    out = tmp_path / "mad.yaml"
+    result = CliRunner().invoke(main, [
+        "recall", "--config", str(Path(__file__).parents[1] / "configs" / "mad.yaml"), "--task",
+        "in_context_recall",
+        "--seq-len", "16", "--mixers", "sdpa,mamba2-ssd", "--d-model", "32", "--epochs", "1",
+        "--num-train", "64", "--num-val", "32", "--num-test", "32", "--batch-size", "64",
+        "--device", "cpu", "--workers", "1", "--out", str(out)], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    data = yaml.safe_load(out.read_text())
+    runs = data["runs"]
+    assert len(runs) == 2 * 3 * 2 and all(r["status"] == "ok" for r in runs)
+    assert {(r["lr"], r["weight_decay"]) for r in runs} == {
+        (lr, wd) for lr in (1e-4, 5e-4, 1e-3) for wd in (0.0, 0.1)}
+    assert all(r["metric"] == "mad-macro" and r["test_accuracy_at_best_val_loss"] is not None
+               and r["norm"] == "rms" and r["head"] == "untied" and r["swiglu_hidden"] == 352
+               for r in runs)
+    by_mixer = {r["mixer"]: r for r in runs}
+    assert (by_mixer["mamba2-ssd"]["n_layers"], by_mixer["mamba2-ssd"]["state_mixer"]) == (4, "none")
+    assert by_mixer["sdpa"]["n_heads"] == 16 and by_mixer["sdpa"]["n_layers"] == 2
+    assert {r["group_size"] for r in runs} == {6}  # the grid of a mixer trains as one stack
+    text = " ".join(result.output.split())
+    assert "MAD scores" in text and "(1/11)" in text and "as MAD-lab" in text
+    assert "no architecture it scored matches an hla-bench mixer" in text

@@ -233,3 +233,198 @@ def test_a_mixer_without_a_stacked_form_trains_alone():
     assert not stackable(run)
     result, = train_group([run], build64, graphs=False)
     assert result["status"] == "ok"
+
+
+# --- weight decay per run, and the MAD-lab model features -------------------------------
+
+def test_flat_adamw_weight_decay_per_row_is_torch_adamw_per_row():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(3, 2).double() for _ in range(3)]
+    stacked = object.__new__(StackedLM)
+    stacked.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+                                for m in models])
+    stacked.grad = torch.zeros_like(stacked.flat)
+    lrs, decays = (1e-2, 3e-3, 1e-2), (0.0, 0.1, 0.3)
+    optimizer = FlatAdamW(stacked, weight_decay=list(decays))
+    references = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, foreach=False)
+                  for m, lr, wd in zip(models, lrs, decays)]
+    for step in range(5):
+        if step == 2:  # the middle row leaves: the others keep their own decay
+            keep = [0, 2]
+            stacked.flat = stacked.flat[keep].clone()
+            stacked.grad = torch.zeros_like(stacked.flat)
+            optimizer = optimizer.select(stacked, keep)
+            models, references, lrs = [models[i] for i in keep], [references[i] for i in keep], \
+                [lrs[i] for i in keep]
+        grads = torch.randn_like(stacked.flat)
+        stacked.grad.copy_(grads)
+        optimizer.step(torch.tensor(lrs, dtype=torch.float64))
+        for n, (model, reference) in enumerate(zip(models, references)):
+            offset = 0
+            for p in model.parameters():
+                p.grad = grads[n, offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+            reference.step()
+    assert optimizer.weight_decay.view(-1).tolist() == [0.0, 0.3]
+    for n, model in enumerate(models):
+        expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(stacked.flat[n], expected, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="one per row"):
+        FlatAdamW(stacked, weight_decay=[0.1, 0.2, 0.3])
+
+
+def test_runs_differing_in_weight_decay_train_as_one_group_equal_to_each_alone():
+    from hla_bench.training import plan_groups
+
+    runs = [spec(mixer="hla2", lr=lr, weight_decay=wd, seed=seed, run_id=i, epochs=3)
+            for i, (lr, wd, seed) in enumerate([(1e-2, 0.0, 0), (1e-2, 0.5, 0), (3e-3, 0.5, 1)])]
+    assert len(plan_groups(runs, 32)) == 1
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(5)
+    for n, run in enumerate(runs):
+        model, _ = train_alone(run, 5)
+        assert_same_params(trainer.model, n, model)
+    # the decay matters: the two runs of equal lr and seed moved apart
+    assert not torch.allclose(trainer.model.flat[0], trainer.model.flat[1])
+
+
+MODEL_VARIANTS = {
+    "rms": dict(norm="rms"),
+    "untied": dict(head="untied"),
+    "swiglu-hidden": dict(state_mixer="swiglu", swiglu_hidden=24),
+    "mad-lab": dict(norm="rms", head="untied", state_mixer="swiglu", swiglu_hidden=24),
+}
+
+
+def _stacked_and_alone(runs):
+    models = []
+    for run in runs:
+        torch.manual_seed(run["seed"])
+        models.append(build64(run))
+    return StackedLM(models), models
+
+
+def _assert_losses_and_grads(stacked, models, tokens, labels, max_rows):
+    losses = stacked.losses(tokens, labels, max_rows=max_rows)
+    losses.sum().backward()
+    for n, model in enumerate(models):
+        model.zero_grad()
+        loss = model.loss(tokens[n], labels[n])
+        torch.testing.assert_close(losses[n], loss, rtol=1e-10, atol=1e-12)
+        loss.backward()
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(stacked.params[name].grad[n], value.grad, rtol=1e-9,
+                                       atol=1e-12, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("variant", sorted(MODEL_VARIANTS))
+@pytest.mark.parametrize("mixer", ["sdpa", "hla2", "mamba2-ssd"])
+def test_model_features_stack(mixer, variant):
+    runs = group(mixer, **MODEL_VARIANTS[variant])
+    stacked, models = _stacked_and_alone(runs)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (3, 4, 32), generator=generator)
+    labels = torch.full((3, 4, 32), IGNORE)
+    labels[:, :, 9::7] = torch.randint(0, 64, (3, 4, 4), generator=generator)
+    _assert_losses_and_grads(stacked, models, tokens, labels, 4 * 4)
+
+
+@pytest.mark.parametrize("decoder", ["default", "mad-lab"])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_last_state_decoders_stack(decoder, norm):
+    runs = [spec(mixer="linear-attn", task="compression", params={}, decoder=decoder, norm=norm,
+                 head="untied", seed=s, run_id=s) for s in (0, 1)]
+    stacked, models = _stacked_and_alone(runs)
+    T = models[0].max_len
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 16, (2, 3, T), generator=generator)
+    labels = torch.randint(0, 16, (2, 3, T), generator=generator)
+    _assert_losses_and_grads(stacked, models, tokens, labels, 3 * T)
+
+
+def test_training_with_the_mad_lab_model_stacked_equals_each_alone():
+    runs = group("linear-attn", lrs=(1e-3, 3e-3), seeds=(0, 1), epochs=3, norm="rms",
+                 head="untied", state_mixer="swiglu", swiglu_hidden=24, weight_decay=0.1)
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(4)
+    for n, run in enumerate(runs):
+        model, _ = train_alone(run, 4)
+        assert_same_params(trainer.model, n, model)
+
+
+RECALL = dict(task="in_context_recall", params=dict(vocab_size=16, seq_len=16))
+
+
+def _unstacked(trainer, slot, run):
+    torch.manual_seed(run["seed"])
+    model = build64(run)
+    model.load_state_dict(trainer.model.unstack(slot), strict=False)
+    return model.eval()
+
+
+def test_mad_macro_metric_is_mad_accuracy_per_batch_of_128_averaged_by_examples():
+    from tasks.mad import mad_accuracy
+
+    runs = group("linear-attn", lrs=(1e-2, 3e-3), seeds=(0, 1), metric="mad-macro",
+                 num_train=64, num_val=32, num_test=200, **RECALL)
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(4)
+    macro, _, _ = trainer._scores(trainer.data.test)
+    vocab = 16
+    for slot, run in enumerate(runs):
+        model = _unstacked(trainer, slot, run)
+        x, y = trainer.data.test[trainer.seeds.index(run["seed"])]
+        with torch.no_grad():
+            predictions = model(x).argmax(-1)
+        per_batch = [(mad_accuracy(predictions[s:s + 128], y[s:s + 128], vocab), len(y[s:s + 128]))
+                     for s in (0, 128)]
+        expected = sum(a * n for a, n in per_batch) / 200
+        assert macro[slot] == pytest.approx(expected, rel=1e-12)
+        valid = y != IGNORE
+        micro = float((predictions == y)[valid].double().mean())
+        assert expected != pytest.approx(micro)  # the two metrics differ here
+    trainer.specs = [RunSpec(**{**r, "metric": "micro"}) for r in runs]
+    micro_scores, _, _ = trainer._scores(trainer.data.test)
+    for slot, run in enumerate(runs):
+        model = _unstacked(trainer, slot, run)
+        x, y = trainer.data.test[trainer.seeds.index(run["seed"])]
+        with torch.no_grad():
+            predictions = model(x).argmax(-1)
+        assert micro_scores[slot] == pytest.approx(
+            float((predictions == y)[y != IGNORE].double().mean()), rel=1e-6)  # float32 counts
+
+
+def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_path):
+    from tasks.train import Interrupted
+
+    # few examples, many epochs: validation loss turns up before the end
+    fields = dict(lrs=(3e-2, 1e-2), seeds=(0, 1), num_train=32, num_val=64, num_test=64,
+                  batch_size=16, epochs=20, **RECALL)
+    plain = train_group(group("linear-attn", **fields), build64, graphs=False)
+    runs = group("linear-attn", test_at_best_val=True, **fields)
+    tracked = train_group(runs, build64, graphs=False)
+    recorded = ("best_val_loss", "best_val_loss_step", "test_accuracy_at_best_val_loss",
+                "test_at_best_val", "seconds", "train_seconds")
+    for a, b in zip(plain, tracked):
+        assert a["best_val_loss"] is None and a["test_accuracy_at_best_val_loss"] is None
+        assert {k: v for k, v in a.items() if k not in recorded} == \
+            {k: v for k, v in b.items() if k not in recorded}
+    earlier = 0
+    for run, result in zip(runs, tracked):
+        losses = [point["val_loss"] for point in result["curve"]]
+        step = result["best_val_loss_step"]
+        assert result["best_val_loss"] == min(losses)
+        assert step == result["curve"][losses.index(min(losses))]["step"]
+        earlier += step < result["steps"]
+        alone = _GroupTrainer([RunSpec(**run)], build64, graphs=False, progress=None)
+        alone.train_to(step)
+        (accuracy,), _, _ = alone._scores(alone.data.test)
+        assert result["test_accuracy_at_best_val_loss"] == round(accuracy, 5)
+    assert earlier  # some run's best validation loss came before its last evaluation
+    checkpoint = tmp_path / "group.pt"
+    with pytest.raises(Interrupted):
+        train_group(runs, build64, graphs=False, deadline=0.0, checkpoint=checkpoint)
+    resumed = train_group(runs, build64, graphs=False, checkpoint=checkpoint)
+    for a, b in zip(resumed, tracked):
+        assert a["test_accuracy_at_best_val_loss"] == b["test_accuracy_at_best_val_loss"]
+        assert a["best_val_loss_step"] == b["best_val_loss_step"]

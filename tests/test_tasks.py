@@ -322,28 +322,40 @@ def test_mad_accuracy_is_torchmetrics_macro_accuracy():
 
 
 def test_mad_config_runs_mad_labs_protocol():
+    from tasks.model import mad_swiglu_hidden
+
     config = yaml.safe_load((ROOT / "configs" / "mad.yaml").read_text())
     # mad/configs.py: the 3 x 2 grid; benchmark.py: width 128, 2 x (sequence mixer, SwiGLU)
     assert tuple(config["lrs"]) == mad.MAD_LEARNING_RATES and config["d_model"] == [128]
+    assert tuple(config["weight_decays"]) == mad.MAD_WEIGHT_DECAYS
     assert {k: config["model"][k] for k in ("n_layers", "state_mixer", "embed_dropout")} == {
         "n_layers": 2, "state_mixer": "swiglu", "embed_dropout": 0.0}
+    # language_model.py / auto_encoder.py as benchmark.py builds them: RMSNorm, untied head
+    # with bias, MAD-lab's decoder; mlp.py's SwiGLU width
+    assert {k: config["model"][k] for k in ("norm", "head", "decoder", "swiglu_hidden")} == {
+        "norm": "rms", "head": "untied", "decoder": "mad-lab", "swiglu_hidden": mad_swiglu_hidden(128)}
+    # the paper (App. B): the Mamba model is 4 Mamba layers; configs/layers: 16 attention heads
+    assert config["mixer_model"]["mamba2-ssd"] == {"n_layers": 4, "state_mixer": "none"}
+    assert config["mixer_model"]["sdpa"] == {"n_heads": 16}
     # MADConfig: 200 epochs of batch 128, 1280 test examples; train.py: evaluation every epoch,
-    # stop above 0.999 test accuracy; Lightning never reads the cosine scheduler MAD-lab
-    # returns under "scheduler", so the learning rate is constant
+    # stop above 0.999 accuracy; Lightning never reads the cosine scheduler MAD-lab returns
+    # under "scheduler", so the learning rate is constant; mad/metrics.py: macro accuracy
     train = config["train"]
     assert {k: train[k] for k in ("epochs", "batch_size", "num_train", "num_test", "eval_every",
-                                  "stop_accuracy", "schedule", "warmup_frac", "shuffle")} == {
-        "epochs": 200, "batch_size": 128, "num_train": 12_800, "num_test": 1_280, "eval_every": 0,
-        "stop_accuracy": 0.999, "schedule": "constant", "warmup_frac": 0.0, "shuffle": True}
+                                  "stop_accuracy", "schedule", "warmup_frac", "shuffle",
+                                  "metric", "test_at_best_val")} == {
+        "epochs": 200, "batch_size": 128, "num_train": None, "num_test": 1_280, "eval_every": 0,
+        "stop_accuracy": 0.999, "schedule": "constant", "warmup_frac": 0.0, "shuffle": True,
+        "metric": "mad-macro", "test_at_best_val": True}
     planned = []
     for setting in config["settings"]:
         task = tasks.get(setting["task"])
         overrides = {**train, **setting.get("train", {})}
-        planned.append((task.name, tuple(sorted(task.resolve_params(setting["params"]).items())),
-                        overrides["num_train"], overrides["weight_decay"]))
+        planned.append((task.name, tuple(sorted(task.resolve_params(setting.get("params")).items())),
+                        overrides["num_train"] or task.num_train))
     expected = [(s["task"], tuple(sorted(tasks.get(s["task"]).resolve_params(s["params"]).items())),
-                 s["num_train"], wd) for s in mad.mad_settings() for wd in mad.MAD_WEIGHT_DECAYS]
-    assert planned == expected and len(planned) == 132
+                 s["num_train"]) for s in mad.mad_settings()]
+    assert planned == expected and len(planned) == 66
 
 
 def test_mad_lab_reference_scores_are_consistent():
@@ -382,3 +394,60 @@ def test_roles_cover_every_token(name):
     roles = task.roles(x[0], y[0], **task.resolve_params(SMALL[name]))
     assert len(roles) == x.shape[1]
     assert set(roles) <= {"key", "value", "query", "filler", "noise", "special"}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_val_labels_declares_whether_train_and_test_targets_differ(name):
+    """val_labels "train" only where the generator gives train and test the same targets;
+    "test" where they differ (then validation must carry test targets to measure test's)."""
+    task = tasks.get(name)
+    params = task.resolve_params(SMALL[name])
+    draws = [task.generate(np.random.default_rng(7), 20, split, 0, **params)
+             for split in ("train", "test")]
+    same = all(np.array_equal(a, b) for a, b in zip(*draws))
+    assert task.val_labels == ("train" if same else "test")
+
+
+def test_mad_recall_validation_carries_test_targets_and_keeps_the_training_stream():
+    task = tasks.get("in_context_recall")
+    splits = task.splits(300, 200, 200, 0)
+    stream_x, stream_y = task.make("train", 500, 0)
+    # training data and validation inputs are the training stream, as before
+    assert torch.equal(splits.train[0], stream_x[:300]) and torch.equal(splits.train[1], stream_y[:300])
+    val_x, val_y = splits.val
+    assert len(val_x) == 200 and torch.equal(val_x, stream_x[300:])
+    # ...but validation is labelled as test is: the recalled values only, never every token
+    test_x, test_y = splits.test
+    share = lambda y: float((y != IGNORE).float().mean())  # noqa: E731
+    assert share(splits.train[1]) == 1.0
+    assert share(val_y) == pytest.approx(share(test_y), abs=0.02) and share(val_y) < 0.5
+    labelled = val_y != IGNORE
+    assert torch.equal(val_y[:, :-1][labelled[:, :-1]], val_x[:, 1:][labelled[:, :-1]])
+    # test targets of the same inputs: the test generator's labels on this stream
+    rng = np.random.default_rng(tasks.split_seed(0, "train"))
+    task.generate(rng, 300, "train", 0, **task.params)
+    _, expected = task.generate(rng, 200, "test", 0, **task.params)
+    assert torch.equal(val_y, torch.as_tensor(expected))
+
+
+def test_test_labelled_validation_drops_inputs_seen_in_train_or_test():
+    task = tasks.get("fuzzy_in_context_recall")  # draws validation from the test distribution
+    params = dict(vocab_size=8, seq_len=14, k_motif_size=1, v_motif_size=1)
+    splits = task.splits(400, 400, 400, 0, **params)
+    rows = lambda x: {tuple(r) for r in x.tolist()}  # noqa: E731
+    val = rows(splits.val[0])
+    assert val and not val & rows(splits.train[0]) and not val & rows(splits.test[0])
+    assert len(splits.val[0]) < 400
+    assert task.splits(50, 0, 10, 0, **params).val[0].shape == (0, 14)
+
+
+def test_macro_accuracy_per_batch_equals_mad_accuracy_of_each():
+    generator = torch.Generator().manual_seed(0)
+    predictions = torch.randint(0, 6, (4, 30), generator=generator)
+    targets = torch.randint(0, 6, (4, 30), generator=generator)
+    targets[targets == 5] = IGNORE
+    targets[3] = IGNORE  # a batch with nothing labelled scores 0
+    batched = mad.macro_accuracy(predictions, targets, 6)
+    assert batched.tolist() == pytest.approx(
+        [mad.mad_accuracy(p, t, 6) for p, t in zip(predictions, targets)])
+    assert batched[3] == 0.0 and 0 < batched[0] < 1
