@@ -126,12 +126,25 @@ def open_store(out: str | None, mode: str, sweeps: list[SweepConfig], config: di
         raise click.UsageError(str(error)) from None
 
 
+def _check_executor(executor: str, scheduler: str | None) -> None:
+    if scheduler and executor != "dask":
+        raise click.UsageError("--scheduler needs --executor dask")
+    if executor == "dask":
+        import importlib.util
+
+        if importlib.util.find_spec("distributed") is None:
+            raise click.UsageError('--executor dask needs dask.distributed: '
+                                   'pip install "hla-bench[dask]"')
+
+
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
-            baseline: str | None, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+            baseline: str | None, resume: bool = False, overwrite: bool = False,
+            executor: str = "local", scheduler: str | None = None) -> dict[str, Any]:
     """Check everything, run the sweeps with a progress bar, keeping the results file
     current after every point; print tables or data."""
     from hla_bench.engine.runner import run_sweeps
 
+    _check_executor(executor, scheduler)
     mode = _mode(out, resume, overwrite)
     _check(sweeps)
     errors = Console(stderr=True)
@@ -167,8 +180,14 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
             def on_point(index: int, total: int, point) -> None:
                 progress.update(task, completed=index, total=total, description=point.describe())
 
-            planned = run_sweeps(sweeps, on_point, previous=store.records(),
-                                 on_measured=on_measured)
+            if executor == "dask":
+                from hla_bench.dask_executor import run_sweeps_dask
+
+                planned = run_sweeps_dask(sweeps, scheduler, previous=store.records(),
+                                          on_measured=on_measured)
+            else:
+                planned = run_sweeps(sweeps, on_point, previous=store.records(),
+                                     on_measured=on_measured)
             progress.update(task, completed=len(planned))
         store.update_header({"environment": {
             **environment, "wall_s": round(time.perf_counter() - started, 2)}}, write=False)
@@ -209,6 +228,12 @@ output_options = [
                       "missing ones (its settings must match)."),
     click.option("--overwrite", is_flag=True,
                  help="Replace the --out file (only a bench results file is replaced)."),
+    click.option("--executor", type=click.Choice(["local", "dask"]), default="local",
+                 show_default=True, help="local: this process; dask: one task per (sweep, "
+                 "mixer) on a Dask cluster, each in a fresh process on its worker (a local "
+                 "cluster, one worker per GPU or CPU slot, without --scheduler)."),
+    click.option("--scheduler", metavar="ADDRESS",
+                 help="An existing Dask scheduler (tcp://host:8786) for --executor dask."),
 ]
 
 
@@ -244,7 +269,8 @@ def with_setting_options(command: Callable) -> Callable:
 @with_setting_options
 @with_output_options
 def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
-          resume: bool, overwrite: bool, **settings: Any) -> None:
+          resume: bool, overwrite: bool, executor: str, scheduler: str | None,
+          **settings: Any) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
@@ -256,7 +282,7 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    execute(config, [sweep], out, output_format, baseline, resume, overwrite)
+    execute(config, [sweep], out, output_format, baseline, resume, overwrite, executor, scheduler)
 
 
 @click.command()
@@ -266,7 +292,8 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
               help="Run only this sweep of the config (repeatable; default: all).")
 @with_output_options
 def run(config_path: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
-        as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool) -> None:
+        as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool, executor: str,
+        scheduler: str | None) -> None:
     """Run the sweeps of a config file (default: configs/cpu-smoke.yaml)."""
     output_format = _output_format(as_json, as_yaml)
     path = Path(config_path) if config_path else DEFAULT_CONFIG
@@ -289,7 +316,7 @@ def run(config_path: str | None, only: tuple[str, ...], out: str | None, as_json
                                f"({', '.join(sorted(labels))})")
     total = sum(len(s.mixers) * len(s.modes) * len(s.seq_lens) for s in sweeps)
     Console(stderr=True).print(f"{path.name}: {len(sweeps)} sweep(s), {total} points")
-    execute(config, sweeps, out, output_format, baseline, resume, overwrite)
+    execute(config, sweeps, out, output_format, baseline, resume, overwrite, executor, scheduler)
 
 
 commands = [list_, bench, run]

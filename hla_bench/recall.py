@@ -433,6 +433,14 @@ def environment(device: str) -> dict:
     return capture_environment(device)
 
 
+def check_dask() -> None:
+    """--executor dask needs dask.distributed; say how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("distributed") is None:
+        raise ConfigError('--executor dask needs dask.distributed: pip install "hla-bench[dask]"')
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -469,7 +477,7 @@ def parse_params(ctx, param, values) -> dict:
 
 
 def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
-                      on_results, **options) -> bool:
+                      on_results, client=None, **options) -> bool:
     """The groups under a rich display: an overall bar of runs, a bar per running group,
     and a line per finished run."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -506,6 +514,10 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             progress.advance(overall, len(results))
             on_results(results)
 
+        if client is not None:
+            from hla_bench.dask_executor import run_groups_dask
+
+            return run_groups_dask(client, groups, on_event, on_group, **options)
         return run_groups(groups, workers, on_event, on_group, **options)
 
 
@@ -553,8 +565,13 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.option("--time-limit", type=float, help="Stop after this many seconds: running groups "
               "save a checkpoint at their next evaluation; --resume continues them.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write plots here.")
+@click.option("--executor", type=click.Choice(["local", "dask"]), default="local",
+              show_default=True, help="local: worker processes on this host; dask: tasks on a "
+              "Dask cluster (a local one, one worker per GPU or CPU slot, without --scheduler).")
+@click.option("--scheduler", metavar="ADDRESS", help="An existing Dask scheduler "
+              "(tcp://host:8786) for --executor dask.")
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
-           overwrite, time_limit, plots_dir, **options):
+           overwrite, time_limit, plots_dir, executor, scheduler, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
     d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
@@ -573,6 +590,10 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
             config = validate_config(config, config_file or "options")
         if time_limit is not None and time_limit <= 0:
             raise ConfigError("--time-limit must be > 0 seconds")
+        if scheduler and executor != "dask":
+            raise ConfigError("--scheduler needs --executor dask")
+        if executor == "dask":
+            check_dask()
         device = resolve_device(config["device"])
         check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
@@ -613,9 +634,23 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
             for result in results:
                 store.add(result)
 
-        complete = run_with_progress(
-            groups, min(workers, max(1, len(groups))), console, on_results, deadline=deadline,
-            checkpoint_dir=f"{store.path}.checkpoints", graphs=config["graphs"])
+        client = None
+        if executor == "dask" and groups:
+            from hla_bench.dask_executor import connect, cuda_device_count, describe
+
+            client = connect(scheduler, gpus=cuda_device_count() if device.startswith("cuda") else 0,
+                             cpu_workers=workers)
+            store.update_header({"executor": describe(client)}, write=False)
+            console.print(f"dask: {describe(client)['workers']} worker(s) at "
+                          f"{describe(client)['scheduler']}", highlight=False)
+        try:
+            complete = run_with_progress(
+                groups, min(workers, max(1, len(groups))), console, on_results, client=client,
+                deadline=deadline, checkpoint_dir=f"{store.path}.checkpoints",
+                graphs=config["graphs"])
+        finally:
+            if client is not None:
+                client.close()
         store.update_header({"seconds": round(previous_seconds + time.perf_counter() - started, 1)},
                             write=False)
         data = store.close(complete=complete)

@@ -1,0 +1,219 @@
+"""Dask distributed as the executor of a sweep (`--executor dask`).
+
+The client process plans the work and owns the results file; Dask workers run the tasks:
+a recall group (`hla_bench.training.run_group`) or a bench point group (one mixer's points
+of one sweep, measured in a fresh process on its worker). Every finished task comes back to
+the client, which stores its records at once, as the local executor does, so `--resume`
+works across executors.
+
+Without `--scheduler` a local cluster is started: one worker per GPU, each seeing only its
+GPU (`CUDA_VISIBLE_DEVICES`), or one worker per CPU slot. GPU tasks ask for the resource
+`GPU: 1`, so a worker runs one at a time. A worker that dies loses only its task: the
+scheduler runs it once more elsewhere and then gives up, and the task's runs or points are
+recorded as `crashed`.
+
+`dask[distributed]` is an optional extra (`pip install "hla-bench[dask]"`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+INSTALL_HINT = 'pip install "hla-bench[dask]"  (dask[distributed])'
+# How often a task may lose its worker before it is given up (Dask's allowed-failures):
+# once retried, then recorded.
+ALLOWED_FAILURES = 1
+
+
+class DaskUnavailable(RuntimeError):
+    """dask.distributed is not installed; the message says how to install it."""
+
+
+def _distributed():
+    try:
+        import distributed
+    except ImportError:
+        raise DaskUnavailable(f"--executor dask needs dask.distributed: {INSTALL_HINT}") from None
+    return distributed
+
+
+def worker_specs(gpus: int, cpu_workers: int, threads: int = 1) -> dict[str, dict]:
+    """One Nanny-supervised worker per GPU (that GPU alone visible, resource GPU=1), or
+    `cpu_workers` CPU workers when there is no GPU."""
+    distributed = _distributed()
+    if gpus:
+        return {f"gpu-{index}": {"cls": distributed.Nanny, "options": {
+                    "nthreads": 1, "resources": {"GPU": 1},
+                    "env": {"CUDA_VISIBLE_DEVICES": str(index)}}}
+                for index in range(gpus)}
+    return {f"cpu-{index}": {"cls": distributed.Nanny, "options": {
+                "nthreads": 1, "env": {"OMP_NUM_THREADS": str(threads)}}}
+            for index in range(max(1, cpu_workers))}
+
+
+def connect(scheduler: str | None, *, gpus: int, cpu_workers: int):
+    """A client of the scheduler at `scheduler`, or of a new local cluster (see
+    `worker_specs`); close it with `.close()` (a local cluster is closed with it)."""
+    distributed = _distributed()
+    import dask
+
+    # A worker holds one task at a time (saturation 1.0): a dying worker then counts
+    # against its own task only.
+    dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+                     "distributed.scheduler.worker-saturation": 1.0,
+                     "distributed.worker.daemon": False})  # workers start their own processes
+    if scheduler:
+        return distributed.Client(scheduler, timeout="30s")
+    threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+    cluster = distributed.SpecCluster(
+        scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": None}},
+        workers=worker_specs(gpus, cpu_workers, threads), asynchronous=False)
+    client = distributed.Client(cluster)
+    client.wait_for_workers(len(cluster.workers), timeout=120)
+    original_close = client.close
+
+    def close(*args, **kwargs):
+        original_close(*args, **kwargs)
+        cluster.close()
+
+    client.close = close
+    return client
+
+
+def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
+    """One recall group on a worker (runs stopped by the deadline return None)."""
+    from hla_bench.training import run_group
+
+    if options["deadline"] is not None and time.time() > options["deadline"]:
+        return None
+    return run_group(group, lambda event: None, **options)
+
+
+def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[int], dict], None],
+                    on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
+                    checkpoint_dir: str | None = None, graphs: bool = True,
+                    task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
+    """`hla_bench.training.run_groups` on a Dask cluster: every group is one `task`;
+    results reach `on_results` as each task finishes. Returns False when the deadline left
+    work."""
+    from hla_bench.training import failed_result
+
+    distributed = _distributed()
+    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs}
+    futures = {}
+    for group in groups:
+        cuda = str(group[0]["device"]).startswith("cuda")
+        # each worker sees one GPU: its device is cuda:0 whatever the plan said
+        placed = [{**spec, "device": "cuda:0"} if cuda else spec for spec in group]
+        future = client.submit(task, placed, options, pure=False,
+                               resources={"GPU": 1} if cuda else None)
+        futures[future] = group
+        on_event([spec["run_id"] for spec in group], {"event": "submitted"})
+    complete = True
+    for future in distributed.as_completed(list(futures)):
+        group = futures[future]
+        try:
+            results = future.result()
+        except Exception as error:  # noqa: BLE001 - a lost worker (twice) or a dead task
+            results = [failed_result(spec, "crashed", f"{type(error).__name__}: {error}")
+                       for spec in group]
+        if results is None:
+            complete = False
+            continue
+        # report the planned device, not the worker's view of it
+        on_results([{**result, "device": spec["device"]} for result, spec in zip(results, group)])
+    return complete
+
+
+def _measure_points(sweep: dict, previous: list[dict]) -> list[dict]:
+    """The points of one sweep (of one mixer) measured in this process."""
+    from hla_bench.engine.config import SweepConfig
+    from hla_bench.engine.runner import run_sweeps
+
+    measured: list[dict] = []
+    run_sweeps([SweepConfig.from_dict(sweep)], previous=previous, on_measured=measured.append)
+    return measured
+
+
+def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
+    """A bench point group on a worker, measured in a fresh process: a fault there (an
+    illegal address, a hung kernel, a poisoned CUDA context) stays out of the worker and
+    of the other mixers' points."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_measure_points, sweep, previous).result()
+
+
+def point_groups(sweeps) -> list[dict]:
+    """One sweep per (sweep, mixer spec): the unit a Dask task measures."""
+    groups = []
+    for sweep in sweeps:
+        data = sweep.to_dict()
+        for spec in sweep.mixers:
+            groups.append({**data, "mixers": [spec.to_dict()]})
+    return groups
+
+
+def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
+                    on_measured: Callable[[dict], None]) -> list[dict]:
+    """`hla_bench.engine.runner.run_sweeps` on a Dask cluster: each (sweep, mixer) point
+    group is one task; its measured points reach `on_measured` as the task finishes. A task
+    whose worker died twice is recorded as an error point per planned point. Returns every
+    record of the plan (kept and measured), as run_sweeps does."""
+    from hla_bench.engine.config import SweepConfig
+    from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
+    from hla_bench.engine.runner import plan
+
+    distributed = _distributed()
+    groups = point_groups(sweeps)
+    cuda = any(str(sweep.resolved_device()).startswith("cuda") for sweep in sweeps)
+    client = connect(scheduler, gpus=cuda_device_count() if cuda else 0,
+                     cpu_workers=min(len(groups), max(1, (os.cpu_count() or 2) // 2)))
+    kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
+    records: dict = {}
+    try:
+        futures = {}
+        for group in groups:
+            on_gpu = str(SweepConfig.from_dict(group).resolved_device()).startswith("cuda")
+            mine = [r for r in previous if r.get("sweep") == group["name"]
+                    and r.get("mixer") == group["mixers"][0]["label"]]
+            futures[client.submit(_bench_task, group, mine, pure=False,
+                                  resources={"GPU": 1} if on_gpu else None)] = group
+        for future in distributed.as_completed(list(futures)):
+            group = futures[future]
+            try:
+                measured = future.result()
+            except Exception as error:  # noqa: BLE001 - its worker died twice
+                reason = f"{type(error).__name__}: {error}"
+                measured = []
+                for point in plan([SweepConfig.from_dict(group)]):
+                    record = empty_record(point)
+                    if point_key(record) not in kept:
+                        measured.append({**record, "status": "error", "reason": reason})
+            for record in measured:
+                records[point_key(record)] = record
+                on_measured(record)
+    finally:
+        client.close()
+    planned = []
+    for point in plan(list(sweeps)):
+        key = point_key(empty_record(point))
+        planned.append(records.get(key) or kept.get(key) or empty_record(point))
+    return planned
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def describe(client) -> dict[str, Any]:
+    """The cluster a sweep ran on, for its results file."""
+    info = client.scheduler_info()
+    return {"executor": "dask", "scheduler": info.get("address"),
+            "workers": len(info.get("workers", {}))}
