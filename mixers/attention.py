@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mixers.hla.common import check_choice, check_flag, check_qkv
+from mixers.hla.common import FiniteInputs, check_choice, check_flag, check_qkv
 
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
 # Backends with no CPU kernel in PyTorch; "flash" has one, "math" runs everywhere.
@@ -85,29 +85,34 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     With `initial_state` (a KV cache) the new tokens also attend to the cached ones. The
     returned cache has room for `cache_reserve` more tokens. `dropout_p` drops attention
     weights (training only: the layer passes it while training).
-    Non-finite inputs: PyTorch's kernels, run unchanged, keep the rule of mixers/hla/common.py
-    for q and k (masked scores are set before the softmax) but not for v: a masked-out later
-    value enters P V as 0 * NaN, so a NaN or inf in v at token t reaches earlier outputs; and
-    the backward spreads NaN into earlier gradients for q, k and v alike.
+    Non-finite inputs follow the rule of mixers/hla/common.py: PyTorch's kernels alone would
+    let a masked-out later value enter P V as 0 * NaN and spread NaN into earlier gradients,
+    so the new tokens' q, k, v go in with non-finite entries read as 0 and the outputs from
+    a (batch row, head)'s first non-finite token on are NaN. The returned cache holds the
+    inputs as given, so later steps see them.
     """
     check_qkv(q, k, v)
     check_flag("output_final_state", output_final_state)
     check_choice("backend", backend, SDPA_BACKENDS)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))                    # [B, H, T, *]
+    guard = FiniteInputs(q, k, v)
+    raw_k, raw_v = k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = (x.transpose(1, 2) for x in guard.inputs)                 # [B, H, T, *]
     keys, values, mask = k, v, None
     if initial_state is not None:
         past = initial_state.length
         keys = torch.cat([initial_state.keys(), k], 2)
         values = torch.cat([initial_state.values(), v], 2)
+        raw_k = torch.cat([initial_state.keys(), raw_k], 2)
+        raw_v = torch.cat([initial_state.values(), raw_v], 2)
         T = q.shape[2]
         mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
     with _backend_context(backend):
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                            is_causal=mask is None, scale=scale)
-    cache = KVCache.from_tensors(keys, values, cache_reserve) if output_final_state else None
-    return o.transpose(1, 2), cache
+    cache = KVCache.from_tensors(raw_k, raw_v, cache_reserve) if output_final_state else None
+    return guard.outputs(o.transpose(1, 2)), cache
 
 
 def flash_attn_attention(q, k, v, *, initial_state=None, output_final_state=False):

@@ -171,20 +171,10 @@ def _state_tensors(state):
     return state if isinstance(state, dict) else {"k": state.keys(), "v": state.values()}
 
 
-def _mark_sdpa_v(name, which, request):
-    """sdpa: PyTorch's kernels multiply a masked-out later value by its zero weight
-    (0 * NaN = NaN), and mixers/attention.py calls them unchanged (the baseline is theirs).
-    Strict: the case fails once PyTorch keeps the rule."""
-    if name == "sdpa" and which == 2:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="PyTorch SDPA: 0 * NaN "
-                                              "from a masked-out later value"))
-
-
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
 @pytest.mark.parametrize("name", list(FORMS))
-def test_non_finite_input_changes_only_later_outputs(name, which, value, monkeypatch, request):
-    _mark_sdpa_v(name, which, request)
+def test_non_finite_input_changes_only_later_outputs(name, which, value, monkeypatch):
     xs, (_, bad) = _inputs(name), _tokens(name)
     o, state = _run(name, monkeypatch, xs)
     o_bad, state_bad = _run(name, monkeypatch, _with_bad(xs, which, value, bad))
@@ -201,7 +191,7 @@ def test_non_finite_input_changes_only_later_outputs(name, which, value, monkeyp
 
 # (form, value): NaN everywhere; inf for the PyTorch forms and for one form of each Triton
 # kernel family (the kernels test NaN and inf alike; the interpreter's backward is slow)
-BACKWARD_CASES = [(name, value) for name in FORMS if name != "sdpa"
+BACKWARD_CASES = [(name, value) for name in FORMS
                   for value in ("nan", "inf")
                   if value == "nan" or name not in TRITON_FORMS
                   or name in ("hla2-triton", "hla2-triton-paper-decay")]
