@@ -62,9 +62,9 @@ def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | N
 
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
     """impl="triton" is checked (ValueError with the reason); "auto" takes Triton on CUDA when
-    the kernels support the inputs, else `fallback`. The paper decay form's kernel walks the
-    chunks sequentially (one program per head and 32 value columns) and has not been timed
-    against the chunk form on a GPU yet, so "auto" keeps the chunk form there."""
+    the kernels support the inputs, else `fallback`. The paper decay form's kernels walk the
+    chunks sequentially (one program per head and 32 value columns) and are not tuned, so
+    "auto" keeps the chunk form there."""
     if impl == "triton":
         reason = _triton_unsupported(q, k, v, **triton_args)
         if reason is not None:

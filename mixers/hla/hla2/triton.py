@@ -5,12 +5,11 @@ over the NT chunks; 16 rows per program, more when programs are plenty: see WIDE
 output (grid Dv/BV x NT C/BT x B*H: BV from OUTPUT_BV, BT from OUTPUT_ROWS). Backward, 3-4
 launches: the gradient terms Q^T dO and Q^T P Q per chunk, a reverse scan of the state
 gradients, and dq/dk/dv (one launch, two from head dim 128). The backward reads each chunk's
-start states and X from the forward, which keeps them: recomputing them took an increments
-launch and a state scan, and keeping them made a fwd+bwd 8-24% faster on the H200 (65,536
-tokens, H = 16, D = 64) for 12% more peak memory (1152 vs 1024 MiB). When its 16-row
-programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels: segments of
-chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan chains the
-summaries, and the segments rescan from their start states (see _segments). A forward
+start states and X from the forward, which keeps them (recomputing them would take another
+increments launch and state scan; keeping them costs the per-chunk buffers below). When its
+16-row programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels:
+segments of chunks summarise themselves in parallel (grid D/16 x NSEG x B*H), a short scan
+chains the summaries, and the segments rescan from their start states (see _segments). A forward
 alone at chunk 128 and head dim 128 takes its own paths (HALVES_FROM_CHUNK): increments in
 two halves of tokens, the output's late state loads, and the states scanned into buffers of
 their own (2 more per-chunk buffers).
@@ -28,7 +27,7 @@ chunk's start states, then a reverse walk carrying the state gradients and writi
 dq/dk/dv); each program takes PAPER_BV value columns (grid Dv/PAPER_BV x B*H; backward
 sums the slices' dq, dk and dS0 parts). Normalize is a ones column appended to v (padded to
 a power of two) and divided out here; chunks of at most PAPER_CHUNK tokens. Sequential over
-chunks: correct and simple, not tuned or timed on a GPU yet.
+chunks: simple and not tuned (hla2's impl="auto" keeps the PyTorch chunk form for it).
 
 Supported: masked hla2, no decay, decay_form="masked" or "paper" (per-head decay),
 normalize (masked form: the denominator is a ones value column carried as [D] vectors next
@@ -90,7 +89,7 @@ def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> s
                 f"Dv={v.shape[-1]}")
     if decay is not None and decay_form == "paper" and q.shape[-1] > PAPER_MAX_HEAD_DIM:
         return (f"the paper decay form's Triton kernels need head dim <= {PAPER_MAX_HEAD_DIM} "
-                f"(at 128 they ask for 346 KiB of shared memory, the H200 has 227), "
+                f"(at 128 they need 346 KiB of shared memory, an H100 or H200 has 227), "
                 f"got D={q.shape[-1]}")
     return None
 
@@ -100,75 +99,59 @@ def _precision(dtype) -> str:
 
 
 # decay_form="paper": its kernels multiply fp32 operands (states, decayed products) whose
-# terms cancel (o = Y C0 - b Q G0 + M V), in plain fp32 (no tensor cores). On the H200, TF32
-# cost 4.2e-2 of relative error with normalize in bf16, and 3xTF32 (fp32 products on tensor
-# cores) ran into an illegal memory access at head dim 64 with Triton 3.6, where 16 and 32
-# passed (results/2026-12-02-h200-triton-tests-v2.yaml).
+# terms cancel (o = Y C0 - b Q G0 + M V), so in plain fp32 (no tensor cores): TF32 gives
+# about 4e-2 relative error with normalize in bf16, and Triton 3.6's 3xTF32 builds (fp32
+# products on tensor cores) make illegal memory accesses at head dim 64.
 PAPER_PREC = "ieee"
 # decay_form="paper": the largest head dim whose kernels fit an H100/H200's shared memory in
-# plain fp32 (checked natively at 64; 128 failed to launch).
+# plain fp32 (at 128 they do not launch).
 PAPER_MAX_HEAD_DIM = 64
 
 
-# Launch shapes checked with ptxas for sm_90a: 8 warps and 16-row scan blocks keep the
-# scan kernels free of spills at D = Dv = 64 (little at 128); with their next step's inputs
-# loaded ahead they use 116-126 registers there (166 with normalize), so 2 programs fit an
-# SM. The per-chunk kernels (increments, output, dq/dk/dv) pick their warps by autotuning
-# (see triton_kernels.py).
+# The scans' launch shape on sm_90: 8 warps and 16-row blocks keep the scan kernels free of
+# register spills at D = Dv = 64 (little at 128), with their next step's inputs loaded ahead,
+# at few enough registers that two programs fit an SM. The per-chunk kernels (increments,
+# output, dq/dk/dv) pick their warps by autotuning (see triton_kernels.py).
 WARPS, SCAN_ROWS = 8, 16
 # Scans with programs to spare take wider row blocks: each program loads the whole [D, Dv] X
-# at every step, so fewer, wider programs move less. (rows, waves) of the state scan and of
-# the gradient scan: the rows they take once a one-level scan in SCAN_ROWS-row blocks would
-# need that many waves. On the H200 (results/2026-12-02-h200-scan-variants.yaml), D = 128,
-# 8k x 8: state scan 1.40 -> 1.00 ms with 32 rows, gradient scan 1.02 -> 0.75 ms with 64;
-# D = 64, 8k x 8 (2 waves): state 0.289 -> 0.205 ms with 32 rows, gradients 0.199 -> 0.218
-# with 64 (kept at 16), 2k x 32 (8 waves): gradients 0.199 -> 0.172 with 64; 64k x 1 (under
-# a wave): wider blocks were slower (D = 128: 1.42 -> 1.86 and 1.87 ms).
+# at every step, so fewer, wider programs move less data. (rows, waves) of the state scan and
+# of the gradient scan: the rows they take once a one-level scan in SCAN_ROWS-row blocks
+# would need that many waves of resident programs (under a wave, wider blocks only leave SMs
+# idle; the gradient scan's 64-row blocks pay from 4 waves on).
 WIDE_SCAN = ((32, 1), (64, 4))
 # Chunks of at least this many tokens (the 16-bit forward alone at head dim 128 runs 128)
 # compute the increments in two halves of tokens (W's zero block skipped, 4 warps tuned in,
-# two programs per SM), load the carried states late in the output kernel (96 instead of
-# 112 KiB of shared memory), and, without a backward pass to keep the states for, scan into
-# state buffers of their own (no barrier in the scan's loop, so Triton pipelines its loads
-# and the program fits 128 registers). On the H200, D = 128, bf16, 65,536 tokens, forward
-# alone (results/2026-12-03-h200-forward-variants.yaml): increments 0.768 -> 0.505 ms,
-# output 0.756 -> 0.677, scan 0.497 -> 0.356 at 2k x 32; the forward 2.014 -> 1.541 ms at
-# 2k, 2.235 -> 1.748 at 64k. At D = 64 (chunk 64) the same changes were slower (forward
-# 0.608 -> 0.719 ms at 2k: the halves' 32-token products) or mixed (the scan out of place
-# alone: 0.608 -> 0.576 ms at 2k, 0.895 -> 0.946 at 64k), so chunk 64 keeps the launches
-# as they were. Only at head dims (D and Dv) of 128: with them forced at chunk 16, bf16,
-# D = Dv = 16, the output kernel with late state loads hit an illegal memory access on the
-# H200 (fp32 passed; results/2026-12-03-h200-triton-tests-v7.yaml).
+# two programs per SM), load the carried states late in the output kernel (less shared
+# memory at once), and, without a backward pass to keep the states for, scan into state
+# buffers of their own (no barrier in the scan's loop, so Triton pipelines its loads and the
+# program fits 128 registers). These pay at chunk 128 only: at chunk 64 the halves' 32-token
+# products cost more than the skipped block saves. Only at head dims (D and Dv) of 128: in
+# bf16 at D = Dv = 16 the output kernel with late state loads makes an illegal memory access.
 HALVES_FROM_CHUNK = 128
 # From this head dim on, dq, dk and dv are computed by the launches in SPLIT_GRADS (each
-# string names the gradients of one launch): fewer register spills. Three launches (q, k, v)
-# were slower at D = 128 (4.08 vs 3.37 ms at 8k x 8: more recomputed).
+# string names the gradients of one launch): fewer register spills. Each launch recomputes
+# the chunk's shared terms, so two launches, not three.
 SPLIT_GRADS_FROM, SPLIT_GRADS = 128, ("qk", "v")
 # decay_form="paper": chunk size of its sequential walk (one program per head holds every
-# state and chunk temporary: smaller chunks keep the registers in bounds).
-# ptxas sm_90a, bf16, 8 warps, chunk 16, 32 value columns per program: D = 64 forward 0 B
-# spilled, backward ~0.6 KB; D = 128 forward ~0.4 KB, backward ~2.7 KB (chunk 32 spills more).
+# state and chunk temporary: smaller chunks keep the registers in bounds; at 16 tokens and 32
+# value columns the D = 64 forward does not spill, and chunks of 32 spill more).
 PAPER_CHUNK = 16
 # decay_form="paper": value columns per program (C, G, O columns are independent; backward
 # sums the per-slice parts of dq, dk and dS0).
 PAPER_BV = 32
 # Value columns per program of the output kernel, 16-bit and fp32 inputs: each program
-# recomputes the chunk's [C, C] mixing matrix, so wider slices repeat less work (H200,
-# D = Dv = 128, bf16: 0.875 -> 0.667 ms at 8k x 8 with 128 instead of 64,
-# results/2026-12-02-h200-scan-variants.yaml); fp32 operands take twice the shared memory.
+# recomputes the chunk's [C, C] mixing matrix, so wider slices repeat less work; fp32
+# operands take twice the shared memory, so half as many columns.
 OUTPUT_BV = {2: 128, 4: 64}
 # Query rows per program of the output kernel: a chunk of 128 runs as two programs of 64 rows
 # (the second also mixes with the first half), skipping the zero upper blocks of its C x C
-# products. On the H200, D = Dv = 128, bf16, chunk 128: output 0.90 -> 0.77 ms, forward
-# 2.18 -> 2.04 ms at 2k x 32 (results/2026-12-03-h200-d128-forward-variants.yaml).
+# products.
 OUTPUT_ROWS = 64
 # State rows per program of the increments and gradient-terms kernels (at most D; chunks
 # above 64 keep all D): each row block recomputes the chunk's [C, Dv] mixed values, so
-# smaller blocks trade repeated work for more, smaller programs. On the H200, D = 128, bf16
-# (results/2026-12-02-h200-d128-variants.yaml, 2k x 32): increments 0.998 ms in one block,
-# 0.80 in two of 64 rows (4 warps), 1.62 in four of 32; gradient terms 0.56 in one block,
-# 0.65 in two (4 warps), 2.08 in four; at chunk 128 the increments in one block took 0.77,
-# in two (8 warps) 1.12.
+# smaller blocks trade repeated work for more, smaller programs: the increments at D = 128
+# run in two blocks of 64 rows, the gradient terms in one block (two cost more than they
+# save there), and chunks above 64 in one block.
 INCREMENTS_ROWS, GRAD_TERMS_ROWS = 64, 128
 
 
@@ -188,8 +171,9 @@ def _chunk_buffers(B, H, NT, D, DV, q, n_dd, n_dv):
 
 @functools.lru_cache
 def _resident_programs(device: torch.device, D: int) -> int:
-    """About how many scan programs the device runs at once (8 warps each: 2 per SM fit the
-    registers ptxas reports at D <= 64, 1 at D = 128). The interpreter assumes an H200."""
+    """About how many scan programs the device runs at once (8 warps each: two fit an SM's
+    registers at D <= 64, one at D = 128). Off CUDA (the interpreter) the count of an H200,
+    132 SMs."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count \
         if device.type == "cuda" else 132
     return sms * (2 if D <= 64 else 1)
@@ -595,10 +579,9 @@ def _chunk(chunk_size: int, dtype, head_dim: int, backward: bool) -> int:
     chunk_size where it is a power of two in [16, 128], else 64. fp32 inputs (exact,
     non-tensor-core dots) use at most 32, which keeps the D = 128 backward within the shared
     memory of an H100/H200; for the same reason a backward at head dim (D or Dv) 128 uses at
-    most 64 (chunk 128 asks for 320 KiB there, the H200 has 227). A 16-bit forward alone at
-    head dim 128 runs chunk 128 whatever was asked: half the chunk states to scan and store
-    (H200, bf16, 65,536 tokens, H = 16: 2.18 vs 2.47 ms at 2k x 32,
-    results/2026-12-02-h200-d128-variants.yaml)."""
+    most 64 (chunk 128 needs 320 KiB there, an H100 or H200 has 227). A 16-bit forward alone
+    at head dim 128 runs chunk 128 whatever was asked: half the chunk states to scan and
+    store."""
     chunk = chunk_size if chunk_size in CHUNK_SIZES else 64
     if dtype == torch.float32:
         return min(chunk, 32)
@@ -688,8 +671,7 @@ def hla2_step_triton(q_t, k_t, v_t, state, *, normalize=False, eps=1e-6, decay=N
 
 def step_unchecked(q_t, k_t, v_t, state, *, normalize, eps, decay, decay_form):
     """hla2_step_triton for inputs already checked (hla2_step checks them once: a decode
-    step is host-bound, and the check costs about 6 us of a 30 us step on the H200,
-    results/2026-12-03-h200-decode-host.yaml)."""
+    step is host-bound, and the check is a noticeable part of its host time)."""
     B, H, D = q_t.shape
     DV = v_t.shape[-1]
     if decay is not None and decay_form == "paper":

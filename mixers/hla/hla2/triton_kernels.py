@@ -17,8 +17,7 @@ the last chunk have zero q, k, v and do not decay the state (n counts real token
 Normalize (NORMALIZE) is the same form on a ones value column (E V = e): its X, dA and A
 columns are [D] vectors carried next to the matrices in the same kernels, and the output
 kernel divides by it. Its matrix-vector products are fp32 sums, not dots on 16 equal
-columns: Triton 3.6's builds of such dots read shared memory out of bounds on the H200
-(results/2026-12-02-h200-normalize-fault.yaml).
+columns: Triton 3.6 compiles such dots into out-of-bounds shared-memory reads on Hopper.
 
 Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
@@ -63,8 +62,8 @@ def _autotuned(warps, key, first_only=None):
     """triton.autotune over num_warps in warps (the first is the fixed launch shape used
     before tuning, so tuning can only match or beat it), keyed on the arguments in key (see
     _SHAPE_KEY: the first call of each key picks). first_only(meta) -> True keeps
-    only the first config for those compile-time arguments (where ptxas reports more spills
-    for the others). num_stages stays at its default: these kernels have no loops to
+    only the first config for those compile-time arguments (where the others spill more
+    registers). num_stages stays at its default: these kernels have no loops to
     pipeline. Under the interpreter (nothing to time) the plain kernel. A key that is not an
     argument would be ignored silently by triton.autotune, so it is an error here."""
     def wrap(kernel):
@@ -85,43 +84,24 @@ def _autotuned(warps, key, first_only=None):
 
 # Compile-time arguments shared by the per-chunk kernels' autotune keys (dtypes are keyed too).
 # The kernels tuned over two warp counts also key on SIZE_CLASS, the bit length of the
-# launch's program count (an argument the kernel body does not read): the best warp count of
-# a 40-program call is not that of a 16k-program one, and without it whichever call came
-# first (a test, a short sequence) chose for every size: the likely reason why on the H200 a
-# sweep run after the tests measured hla2-triton's forward 15-30% slower than one run before
-# them (results/2026-12-02-h200-kernels.yaml vs -sweep-full.yaml).
+# launch's program count (an argument the kernel body does not read): the best warp count
+# depends on how many programs a launch runs, and without this key the first call of a shape
+# (a short sequence, say) would choose the warps of every later size.
 _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
-# Warp counts of the per-chunk kernels; first_only keeps 8 (the launch shape before tuning)
-# where 4 spills more (dq/dk/dv: where 4 spills most, or is unchecked). ptxas sm_90a, bf16,
-# registers / spilled bytes, 8 -> 4 warps, every decay / normalize flag set:
-#   increments and gradient terms (measured as one kernel; the two kernels that split its
-#     work keep its choices), D and Dv <= 64, chunk 16-64: 53-151 -> 70-158, no spills;
-#     128 rows per program (D = 128) or chunk 128: 8-768 B spilled in some flag sets with 4
-#     warps, 0 B with 8 in those checked (kept at 8; under compute-sanitizer memcheck the
-#     4-warp build at D = 128, chunk 128 with normalize gave NaN outputs, without reported
-#     errors, where 8 warps gave the right ones: results/2026-12-03-h200-triton-tests-v5.yaml).
-#     Rows of 64 with Dv = 128 are tuned: on the H200 the D = 128 increments in 64-row
-#     blocks took 0.80 ms at 4 warps, 0.97 at 8 (results/2026-12-02-h200-d128-variants.yaml)
-#     In token halves (HALVES, chunk 128, D = Dv = 128): 186 registers, 0 B, 128 KiB of
-#     shared memory with 8 warps; 255, 16 B, 112 KiB with 4 (two programs per SM), tuned
-#     (the H200 took 4: results/2026-12-03-h200-forward-variants.yaml)
-#   output, 64 rows per program (chunk 64, or half of a chunk of 128), D, Dv in {64, 128}:
-#     165-199 -> 162-200, no spills (checked at chunk 64); 32 rows with normalize
-#     (0-116 B -> 16-144 B) and 16 (0 -> 12 B) kept at 8. Programs of 128 rows (no longer
-#     launched: chunks of 128 run as two 64-row halves) spilled 576-860 B with 4 warps, and
-#     an unsaved session-7 compute-sanitizer run saw that 4-warp build read shared memory
-#     out of bounds at D = 128. The 64-row halves at D = 128 ran clean with 4 and 8 warps
-#     under memcheck, racecheck and initcheck (results/2026-12-03-h200-triton-tests-v5.yaml)
-#     With late state loads (LATE_STATES, chunk 128, D = Dv = 128): 202 registers, 0 B, 96 KiB
-#     with 8 warps; 254, 88 B, 96 KiB with 4 (the H200 took 4)
-#   dq/dk/dv, chunk 64: 255 registers either way; 8 warps spill 0-332 B at D = Dv = 64 (one
-#     program per SM: 255 x 256 threads fill the register file, so no other program hides
-#     its latency), 4 warps spill more (28-1124 B) but two programs fit an SM (90 KB of
-#     shared memory each). Which wins is the GPU's call: tuned at chunk 64; at D = 128
-#     4 warps spill 0.9-2.5 KB and still ran faster on the H200 (2.72 vs 3.37 ms at 2k x 32,
-#     -d128-variants.yaml); other chunk sizes are unchecked (kept at 8).
-# num_stages 1, 2, 3 give the same code; 16 warps cap registers at 128 and spill in the
-# output and dq/dk/dv kernels (neither is offered).
+# Warp counts of the per-chunk kernels. The first, 8, is the launch shape before tuning; 4
+# lets two programs share an SM where registers and shared memory allow. first_only keeps 8
+# alone where 4 warps spill registers or compute wrong results:
+#   increments and gradient terms: 128-row blocks (D = 128 in one block) and chunks above 64
+#     keep 8 (4 spills there, and its 4-warp build at D = 128, chunk 128 with normalize is
+#     known to give NaN outputs); blocks of up to 64 rows at chunks up to 64 are tuned, and
+#     so are the increments in token halves (HALVES: 4 warps fit two programs per SM).
+#   output: 64-row programs (chunk 64, or half of a chunk of 128, with or without late state
+#     loads) are tuned; programs of other row counts keep 8 (4 warps spill there).
+#   dq/dk/dv: tuned at chunk 64 (4 warps spill more than 8 but fit two programs per SM: the
+#     GPU decides); other chunk sizes keep 8.
+# num_stages stays at its default (1, 2 and 3 give the same code: the kernels have no loops);
+# 16 warps cap registers at 128 and spill in the output and dq/dk/dv kernels, so they are not
+# offered.
 INCREMENTS_WARPS = OUTPUT_WARPS = GRADS_WARPS = (8, 4)
 
 
@@ -175,8 +155,7 @@ def _overwrite_barrier():
     """Before a program overwrites in place what it has just read: every thread must have
     read the old values first. A value can be loaded by one thread (or several replicas in
     other warps) and stored by another, and warps run unsynchronised, so without this a
-    lagging warp may read the new value (seen on the H200: a normalize vector of the
-    gradient scan, 4e-4 relative error in dk, now and then)."""
+    lagging warp may read the new value (a wrong result now and then, not an error)."""
     tl.debug_barrier()
 
 
@@ -212,9 +191,9 @@ def _chunk_gamma(i_c, T, lg, C: tl.constexpr):
 
 
 def _increments_tuned(*extra_key):
-    """The tuning of the increments and gradient-terms kernels (the two halves of one former
-    kernel): 8 warps only for 128-row blocks or chunks above 64, except where HALVES (a
-    compile-time argument of the increments kernel, keyed in extra_key) is set."""
+    """The tuning shared by the increments and gradient-terms kernels (per-chunk row blocks
+    of the same products): 8 warps only for 128-row blocks or chunks above 64, except where
+    HALVES (a compile-time argument of the increments kernel, keyed in extra_key) is set."""
     return _autotuned(INCREMENTS_WARPS, _SHAPE_KEY + ("BR", "SIZE_CLASS", *extra_key),
                       first_only=lambda meta: not meta.get("HALVES", False)
                       and (meta["BR"] > 64 or meta["C"] > 64))
