@@ -10,6 +10,7 @@ Tolerances (relative Frobenius error against the float64 reference):
 """
 
 import functools
+import itertools
 import os
 from dataclasses import replace
 
@@ -549,6 +550,153 @@ def test_chunk_choice():
     assert chunk(64, torch.float32, 64, backward=False) == 32
     assert chunk(48, torch.bfloat16, 64, backward=True) == 64  # not a power of two
     assert chunk(128, torch.bfloat16, 64, backward=True, form="paper") == 16
+
+
+# The launch constants the LaunchPlan replaced, and the code that chose from them: the default
+# plan must choose as they did for every shape, dtype and direction.
+OLD_CONSTANTS = dict(WARPS=8, SCAN_ROWS=16, WIDE_SCAN=((32, 1), (64, 4)),
+                     HALVES_FROM_CHUNK=128, SPLIT_GRADS_FROM=128, SPLIT_GRADS=("qk", "v"),
+                     PAPER_PREC="ieee", PAPER_CHUNK=16, PAPER_BV=32,
+                     OUTPUT_BV={2: 128, 4: 64}, OUTPUT_ROWS=64, INCREMENTS_ROWS=64,
+                     GRAD_TERMS_ROWS=128)
+
+
+def old_launch_choices(B, T, H, D, DV, dtype, device, backward, chunk_size, normalize, paper):
+    """{plan field: value} as the module constants chose them: each value computed by the
+    expression that computed it at its launch."""
+    c = OLD_CONSTANTS
+
+    def _chunk(chunk_size, dtype, head_dim, backward):
+        chunk = chunk_size if chunk_size in (16, 32, 64, 128) else 64
+        if dtype == torch.float32:
+            return min(chunk, 32)
+        if head_dim >= 128:
+            return min(chunk, 64) if backward else 128
+        return chunk
+
+    def _resident_programs(device, D):
+        sms = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 132
+        return sms * (2 if D <= 64 else 1)
+
+    def _segments(NT, row_programs, resident):
+        def waves(programs):
+            return -(-programs // resident)
+
+        best, best_cost = (NT, 1), waves(row_programs) * NT
+        n_seg = 2
+        while n_seg <= NT // 2:
+            seg = 1 << (-(-NT // n_seg) - 1).bit_length()
+            used = -(-NT // seg)
+            cost = 2 * waves(row_programs * used) * seg + used
+            if cost < best_cost:
+                best, best_cost = (seg, used), cost
+            n_seg *= 2
+        return best
+
+    def _scan_plan(NT, D, BH, device, wide):
+        resident = _resident_programs(device, D)
+        programs = D // c["SCAN_ROWS"] * BH
+        wide_rows, waves = wide
+        if programs >= waves * resident:
+            return min(wide_rows, D), NT, 1
+        return (c["SCAN_ROWS"], *_segments(NT, programs, resident))
+
+    C = _chunk(chunk_size, dtype, max(D, DV), backward)
+    if paper:
+        width = 1 << DV.bit_length() if normalize else DV  # _pow2(DV + 1)
+        return dict(chunk=min(C, c["PAPER_CHUNK"]), precision=c["PAPER_PREC"],
+                    warps=c["WARPS"], paper_cols=min(width, c["PAPER_BV"]))
+    NT = -(-T // C)
+    halves = C >= c["HALVES_FROM_CHUNK"] and min(D, DV) >= 128  # _chunk_128_paths
+    rows = D if C > 64 else min(D, c["INCREMENTS_ROWS"])
+    keep_states = backward  # the autograd function's forward keeps them, inference does not
+    choices = dict(chunk=C, precision="ieee" if dtype == torch.float32 else "tf32",
+                   warps=c["WARPS"], increments_rows=rows,
+                   increments_halves=halves and rows == D and C >= 32,
+                   state_scan=_scan_plan(NT, D, B * H, device, c["WIDE_SCAN"][0]),
+                   states_out_of_place=halves and not keep_states,
+                   output_rows=min(C, c["OUTPUT_ROWS"]),
+                   output_cols=min(DV, c["OUTPUT_BV"][torch.empty(0, dtype=dtype)
+                                                      .element_size()]),
+                   late_states=halves)
+    if backward:
+        choices.update(grad_terms_rows=D if C > 64 else min(D, c["GRAD_TERMS_ROWS"]),
+                       grad_scan=_scan_plan(NT, D, B * H, device, c["WIDE_SCAN"][1]),
+                       grad_launches=c["SPLIT_GRADS"] if max(D, DV) >= c["SPLIT_GRADS_FROM"]
+                       else ("qkv",))
+    return choices
+
+
+def test_default_plan_chooses_as_the_launch_constants_did():
+    """Every field of the default plan against the removed constants' choices, over batch x
+    length from 64k x 1 to 1 x 1 tokens, 1 and 16 heads, every head and value dim, dtype,
+    direction, asked chunk size (48: not a power of two), normalize and form; on this
+    machine's device kinds (the scans' plan depends on the device's SM count)."""
+    devices = [torch.device("cpu")] + ([torch.device("cuda", 0)]
+                                       if torch.cuda.is_available() else [])
+    fields = [f for f in planning.LaunchPlan.__dataclass_fields__
+              if f not in ("shape", "dtype", "backward", "form")]
+    seen = {name: set() for name in fields}
+    for device, (B, T), H, D, DV, dtype, backward, chunk_size, normalize, paper in (
+            itertools.product(devices, ((1, 65536), (8, 8192), (32, 2048), (64, 1024),
+                                        (2, 300), (1, 1)), (1, 16), planning.HEAD_DIMS,
+                              planning.HEAD_DIMS, planning.DTYPES, (False, True),
+                              (16, 32, 48, 64, 128), (False, True), (False, True))):
+        plan = plan_launch((B, T, H, D, DV), dtype, device, backward, chunk_size=chunk_size,
+                           normalize=normalize, form="paper" if paper else "masked")
+        got = {}
+        for name in fields:
+            value = getattr(plan, name)
+            if isinstance(value, ScanPlan):
+                value = (value.rows, value.seg, value.n_seg)
+            seen[name].add(value)
+            if value is not None:
+                got[name] = value
+        assert got == old_launch_choices(B, T, H, D, DV, dtype, device, backward, chunk_size,
+                                         normalize, paper), (B, T, H, D, DV, dtype, backward,
+                                                             chunk_size, normalize, paper)
+    # the shapes reach both sides of every choice
+    assert all(len(values - {None}) > 1 for name, values in seen.items() if name != "warps")
+    assert any(scan[2] > 1 for scan in seen["state_scan"] - {None})
+
+
+def test_a_plan_is_checked_against_the_call():
+    """A plan passed in runs as the default does; one made for another call, or with fields
+    the kernels cannot run, is refused with the reason."""
+    q, k, v = make_inputs(1, 40, 2, 16, 32, torch.float32)
+    plan = plan_call(q, k, v, chunk_size=16)
+    assert plan.backward and plan.state_scan == ScanPlan(16, 3, 1)
+    o, _ = hla2_triton(q, k, v, chunk_size=16, plan=plan)
+    want, _ = hla2_triton(q, k, v, chunk_size=16)
+    assert torch.equal(o, want)
+    with torch.no_grad(), pytest.raises(ValueError, match="plan is for"):
+        hla2_triton(q, k, v, plan=plan)  # made for a call with a backward pass
+    with pytest.raises(ValueError, match="plan is for"):
+        hla2_triton(q[:, :20], k[:, :20], v[:, :20], plan=plan)
+    with pytest.raises(ValueError, match="plan is for"):
+        hla2_triton(q, k, v, decay=torch.tensor([0.9, 0.9], device=DEVICE), decay_form="paper",
+                    plan=plan)
+    for change, reason in [
+            (dict(output_rows=4), "output_rows must be the chunk"),
+            (dict(output_cols=64), "output_cols must be a power of two in"),
+            (dict(increments_rows=24), "increments_rows must be a power of two"),
+            (dict(increments_halves=True), "increments_halves needs"),
+            (dict(late_states=None), "late_states must be True or False"),
+            (dict(state_scan=ScanPlan(16, 1, 2)), "does not cover the 3 chunks"),
+            (dict(grad_scan=(16, 3, 1)), "grad_scan must be a ScanPlan"),
+            (dict(grad_launches=("qk",)), "grad_launches must name q, k and v"),
+            (dict(chunk=8), "chunk must be one of")]:
+        with pytest.raises(ValueError, match=reason):
+            hla2_triton(q, k, v, plan=replace(plan, **change))
+    with pytest.raises(ValueError, match="must be a LaunchPlan"):
+        hla2_triton(q, k, v, plan={"chunk": 16})
+    g = torch.tensor([0.9, 0.9], device=DEVICE)
+    paper_plan = plan_call(q, k, v, decay=g, decay_form="paper", normalize=True)
+    assert paper_plan.paper_cols == 32 and paper_plan.state_scan is None
+    with pytest.raises(ValueError, match=r"paper_cols must be a power of two in \[16, 64\]"):
+        hla2_triton(q, k, v, decay=g, decay_form="paper", normalize=True,
+                    plan=replace(paper_plan, paper_cols=128))
 
 
 def test_unsupported_reasons():
