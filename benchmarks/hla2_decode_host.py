@@ -1,5 +1,5 @@
 """Host time of one eager hla2 decode step, piece by piece (a decode step launched from Python
-is host-bound: its GPU work is about 4.5 us at B = H = 16, D = 64 on an H200).
+is host-bound: its GPU work is a few microseconds).
 
     python benchmarks/hla2_decode_host.py out.yaml [--steps 1000] [--runs 7] [--batch 16 --heads 16]
     TRITON_INTERPRET=1 python benchmarks/hla2_decode_host.py out.yaml --steps 3 --runs 2 \
@@ -26,7 +26,7 @@ import yaml
 
 from hla_bench.results import git_commit
 from mixers.hla.hla2 import hla2_step
-from mixers.hla.hla2 import triton as hla2_triton
+from mixers.hla.hla2.triton import _step_unchecked, decode, triton_unsupported_reason
 
 D = 64
 
@@ -50,17 +50,17 @@ def main():
     o = torch.empty(B, H, D, device=device, dtype=dtype)
     launch = dict(H=H, D=D, DV=D, BR=16, HAS_DECAY=False, NORMALIZE=False, SHARED_KV=False,
                   num_warps=4)
-    kernel = hla2_triton.kern.decode_step_kernel
+    kernel = decode.decode_step_kernel
     compiled = kernel[(B * H,)](q, k, v, s, a, a, a, o, 1e-6, **launch)
     cases = {
         "hla2_step impl=triton": lambda: hla2_step(q, k, v, state, impl="triton"),
-        "step without hla2_step's checks": lambda: hla2_triton.step_unchecked(
+        "step without hla2_step's checks": lambda: _step_unchecked(
             q, k, v, state, normalize=False, eps=1e-6, decay=None, decay_form="masked"),
         "jit launch only": lambda: kernel[(B * H,)](q, k, v, s, a, a, a, o, 1e-6, **launch),
         "compiled-handle launch only": lambda: compiled[(B * H, 1, 1)](
             q, k, v, s, a, a, a, o, 1e-6, H, D, D, 16, False, False, False),
         "one output allocation": lambda: q.new_empty(B, H, D),
-        "support check": lambda: hla2_triton.triton_unsupported_reason(
+        "support check": lambda: triton_unsupported_reason(
             q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), masked=True, ridge=0.0,
             decay_form="masked", decay=None),
     }

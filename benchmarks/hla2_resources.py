@@ -32,19 +32,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from mixers.hla.hla2 import triton as hla2_triton_module
-from mixers.hla.hla2 import triton_kernels as kern
+from mixers.hla.hla2.triton import backward, hla2_triton, increments, output, scans
 
 TARGET = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "cuobjdump")
-# warp counts each autotuned kernel may launch with (triton_kernels' tuning lists)
-TUNED_WARPS = {"chunk_increments_kernel": kern.INCREMENTS_WARPS,
-               "chunk_grad_terms_kernel": kern.INCREMENTS_WARPS,
-               "chunk_output_kernel": kern.OUTPUT_WARPS,
-               "chunk_grads_kernel": kern.GRADS_WARPS}
-KERNELS = ("chunk_increments_kernel", "state_scan_kernel", "chunk_output_kernel",
-           "chunk_grad_terms_kernel", "grad_scan_kernel", "chunk_grads_kernel")
+# warp counts each autotuned kernel may launch with (the stage modules' tuning lists)
+TUNED_WARPS = {"chunk_increments_kernel": increments.INCREMENTS_WARPS,
+               "chunk_grad_terms_kernel": increments.INCREMENTS_WARPS,
+               "chunk_output_kernel": output.OUTPUT_WARPS,
+               "chunk_grads_kernel": backward.GRADS_WARPS}
+# kernel -> the stage module its launcher finds it in
+KERNELS = {"chunk_increments_kernel": increments, "state_scan_kernel": scans,
+           "chunk_output_kernel": output, "chunk_grad_terms_kernel": backward,
+           "grad_scan_kernel": scans, "chunk_grads_kernel": backward}
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
@@ -55,27 +56,27 @@ def capture_launches(B, T, H, D, backward, normalize, decay):
 
     class Recorder:
         def __init__(self, name):
-            kernel = getattr(kern, name)  # a JITFunction, or an Autotuner around one
+            kernel = getattr(KERNELS[name], name)  # a JITFunction, or an Autotuner around one
             self.name, self.fn = name, kernel if isinstance(kernel, JITFunction) else kernel.fn
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, self.fn, args, kwargs))
 
-    saved = {name: getattr(kern, name) for name in KERNELS}
-    for name in KERNELS:
-        setattr(kern, name, Recorder(name))
+    saved = {name: getattr(module, name) for name, module in KERNELS.items()}
+    for name, module in KERNELS.items():
+        setattr(module, name, Recorder(name))
     os.environ["TRITON_INTERPRET"] = "1"  # the dispatcher's device check; nothing runs
     try:
         q, k, v = (torch.randn(B, T, H, D, dtype=torch.bfloat16, requires_grad=backward)
                    for _ in range(3))
         g = torch.full((H,), 0.99) if decay else None
-        o, _ = hla2_triton_module.hla2_triton(q, k, v, normalize=normalize, decay=g)
+        o, _ = hla2_triton(q, k, v, normalize=normalize, decay=g)
         if backward:
             torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
     finally:
         del os.environ["TRITON_INTERPRET"]
         for name, kernel in saved.items():
-            setattr(kern, name, kernel)
+            setattr(KERNELS[name], name, kernel)
     return launches
 
 

@@ -20,10 +20,13 @@ import argparse
 import torch
 import triton
 
-from mixers.hla.hla2 import triton as hla2_triton
+from mixers.hla.hla2.triton import backward, hla2_triton, increments, output
 
-KERNELS = {"increments": "chunk_increments_kernel", "output": "chunk_output_kernel",
-           "grads": "chunk_grads_kernel", "grad_terms": "chunk_grad_terms_kernel"}
+# --only name -> (stage module, kernel)
+KERNELS = {"increments": (increments, "chunk_increments_kernel"),
+           "output": (output, "chunk_output_kernel"),
+           "grads": (backward, "chunk_grads_kernel"),
+           "grad_terms": (backward, "chunk_grad_terms_kernel")}
 
 
 def main():
@@ -41,8 +44,8 @@ def main():
         for name in args.only.split(","):
             if name not in KERNELS:
                 parser.error(f"--only: unknown kernel {name!r} (choose from {', '.join(KERNELS)})")
-            getattr(hla2_triton.kern, KERNELS[name]).configs = [
-                triton.Config({}, num_warps=args.warps)]
+            module, kernel = KERNELS[name]
+            getattr(module, kernel).configs = [triton.Config({}, num_warps=args.warps)]
     torch.manual_seed(7)
     B, T, H, D = 1, 300, 2, args.head_dim
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).abs() * D ** -0.5
@@ -59,14 +62,14 @@ def main():
 
     for label, options in option_sets.items():
         with torch.no_grad():
-            o, _ = hla2_triton.hla2_triton(q, k, v, **options)
+            o, _ = hla2_triton(q, k, v, **options)
         torch.cuda.synchronize()
         print(f"forward, {label}: norm {float(o.float().norm()):.6g}, NaN {int(o.isnan().sum())}, "
               f"NaN in inputs {inputs_nan()}", flush=True)
         if args.forward_only:
             continue
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        o, _ = hla2_triton.hla2_triton(*leaves, **options)
+        o, _ = hla2_triton(*leaves, **options)
         o.float().sum().backward()
         torch.cuda.synchronize()
         print(f"fwd+bwd, {label}: dq norm {float(leaves[0].grad.float().norm()):.6g}, "

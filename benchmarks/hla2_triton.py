@@ -27,9 +27,9 @@ budget is spent, and rewrites the YAML after each stage (a run cut short keeps w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 import yaml
@@ -197,41 +197,50 @@ def profile_kernels(results, shapes=((32, 2048, 64), (8, 8192, 64), (2, 32768, 6
             results["profile"][key] = {"error": repr(exc)}
 
 
-@contextlib.contextmanager
-def patched(module, **values):
-    """Module constants set to values inside the block (launch-shape variants)."""
-    old = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            setattr(module, name, value)
+def planned(variant):
+    """The Triton op (chunk 64) on its default launch plan changed by variant(plan)."""
+    from mixers.hla.hla2.triton import hla2_triton, plan_call
+
+    def fn(q, k, v):
+        return hla2_triton(q, k, v, plan=variant(plan_call(q, k, v)))[0]
+    return fn
+
+
+def replanned(**options):
+    """variant(plan): the scans planned again with plan_launch's options (resident,
+    scan_rows), the other launches as they were."""
+    from mixers.hla.hla2.triton import plan_launch
+
+    def variant(plan):
+        new = plan_launch(plan.shape, plan.dtype, "cuda", plan.backward, chunk_size=plan.chunk,
+                          **options)
+        return replace(plan, state_scan=new.state_scan, grad_scan=new.grad_scan)
+    return variant
 
 
 def time_variants(results, chunk_sizes, with_chunk_form):
     """fwd and fwd+bwd of chunk sizes, launch shapes and option sets at D = 64: which chunk
     size and launch shapes to default to (T = 8k, 32k, 64k), and what normalize and each decay
     form cost (8k; against the PyTorch chunk form and with the paper decay form only when
-    with_chunk_form: those rows take most of the time)."""
+    with_chunk_form: those rows take most of the time). The launch-shape rows call the
+    Triton op with a changed plan, the others hla2."""
     from mixers.hla import hla2
-    from mixers.hla.hla2 import triton as hla2_triton_module
 
     decay = torch.full((HEADS,), 0.99, device="cuda")
-    variants = {f"chunk {c}": (dict(chunk_size=c), {}) for c in chunk_sizes}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = {f"chunk {c}": (dict(chunk_size=c), None) for c in chunk_sizes}
     variants.update({
-        "normalize": (dict(normalize=True), {}), "masked decay": (dict(decay=decay), {}),
-        "paper decay": (dict(decay=decay, decay_form="paper"), {}),
-        "dq/dk and dv in two launches": ({}, dict(SPLIT_GRADS_FROM=64)),
-        "scans assume 4 programs per SM": ({}, dict(_resident_programs=lambda device, D: 4 * (
-            torch.cuda.get_device_properties(device).multi_processor_count))),
-        "scans in blocks of 32 rows": ({}, dict(SCAN_ROWS=32))})
+        "normalize": (dict(normalize=True), None), "masked decay": (dict(decay=decay), None),
+        "paper decay": (dict(decay=decay, decay_form="paper"), None),
+        "dq/dk and dv in two launches": ({}, lambda plan: replace(
+            plan, grad_launches=("qk", "v") if plan.backward else None)),
+        "scans assume 4 programs per SM": ({}, replanned(resident=4 * sms)),
+        "scans in blocks of 32 rows": ({}, replanned(scan_rows=32))})
     for T in (8192, 32768, 65536):
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(TOKENS // T, T, HEADS, 64, device="cuda", generator=gen,
                                dtype=torch.bfloat16) / 8 for _ in range(3))
-        for name, (options, constants) in variants.items():
+        for name, (options, variant) in variants.items():
             is_option = "decay" in name or name == "normalize"
             if T > 8192 and (is_option or name.startswith("chunk ") and name != "chunk 64"):
                 continue  # options and chunk sizes: 8k says enough
@@ -239,29 +248,33 @@ def time_variants(results, chunk_sizes, with_chunk_form):
                 continue  # its kernels walk the chunks one by one (slow to time)
             impls = ("triton", "chunk") if is_option and with_chunk_form else ("triton",)
             for impl in impls:
-                with patched(hla2_triton_module, **constants):
-                    time_row(results["variants"], f"T={T} {name} {impl}",
-                             lambda a, b, c, impl=impl, options=options:
-                             hla2(a, b, c, impl=impl, **options)[0], q, k, v)
+                fn = planned(variant) if variant is not None else (
+                    lambda a, b, c, impl=impl, options=options:
+                    hla2(a, b, c, impl=impl, **options)[0])
+                time_row(results["variants"], f"T={T} {name} {impl}", fn, q, k, v)
 
 
-# The forward alone at D = 128 (chunk 128) and D = 64 (chunk 64): as committed, and with the
-# chunk-128 paths (triton.HALVES_FROM_CHUNK) off. The runs of 2026-12-03 that chose those
-# paths timed each of them alone (results/2026-12-03-h200-forward-variants.yaml, tree 9f9cad1).
-FORWARD_VARIANTS = {"base": {}, "chunk-128 paths off": dict(HALVES_FROM_CHUNK=256)}
+# The forward alone at D = 128 (chunk 128) and D = 64 (chunk 64): the default plan, and the
+# plan with the chunk-128 paths (increments in halves, late state loads, the states scanned
+# into buffers of their own) off. variant(plan) -> plan, None for the default.
+FORWARD_VARIANTS = {"base": None, "chunk-128 paths off": lambda plan: replace(
+    plan, increments_halves=False, late_states=False, states_out_of_place=False)}
 # fwd+bwd at head dim 128 runs chunk 64; the state scan there in 64-row blocks where
-# 16-row blocks would need 4 waves (T = 2k, 8k), as the gradient scan does
-BACKWARD_VARIANTS = {"base": {},
-                     "state scan in 64-row blocks": dict(WIDE_SCAN=((64, 4), (64, 4)))}
+# 16-row blocks would need 4 waves (T = 2k, 8k): planned as the gradient scan is (a plan
+# without backward has no gradient scan and keeps its state scan)
+BACKWARD_VARIANTS = {"base": None,
+                     "state scan in 64-row blocks": lambda plan: replace(
+                         plan, state_scan=plan.grad_scan) if plan.backward else plan}
 
 
 def _tuned_warps():
     """{kernel: {autotune key: num_warps}} of the autotuned kernels' choices so far."""
-    from mixers.hla.hla2 import triton_kernels as kern
+    from mixers.hla.hla2.triton import increments, output
 
     picks = {}
-    for name in ("chunk_increments_kernel", "chunk_output_kernel"):
-        cache = getattr(getattr(kern, name), "cache", {})
+    for module, name in ((increments, "chunk_increments_kernel"),
+                         (output, "chunk_output_kernel")):
+        cache = getattr(getattr(module, name), "cache", {})
         picks[name] = {str(key): config.num_warps for key, config in cache.items()}
     return picks
 
@@ -274,9 +287,12 @@ def time_kernel_variants(results, backward):
     of each variant and the autotuner's warp choices: where the time goes."""
     from triton.testing import do_bench
 
-    from mixers.hla.hla2 import triton as hla2_triton_module
+    from mixers.hla.hla2.triton import hla2_triton, plan_call
 
-    run = hla2_triton_module.hla2_triton
+    def run(q, k, v, variant):
+        plan = None if variant is None else variant(plan_call(q, k, v))
+        return hla2_triton(q, k, v, plan=plan)
+
     fla = implementations().get("fla-linear-attn")
     table = results["backward_variants" if backward else "forward_variants"]
     variants = BACKWARD_VARIANTS if backward else FORWARD_VARIANTS
@@ -289,12 +305,12 @@ def time_kernel_variants(results, backward):
                 q.requires_grad_()
                 do = torch.randn_like(v)
 
-                def step():
-                    return torch.autograd.grad(run(q, k, v)[0], q, do)[0]
+                def step(variant):
+                    return torch.autograd.grad(run(q, k, v, variant)[0], q, do)[0]
             else:
-                def step():
+                def step(variant):
                     with torch.no_grad():
-                        return run(q, k, v)[0]
+                        return run(q, k, v, variant)[0]
             base = None
             if fla is not None and not backward:
                 with torch.no_grad():
@@ -302,15 +318,15 @@ def time_kernel_variants(results, backward):
                                   return_mode="median")
                 table[f"D={D} T={T} fla-linear-attn"] = {"ms": round(ms, 4)}
                 print(f"D={D} T={T} fla-linear-attn fwd {ms:8.3f} ms")
-            for name, constants in variants.items():
+            for name, variant in variants.items():
                 key = f"D={D} T={T} {name}"
                 try:
-                    with patched(hla2_triton_module, **constants):
-                        out = step().float()
-                        base = out if base is None else base
-                        diff = relative_error(out, base, norm="fro")
-                        ms = do_bench(step, warmup=10, rep=60, return_mode="median")
-                        per_kernel = cuda_time_per_kernel(step)
+                    out = step(variant).float()
+                    base = out if base is None else base
+                    diff = relative_error(out, base, norm="fro")
+                    ms = do_bench(lambda: step(variant), warmup=10, rep=60,
+                                  return_mode="median")
+                    per_kernel = cuda_time_per_kernel(lambda: step(variant))
                     table[key] = {"ms": round(ms, 4), "rel_to_first": diff,
                                   "cuda_ms_per_kernel": {kernel: round(t, 4)
                                                          for kernel, t, _ in per_kernel}}

@@ -14,9 +14,10 @@ import os
 import pytest
 import torch
 
+from hla2_plans import chunk_128_paths, split_output_rows, two_level_scans
 from mixers.attention import sdpa_attention
 from mixers.hla import ahla2, hla2, hla3
-from mixers.hla.hla2 import triton as hla2_triton_module
+from mixers.hla.hla2.triton import hla2_triton, plan_call
 from mixers.linear_attn import linear_attn
 from mixers.mamba2 import mamba2_ssd
 
@@ -78,51 +79,45 @@ TORCH_FORMS = {
 }
 
 
-def _split_output_rows(monkeypatch):
-    """Chunks of 16 as two programs of 8 query rows (the second mixes with the first)."""
-    monkeypatch.setattr(hla2_triton_module, "OUTPUT_ROWS", 8)
+def _triton(variant, chunk_size, decay=None, **bound):
+    """The Triton op with its default launch plan changed by variant(plan): a path the
+    default takes only at larger shapes (mixers/hla/hla2/triton/plan.py)."""
+    def op(q, k, v, **options):
+        g = None if decay is None else decay.to(q.device)
+        plan = variant(plan_call(q, k, v, decay=g, chunk_size=chunk_size, **bound))
+        return hla2_triton(q, k, v, decay=g, chunk_size=chunk_size, plan=plan, **bound,
+                           **options)
+    return op
 
 
-def _two_level_scans(monkeypatch):
-    """Scans over segments of 2 chunks, a scan over the segments, and a rescan."""
-    monkeypatch.setattr(hla2_triton_module, "_segments", lambda NT, *_: (2, -(-NT // 2)))
-
-
-def _chunk_128_paths(monkeypatch):
-    """The chunk-128 paths (increments in halves of tokens, late state loads, and without
-    backward the scan into buffers of its own), forced at chunk 32."""
-    monkeypatch.setattr(hla2_triton_module, "_chunk_128_paths", lambda C, D, DV: C >= 32)
-
-
-# name -> (op, setup(monkeypatch) or None)
 TRITON_FORMS = {
-    "hla2-triton": (_op(hla2, impl="triton", chunk_size=16), None),
-    "hla2-triton-decay-normalize": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY,
-                                        normalize=True), None),
-    "hla2-triton-split-rows-decay": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY),
-                                     _split_output_rows),
-    "hla2-triton-two-level-normalize": (_op(hla2, impl="triton", chunk_size=16,
-                                            normalize=True), _two_level_scans),
-    "hla2-triton-chunk-128-paths": (_op(hla2, impl="triton", chunk_size=32, decay=DECAY,
-                                        normalize=True), _chunk_128_paths),
-    "hla2-triton-paper-decay": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY,
-                                    decay_form="paper"), None),
-    "hla2-triton-paper-decay-normalize": (_op(hla2, impl="triton", chunk_size=16, decay=DECAY,
-                                              decay_form="paper", normalize=True), None),
+    "hla2-triton": _op(hla2, impl="triton", chunk_size=16),
+    "hla2-triton-decay-normalize": _op(hla2, impl="triton", chunk_size=16, decay=DECAY,
+                                       normalize=True),
+    # chunks of 16 as two programs of 8 query rows (the second mixes with the first)
+    "hla2-triton-split-rows-decay": _triton(split_output_rows, 16, DECAY),
+    # scans over segments of 2 chunks, a scan over the segments, and a rescan
+    "hla2-triton-two-level-normalize": _triton(two_level_scans, 16, normalize=True),
+    # increments in halves of tokens, late state loads, and without backward the scan into
+    # buffers of its own, at chunk 32
+    "hla2-triton-chunk-128-paths": _triton(chunk_128_paths, 32, DECAY, normalize=True),
+    "hla2-triton-paper-decay": _op(hla2, impl="triton", chunk_size=16, decay=DECAY,
+                                   decay_form="paper"),
+    "hla2-triton-paper-decay-normalize": _op(hla2, impl="triton", chunk_size=16, decay=DECAY,
+                                             decay_form="paper", normalize=True),
 } if TRITON else {}
 
-# name -> (op, setup, dtype, head dim): the paper hla3 scan holds d^3 dv tensors per token
-FORMS = {name: (op, None, torch.float64, 4 if name.startswith("hla3-paper") else 16)
+# name -> (op, dtype, head dim): the paper hla3 scan holds d^3 dv tensors per token
+FORMS = {name: (op, torch.float64, 4 if name.startswith("hla3-paper") else 16)
          for name, op in TORCH_FORMS.items()}
-FORMS.update({name: (op, setup, torch.float32, 16)
-              for name, (op, setup) in TRITON_FORMS.items()})
-FORMS["sdpa"] = (sdpa_attention, None, torch.float64, 16)
+FORMS.update({name: (op, torch.float32, 16) for name, op in TRITON_FORMS.items()})
+FORMS["sdpa"] = (sdpa_attention, torch.float64, 16)
 
 
 def _inputs(name, seed=0):
     """q, k, v of form `name` on DEVICE; |q|, |k| keep every normalised form's denominator
     positive."""
-    _, _, dtype, d = FORMS[name]
+    _, dtype, d = FORMS[name]
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, _tokens(name)[0], H, d, generator=gen, dtype=torch.float64) * 0.3
                for _ in range(3))
@@ -135,12 +130,10 @@ def _with_bad(xs, which, value, bad):
     return xs
 
 
-def _run(name, monkeypatch, xs, grad_up=None):
+def _run(name, xs, grad_up=None):
     """(outputs, final state) of form `name` on xs; with grad_up, the gradients of xs for
     the upstream gradient grad_up(o) instead of the state."""
-    op, setup, _, _ = FORMS[name]
-    if setup is not None:
-        setup(monkeypatch)
+    op, _, _ = FORMS[name]
     if grad_up is None:
         with torch.no_grad():
             return op(*xs, output_final_state=True)
@@ -174,10 +167,10 @@ def _state_tensors(state):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
 @pytest.mark.parametrize("name", list(FORMS))
-def test_non_finite_input_changes_only_later_outputs(name, which, value, monkeypatch):
+def test_non_finite_input_changes_only_later_outputs(name, which, value):
     xs, (_, bad) = _inputs(name), _tokens(name)
-    o, state = _run(name, monkeypatch, xs)
-    o_bad, state_bad = _run(name, monkeypatch, _with_bad(xs, which, value, bad))
+    o, state = _run(name, xs)
+    o_bad, state_bad = _run(name, _with_bad(xs, which, value, bad))
     _check_untouched(o_bad, o, bad)
     assert not torch.isfinite(o_bad[0, bad, 0]).all()  # the bad token's own output shows it
     if name == "sdpa":  # the state is the KV cache: it holds the inputs as they are
@@ -200,17 +193,17 @@ BACKWARD_CASES = [(name, value) for name in FORMS
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
 @pytest.mark.parametrize("name, value", BACKWARD_CASES,
                          ids=[f"{name}-{value}" for name, value in BACKWARD_CASES])
-def test_non_finite_input_keeps_earlier_gradients(name, which, value, monkeypatch):
+def test_non_finite_input_keeps_earlier_gradients(name, which, value):
     """Upstream gradient: random, zero at every output the bad entry made non-finite. The
     gradients of q, k and v before the bad token (and all of the other batch row and head)
     are finite and equal to those of the finite inputs with the same upstream gradient; the
     gradient of the bad entry is NaN."""
     xs, (_, bad) = _inputs(name), _tokens(name)
     xs_bad = _with_bad(xs, which, float(value), bad)
-    o_bad, _ = _run(name, monkeypatch, xs_bad)
+    o_bad, _ = _run(name, xs_bad)
     up = torch.where(torch.isfinite(o_bad), _upstream(o_bad), 0.0)
-    _, grads = _run(name, monkeypatch, xs, grad_up=lambda o: up)
-    _, grads_bad = _run(name, monkeypatch, xs_bad, grad_up=lambda o: up)
+    _, grads = _run(name, xs, grad_up=lambda o: up)
+    _, grads_bad = _run(name, xs_bad, grad_up=lambda o: up)
     for grad_bad, grad in zip(grads_bad, grads):
         assert torch.isfinite(grad_bad[0, :bad, 0]).all()
         _equal(grad_bad[0, :bad, 0], grad[0, :bad, 0])

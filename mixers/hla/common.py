@@ -21,7 +21,7 @@ steps on silently cleaned inputs). Masked chunk products alone cannot keep this:
 out later row still enters a matmul as 0 * NaN = NaN. So the PyTorch forms compute on the
 finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and set the
 outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the hla2
-Triton kernels keep the rule inside the kernels (hla2/triton_kernels.py). Not held to it:
+Triton kernels keep the rule inside the kernels (hla2/triton/common.py). Not held to it:
 PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the backward
 spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged; and
 finite inputs so large that the operators' products overflow.

@@ -2,7 +2,7 @@
 Triton forms, the single-token decode step, and cost helpers.
 
 Forms: naive.py (explicit sums with states, the ground truth), serial.py (recurrence), scan.py
-(associative segment scans), chunk.py (dense matmul chunks), triton.py (fused kernels).
+(associative segment scans), chunk.py (dense matmul chunks), triton/ (fused kernels).
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | N
 
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
     """impl="triton" is checked (ValueError with the reason); "auto" takes Triton on CUDA when
-    the kernels support the inputs, else `fallback`. The paper decay form's kernel walks the
-    chunks sequentially (one program per head and 32 value columns) and has not been timed
-    against the chunk form on a GPU yet, so "auto" keeps the chunk form there."""
+    the kernels support the inputs, else `fallback`. The paper decay form's kernels walk the
+    chunks sequentially (one program per head and 32 value columns) and are not tuned, so
+    "auto" keeps the chunk form there."""
     if impl == "triton":
         reason = _triton_unsupported(q, k, v, **triton_args)
         if reason is not None:
@@ -123,10 +123,10 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
     if impl == "triton" and q.shape[1] > 0:  # checked by _resolve_impl
-        from mixers.hla.hla2.triton import hla2_triton_unchecked
-        return hla2_triton_unchecked(q, k, v, normalize=normalize, eps=eps, decay=g,
-                                     decay_form=decay_form, chunk_size=chunk_size,
-                                     initial_state=state, output_final_state=output_final_state)
+        from mixers.hla.hla2.triton import _hla2_triton_unchecked
+        return _hla2_triton_unchecked(q, k, v, normalize=normalize, eps=eps, decay=g,
+                                      decay_form=decay_form, chunk_size=chunk_size,
+                                      initial_state=state, output_final_state=output_final_state)
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
     if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
         final = None
@@ -159,9 +159,9 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
     impl = _resolve_impl(impl, "torch", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
     if impl == "triton":  # checked by _resolve_impl
-        from mixers.hla.hla2.triton import step_unchecked
-        return step_unchecked(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,
-                              decay_form=decay_form)
+        from mixers.hla.hla2.triton import _step_unchecked
+        return _step_unchecked(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,
+                               decay_form=decay_form)
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
 
     dtype = packed["S"].dtype
