@@ -32,6 +32,7 @@ import tasks
 from hla_bench import registry
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path
+from hla_bench.tables import print_table
 from hla_bench.training import (FAILED, assign_devices, default_workers, failed_result,
                                 plan_groups, run_groups)
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
@@ -630,17 +631,39 @@ def tasks_group():
     """The synthetic tasks: list them, show an example."""
 
 
+def _task_defaults(task) -> list[str]:
+    return [f"{key}={value}" for key, value in task.params.items()]
+
+
+def task_table(all_tasks: list) -> Table:
+    """The tasks as a table: names and `parameter=default` items whole (one item a line),
+    descriptions and sources wrapped between words."""
+    table = Table(title="synthetic tasks")
+    for column in ("name", "description", "defaults", "train/test", "source"):
+        table.add_column(column, no_wrap=column in ("name", "train/test"))
+    for task in all_tasks:
+        table.add_row(escape(task.name), escape(task.description),
+                      escape("\n".join(_task_defaults(task))),
+                      f"{task.num_train}/{task.num_test}", escape(task.source))
+    return table
+
+
+def task_lines(all_tasks: list) -> list[str | list[str]]:
+    """The tasks as plain lines, for a console too narrow for the table: per task its name
+    and description, its defaults (each item whole) and its source."""
+    lines: list[str | list[str]] = ["synthetic tasks"]
+    for task in all_tasks:
+        lines += [f"{task.name}: {task.description} (train/test {task.num_train}/"
+                  f"{task.num_test})",
+                  ["  defaults:", *_task_defaults(task)], f"  source: {task.source}"]
+    return lines
+
+
 @tasks_group.command("list")
 def list_tasks():
     """Every registered task with its default parameters."""
-    table = Table(title="synthetic tasks")
-    for column in ("name", "description", "defaults", "train/test", "source"):
-        table.add_column(column, no_wrap=column == "name")
-    for task in tasks.all_tasks():
-        defaults = ", ".join(f"{key}={value}" for key, value in task.params.items())
-        table.add_row(task.name, task.description, defaults, f"{task.num_train}/{task.num_test}",
-                      task.source)
-    Console().print(table)
+    every = tasks.all_tasks()
+    print_table(Console(), task_table(every), lambda: task_lines(every))
 
 
 @tasks_group.command("show")
