@@ -1,6 +1,6 @@
 """`hla-bench recall` (train and score mixers on synthetic recall tasks) and `hla-bench tasks`.
 
-A recall config (YAML, see configs/recall-*.yaml, configs/zoology-*.yaml, configs/mad.yaml)
+A recall config (YAML, see hla_bench/configs/: recall-cpu, zoology-*, mad)
 names the mixers, widths, learning rates, weight decays, seeds, the model (with per-mixer
 overrides in `mixer_model`), the training protocol and the task settings; `validate_config`
 checks every key and value before any run starts. Runs that differ only in learning rate,
@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 import tasks
-from hla_bench import registry
+from hla_bench import configs, registry
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.tables import print_table
@@ -511,9 +511,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="YAML sweep config (configs/recall-*.yaml, configs/zoology-*.yaml); the "
-                   "options below override it.")
+@click.option("--config", "config_file", metavar="CONFIG",
+              help="YAML sweep config: a file, or the name of a shipped one (recall-cpu, "
+                   "zoology-fig2, zoology-smoke, mad); the options below override it.")
 @click.option("--task", help="Task name (see `hla-bench tasks list`): one setting of it replaces "
               "the config's settings. Without it, the task options below apply to every setting.")
 @click.option("--mixers", callback=_comma_list(str), help="Comma-separated mixer names.")
@@ -561,6 +561,11 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
     console = Console()
     try:
+        if config_file is not None:
+            try:
+                config_file = str(configs.find(config_file))
+            except ValueError as error:
+                raise ConfigError(f"--config {error}") from None
         config = load_config(config_file, options)
         params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                                                 ("vocab_size", vocab_size)) if value is not None}

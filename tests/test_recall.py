@@ -337,7 +337,7 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     assert entry["test"] == pytest.approx((0.95 + 0.5) / 2)  # MAD-lab's pick per setting
     assert entry["rule"] == "mad-lab" and (entry["settings"], entry["expected"]) == (2, 11)
     assert set(scores[("hla2", 128)]) == {"in_context_recall", "memorization"}
-    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
+    reference = yaml.safe_load((Path(__file__).parents[1] / "hla_bench" / "configs" / "reference" /
                                 "mad-lab.yaml").read_text())
     console = Console(record=True, width=250)
     console.print(mad_table(scores, reference))
@@ -411,7 +411,7 @@ def test_configs_in_the_repository_are_valid():
     from hla_bench.training import plan_groups
 
     checked = []
-    for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
+    for path in sorted(Path(__file__).parents[1].glob("hla_bench/configs/*.yaml")):
         data = yaml.safe_load(path.read_text())
         if "settings" in data:  # a recall config
             config = load_config(str(path), {})
@@ -673,11 +673,11 @@ def test_unavailable_mixer_is_recorded_not_run(tmp_path):
 
 
 def test_mad_config_smoke_on_the_cpu_through_the_cli(tmp_path):
-    """configs/mad.yaml's protocol at tiny sizes: one task setting, two mixers (one with a
+    """The shipped mad config's protocol at tiny sizes: one task setting, two mixers (one with a
     per-mixer model), its lr x weight-decay grid, MAD-lab's metric and test pick."""
     out = tmp_path / "mad.yaml"
     result = CliRunner().invoke(main, [
-        "recall", "--config", str(Path(__file__).parents[1] / "configs" / "mad.yaml"), "--task",
+        "recall", "--config", "mad", "--task",
         "in_context_recall",
         "--seq-len", "16", "--mixers", "sdpa,mamba2-ssd", "--d-model", "32", "--epochs", "1",
         "--num-train", "64", "--num-val", "32", "--num-test", "32", "--batch-size", "64",
