@@ -293,3 +293,15 @@ def test_index_never_replaces_a_hand_written_readme_and_takes_no_file(tmp_path):
     assert both.exit_code == 2 and "takes no FILE" in both.output
     neither = CliRunner().invoke(report.report, [])
     assert neither.exit_code == 2 and "--index DIR" in neither.output
+
+
+def test_the_repository_results_index_is_the_generated_one():
+    """results/README.md is `hla-bench report --index results` of the files there now."""
+    from pathlib import Path
+
+    from hla_bench import index
+
+    folder = Path(__file__).resolve().parents[1] / "results"
+    text, count = index.index_markdown(folder)
+    assert count == len(list(folder.rglob("*.yaml")))  # every YAML file there is a results file
+    assert (folder / "README.md").read_text() == text, "run: hla-bench report --index results"
