@@ -424,7 +424,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     header = (f"recall (schema {data.get('schema_version')}): {len(runs)} runs, device "
               f"{config.get('device', '?')}, {data.get('seconds', '?')} s; torch "
               f"{env.get('torch', '?')}" + ("" if data.get("complete", True) else "; INCOMPLETE"))
-    console.print(header, markup=False, highlight=False, soft_wrap=True)
+    console.print(header + ("\n" if markdown else ""), markup=False, highlight=False,
+                  soft_wrap=True)
     for setting, by_mixer in summary.items():
         if markdown:
             console.print(setting_markdown(setting, by_mixer), markup=False, highlight=False,
@@ -442,8 +443,9 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     for run in runs:
         if run.get("status") != "ok":
             where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} seed={run.get('seed', 0)} [{run['setting']}]"
-            console.print(f"{run['status']}: {where}: {run.get('error', '')}", markup=False,
-                          highlight=False, soft_wrap=True)
+            line = f"{run['status']}: {where}: {run.get('error', '')}".rstrip()
+            console.print(f"- {line}" if markdown else line, markup=False, highlight=False,
+                          soft_wrap=True)
     if plots_dir is None or not summary:
         return []
     paths = plot_recall(summary, plots_dir)

@@ -208,8 +208,8 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
     fields = [f"bench {data.get('created', '')}", f"host {env.get('hostname')}",
               f"gpu {env.get('gpu') or 'none'}", f"torch {env.get('torch')}",
               f"commit {str(env.get('git_commit', ''))[:12]}"]
-    if markdown:
-        console.print("  ".join(fields), markup=False, highlight=False, soft_wrap=True)
+    if markdown:  # a paragraph of its own
+        console.print("  ".join(fields) + "\n", markup=False, highlight=False, soft_wrap=True)
     else:  # the fields whole, as many to a line as the console's width takes
         for line in pack(fields, console.width):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -462,7 +462,7 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
         if data.get("complete") is False:
             note = (f"{path} is incomplete: its run was stopped before the end of its plan "
                     "(continue it with --resume)")
-            console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"_{note}_",
+            console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"\n_{note}_",
                           markup=not markdown, highlight=False, soft_wrap=True)
 
 

@@ -317,6 +317,19 @@ def test_summary_picks_over_lr_and_weight_decay_and_offers_mad_labs_test_pick():
     assert "as Zoology" in text and " wd " not in text and "MAD scores" not in text
 
 
+def test_recall_markdown_is_paragraphs_a_table_and_a_list_of_failed_runs():
+    runs = [run(lr=1e-3, val_accuracy=0.9, test_accuracy=0.8),
+            run(lr=1e-2, status="error", error="AssertionError: ", val_accuracy=None,
+                test_accuracy=None)]
+    console = Console(record=True, width=80)
+    render_recall({"kind": "recall", "config": {}, "environment": {}, "runs": runs}, console,
+                  markdown=True)
+    lines = console.export_text().splitlines()
+    assert lines[0].startswith("recall (") and lines[1] == ""
+    assert lines[-1] == "- error: m d=64 lr=0.01 seed=0 [s]: AssertionError:"
+    assert lines[-2] == "" and lines[-3].startswith("| m | 64 |")
+
+
 def mad_run(task, setting, mixer="hla2", val=0.5, test=0.6, at_best=None, **fields):
     return run(**{"setting": setting, "mixer": mixer, "d_model": 128, "task": task, "lr": 1e-3,
                   "weight_decay": 0.0, "val_accuracy": val, "test_accuracy": test,

@@ -91,6 +91,8 @@ def test_report_markdown_command(synthetic, tmp_path):
     assert "| 1k | 1 | 4.000 | **2.000** |" in rendered.output
     assert "- b oom at T=4k: CUDA out of memory" in rendered.output
     assert "┃" not in rendered.output
+    lines = rendered.output.splitlines()
+    assert lines[0] == f"<!-- {path} -->" and lines[1].startswith("bench ") and lines[2] == ""
 
 
 def test_format_bytes():
