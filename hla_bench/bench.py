@@ -265,9 +265,12 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
         as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool) -> None:
     """Run the sweeps of a config file (default: the shipped cpu-smoke).
 
-    CONFIG is a YAML file, or the name of a config shipped with hla-bench (in
-    hla_bench/configs/: cpu-smoke, h200, h200-kernels, h200-decode), e.g. `hla-bench run
-    h200-kernels --sweep d64`."""
+    CONFIG is a YAML file, or the name of a config shipped with hla-bench in
+    hla_bench/configs/ (cpu-smoke, h200, h200-kernels, h200-decode), for example:
+
+    \b
+        hla-bench run h200-kernels --sweep d64
+    """
     output_format = _output_format(as_json, as_yaml)
     try:
         path = configs.find(config_text) if config_text else configs.shipped(configs.DEFAULT)
