@@ -9,7 +9,7 @@ stacked. Throughput is the runs' total steps over the wall time from the first t
 to the last (setup, data generation and warm-up are excluded: each worker reports when its
 timed steps began and ended). Writes one YAML with both rates per cell and their ratio.
 
-    python benchmarks/recall_throughput.py --config configs/zoology-smoke.yaml \
+    python benchmarks/recall_throughput.py --config zoology-smoke \
         --cells 64:64,256:128 --steps 150 --out throughput.yaml
 """
 
@@ -126,7 +126,8 @@ def _pool(function, items, workers: int, steps: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", required=True,
+                        help="a recall config: a YAML file or a shipped config's name")
     parser.add_argument("--cells", required=True,
                         help="seq_len:d_model,... (each seq_len names a setting of the config)")
     parser.add_argument("--steps", type=int, default=300)
@@ -140,11 +141,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from hla_bench import registry
+    from hla_bench import configs, registry
     from hla_bench.recall import load_config, plan_runs
     from hla_bench.training import plan_groups
 
-    config = load_config(args.config, {})
+    config = load_config(str(configs.find(args.config)), {})
     config["mixers"] = args.mixers.split(",")
     specs = plan_runs(config, "cuda:0")
     specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]

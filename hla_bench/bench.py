@@ -21,8 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import hla_bench
-from hla_bench import registry
+from hla_bench import configs, registry
 from hla_bench import results as results_io
 from hla_bench.engine.config import (SweepConfig, default_text, is_required, load_config,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
@@ -32,8 +31,6 @@ from hla_bench.report import render_bench
 from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.tables import print_table
 
-CONFIG_DIR = Path(hla_bench.__file__).resolve().parents[1] / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "cpu-smoke.yaml"
 
 
 def mixer_rows() -> list[dict[str, Any]]:
@@ -286,17 +283,26 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
 
 
 @click.command()
-@click.argument("config_path", metavar="[CONFIG]", required=False,
-                type=click.Path(exists=True, dir_okay=False))
+@click.argument("config_text", metavar="[CONFIG]", required=False)
 @click.option("--sweep", "only", multiple=True, metavar="NAME",
               help="Run only this sweep of the config (repeatable; default: all).")
 @with_output_options
-def run(config_path: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
+def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
         as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool, executor: str,
         scheduler: str | None) -> None:
-    """Run the sweeps of a config file (default: configs/cpu-smoke.yaml)."""
+    """Run the sweeps of a config file (default: the shipped cpu-smoke).
+
+    CONFIG is a YAML file, or the name of a config shipped with hla-bench in
+    hla_bench/configs/ (cpu-smoke, h200, h200-kernels, h200-decode), for example:
+
+    \b
+        hla-bench run h200-kernels --sweep d64
+    """
     output_format = _output_format(as_json, as_yaml)
-    path = Path(config_path) if config_path else DEFAULT_CONFIG
+    try:
+        path = configs.find(config_text) if config_text else configs.shipped(configs.DEFAULT)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
     try:
         config, sweeps = load_config(path)
     except (ValueError, yaml.YAMLError) as error:

@@ -20,8 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                  "decode)."),
     "list": ("hla_bench.bench", "List the registered mixers and whether they run on this "
                                 "machine."),
-    "run": ("hla_bench.bench", "Run the sweeps of a config file (default: "
-                               "configs/cpu-smoke.yaml)."),
+    "run": ("hla_bench.bench", "Run the sweeps of a config file (default: the shipped "
+                               "cpu-smoke)."),
     "report": ("hla_bench.report", "Re-render results FILE(s): tables, comparisons (--compare) "
                                    "and plots (--plots)."),
     "verify": ("hla_bench.verify", "Check every HLA form against the explicit float64 sums."),

@@ -1,6 +1,6 @@
 """`hla-bench recall` (train and score mixers on synthetic recall tasks) and `hla-bench tasks`.
 
-A recall config (YAML, see configs/recall-*.yaml, configs/zoology-*.yaml, configs/mad.yaml)
+A recall config (YAML, see hla_bench/configs/: recall-cpu, zoology-*, mad)
 names the mixers, widths, learning rates, weight decays, seeds, the model (with per-mixer
 overrides in `mixer_model`), the training protocol and the task settings; `validate_config`
 checks every key and value before any run starts. Runs that differ only in learning rate,
@@ -29,9 +29,10 @@ from rich.table import Table
 from rich.text import Text
 
 import tasks
-from hla_bench import registry
+from hla_bench import configs, registry
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path
+from hla_bench.tables import print_table
 from hla_bench.training import (FAILED, assign_devices, default_workers, failed_result,
                                 plan_groups, run_groups)
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
@@ -522,9 +523,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="YAML sweep config (configs/recall-*.yaml, configs/zoology-*.yaml); the "
-                   "options below override it.")
+@click.option("--config", "config_file", metavar="CONFIG",
+              help="YAML sweep config: a file, or the name of a shipped one (recall-cpu, "
+                   "zoology-fig2, zoology-smoke, mad); the options below override it.")
 @click.option("--task", help="Task name (see `hla-bench tasks list`): one setting of it replaces "
               "the config's settings. Without it, the task options below apply to every setting.")
 @click.option("--mixers", callback=_comma_list(str), help="Comma-separated mixer names.")
@@ -577,6 +578,11 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
     console = Console()
     try:
+        if config_file is not None:
+            try:
+                config_file = str(configs.find(config_file))
+            except ValueError as error:
+                raise ConfigError(f"--config {error}") from None
         config = load_config(config_file, options)
         params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                                                 ("vocab_size", vocab_size)) if value is not None}
@@ -665,17 +671,39 @@ def tasks_group():
     """The synthetic tasks: list them, show an example."""
 
 
+def _task_defaults(task) -> list[str]:
+    return [f"{key}={value}" for key, value in task.params.items()]
+
+
+def task_table(all_tasks: list) -> Table:
+    """The tasks as a table: names and `parameter=default` items whole (one item a line),
+    descriptions and sources wrapped between words."""
+    table = Table(title="synthetic tasks")
+    for column in ("name", "description", "defaults", "train/test", "source"):
+        table.add_column(column, no_wrap=column in ("name", "train/test"))
+    for task in all_tasks:
+        table.add_row(escape(task.name), escape(task.description),
+                      escape("\n".join(_task_defaults(task))),
+                      f"{task.num_train}/{task.num_test}", escape(task.source))
+    return table
+
+
+def task_lines(all_tasks: list) -> list[str | list[str]]:
+    """The tasks as plain lines, for a console too narrow for the table: per task its name
+    and description, its defaults (each item whole) and its source."""
+    lines: list[str | list[str]] = ["synthetic tasks"]
+    for task in all_tasks:
+        lines += [f"{task.name}: {task.description} (train/test {task.num_train}/"
+                  f"{task.num_test})",
+                  ["  defaults:", *_task_defaults(task)], f"  source: {task.source}"]
+    return lines
+
+
 @tasks_group.command("list")
 def list_tasks():
     """Every registered task with its default parameters."""
-    table = Table(title="synthetic tasks")
-    for column in ("name", "description", "defaults", "train/test", "source"):
-        table.add_column(column, no_wrap=column == "name")
-    for task in tasks.all_tasks():
-        defaults = ", ".join(f"{key}={value}" for key, value in task.params.items())
-        table.add_row(task.name, task.description, defaults, f"{task.num_train}/{task.num_test}",
-                      task.source)
-    Console().print(table)
+    every = tasks.all_tasks()
+    print_table(Console(), task_table(every), lambda: task_lines(every))
 
 
 @tasks_group.command("show")

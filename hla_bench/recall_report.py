@@ -13,7 +13,7 @@ cell shows the mean over seeds with the sample standard deviation.
 
 MAD score view (`mad_scores`): per task of the MAD suite, the mean over its settings of the
 cells' scores, val-picked and test-picked, beside MAD-lab's published scores
-(configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
+(hla_bench/configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from hla_bench import configs
 from tasks.mad import MAD_TASKS, mad_settings
 
-MAD_REFERENCE = Path(__file__).resolve().parents[1] / "configs" / "reference" / "mad-lab.yaml"
+MAD_REFERENCE = configs.reference("mad-lab.yaml")
 METRIC_NAMES = {"micro": "accuracy over the labelled positions",
                 "mad-macro": "MAD-lab's macro accuracy per batch of 128, averaged"}
 REQUIRED_RUN_FIELDS = ("setting", "mixer", "d_model", "lr", "seed", "status")
@@ -254,7 +255,7 @@ def setting_markdown(setting: str, by_mixer: dict) -> str:
 # --- the MAD score view ---------------------------------------------------------------------
 
 def load_mad_reference(path: str | Path = MAD_REFERENCE) -> dict | None:
-    """MAD-lab's published scores (configs/reference/mad-lab.yaml), or None without the file."""
+    """MAD-lab's published scores (hla_bench/configs/reference/mad-lab.yaml), or None without the file."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except OSError:
@@ -328,9 +329,9 @@ def _mad_layout(scores: dict, reference: dict | None):
                + " or ".join(TEST_RULES[rule] for rule in sorted(rules))
                + "); (n/m): n of MAD-lab's m settings scored")
     if reference is None:
-        caption += "; MAD-lab's published scores: configs/reference/mad-lab.yaml not found"
+        caption += "; MAD-lab's published scores: hla_bench/configs/reference/mad-lab.yaml not found"
     elif not matches:
-        caption += ("; MAD-lab's published scores (configs/reference/mad-lab.yaml) are not shown: "
+        caption += ("; MAD-lab's published scores (hla_bench/configs/reference/mad-lab.yaml) are not shown: "
                     "no architecture it scored matches an hla-bench mixer")
     elif not any(m in {mixer for mixer, _ in scores} for m in matches.values()):
         caption += ("; MAD-lab's published scores: none of their architectures' hla-bench "
@@ -423,7 +424,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     header = (f"recall (schema {data.get('schema_version')}): {len(runs)} runs, device "
               f"{config.get('device', '?')}, {data.get('seconds', '?')} s; torch "
               f"{env.get('torch', '?')}" + ("" if data.get("complete", True) else "; INCOMPLETE"))
-    console.print(header, markup=False, highlight=False, soft_wrap=True)
+    console.print(header + ("\n" if markdown else ""), markup=False, highlight=False,
+                  soft_wrap=True)
     for setting, by_mixer in summary.items():
         if markdown:
             console.print(setting_markdown(setting, by_mixer), markup=False, highlight=False,
@@ -441,8 +443,9 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     for run in runs:
         if run.get("status") != "ok":
             where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} seed={run.get('seed', 0)} [{run['setting']}]"
-            console.print(f"{run['status']}: {where}: {run.get('error', '')}", markup=False,
-                          highlight=False, soft_wrap=True)
+            line = f"{run['status']}: {where}: {run.get('error', '')}".rstrip()
+            console.print(f"- {line}" if markdown else line, markup=False, highlight=False,
+                          soft_wrap=True)
     if plots_dir is None or not summary:
         return []
     paths = plot_recall(summary, plots_dir)

@@ -208,8 +208,8 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
     fields = [f"bench {data.get('created', '')}", f"host {env.get('hostname')}",
               f"gpu {env.get('gpu') or 'none'}", f"torch {env.get('torch')}",
               f"commit {str(env.get('git_commit', ''))[:12]}"]
-    if markdown:
-        console.print("  ".join(fields), markup=False, highlight=False, soft_wrap=True)
+    if markdown:  # a paragraph of its own
+        console.print("  ".join(fields) + "\n", markup=False, highlight=False, soft_wrap=True)
     else:  # the fields whole, as many to a line as the console's width takes
         for line in pack(fields, console.width):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -363,28 +363,36 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return written
 
 
-def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
-    """(path, kind, data) of a results file of any kind, checked: the structure every
-    results file has (`store.check_structure`, the completion marker), then the kind's own
-    schema (bench: `results.validate`; recall: `recall_report.validate_recall` where it
-    exists). Any problem is a usage error naming the file."""
+def load_checked(path: str | Path) -> dict[str, Any]:
+    """A results file of any kind, checked: the structure every results file has
+    (`store.check_structure`, the completion marker), then the kind's own schema (bench:
+    `results.validate`; recall: `recall_report.validate_recall`). Any problem is a
+    ValueError whose message starts with the path."""
     try:
         data = store.load_results(path)
         if data["kind"] == "bench":
             results_io.validate(data)
         else:
-            validate_recall = getattr(recall_report, "validate_recall", None)
-            if validate_recall is not None:
-                validate_recall(data)
+            recall_report.validate_recall(data)
     except ValueError as error:
         message = str(error)
-        raise click.UsageError(message if message.startswith(str(path))
-                               else f"{path}: {message}") from None
+        raise ValueError(message if message.startswith(str(path))
+                         else f"{path}: {message}") from None
+    return data
+
+
+def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
+    """(path, kind, data) of a results file of any kind (`load_checked`); any problem is a
+    usage error naming the file."""
+    try:
+        data = load_checked(path)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
     return path, data["kind"], data
 
 
 @click.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--compare", "compare_files", is_flag=True,
               help="Two bench files: per-point speedup old/new, regressions in red.")
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots to this folder.")
@@ -393,11 +401,31 @@ def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
 @click.option("--threshold", type=float, default=0.05, show_default=True,
               help="Slowdown fraction counted as a regression with --compare.")
 @click.option("--markdown", is_flag=True, help="Print GitHub markdown tables (for READMEs).")
+@click.option("--sweep", "only", multiple=True, metavar="NAME",
+              help="Bench files: show only this sweep (repeatable; default: all).")
+@click.option("--index", "index_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write DIR/README.md, the index of every results file below DIR (kind, "
+                   "config, device, date, git commit, completeness, read from each file); "
+                   "takes no FILE.")
 def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metric: str,
-           baseline: str | None, threshold: float, markdown: bool) -> None:
-    """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots)."""
+           baseline: str | None, threshold: float, markdown: bool, only: tuple[str, ...],
+           index_dir: str | None) -> None:
+    """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots).
+
+    With --index DIR, write the index of a results folder instead."""
     console = Console()
+    if index_dir is not None:
+        if files:
+            raise click.UsageError("--index DIR takes no FILE: it reads every results file "
+                                   "below DIR")
+        write_folder_index(index_dir, console)
+        return
+    if not files:
+        raise click.UsageError("give one or more results FILEs (or --index DIR)")
     loaded = [load_any(path) for path in files]  # every file checked before any output
+    if only:
+        loaded = [(path, kind, _only_sweeps(path, kind, data, only))
+                  for path, kind, data in loaded]
     if baseline is not None:
         for path, kind, data in loaded:
             labels = {p["mixer"] for p in data["points"]} if kind == "bench" else set()
@@ -434,8 +462,38 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
         if data.get("complete") is False:
             note = (f"{path} is incomplete: its run was stopped before the end of its plan "
                     "(continue it with --resume)")
-            console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"_{note}_",
+            console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"\n_{note}_",
                           markup=not markdown, highlight=False, soft_wrap=True)
+
+
+def _only_sweeps(path: str, kind: str, data: dict[str, Any],
+                 only: tuple[str, ...]) -> dict[str, Any]:
+    """`data` with the points and sweeps of the `only` sweeps; a usage error for a recall
+    file or a name that is not a sweep of the file."""
+    if kind != "bench":
+        raise click.UsageError(f"--sweep applies to bench files; {path} is a {kind} file")
+    names = list(dict.fromkeys([s.get("name") for s in data.get("sweeps", [])]
+                               + [p["sweep"] for p in data["points"]]))
+    unknown = [name for name in only if name not in names]
+    if unknown:
+        raise click.UsageError(f"--sweep {unknown[0]!r} is not a sweep of {path} "
+                               f"({', '.join(map(str, names))})")
+    return {**data, "sweeps": [s for s in data.get("sweeps", []) if s.get("name") in only],
+            "points": [p for p in data["points"] if p["sweep"] in only]}
+
+
+def write_folder_index(folder: str, console: Console) -> None:
+    """`report --index DIR`: write DIR/README.md (`hla_bench.index`)."""
+    from hla_bench import index
+
+    try:
+        path, count = index.write_index(folder)
+    except index.IndexWriteError as error:
+        raise click.UsageError(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"cannot write the index of {folder}: {error}") from None
+    console.print(f"wrote {path} ({count} results files)", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 commands = [report]

@@ -1,13 +1,15 @@
 """The `list`, `bench` and `run` commands through click's test runner, with fake mixers."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, registry, results
+from hla_bench import bench, configs, registry, results
 from hla_bench.engine import runner as engine_runner
 from hla_bench.engine.config import load_config
 from hla_bench.engine.records import point_key
@@ -205,16 +207,58 @@ def test_run_bad_config_exit_2(runner, fake_mixers, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is absent")
 def test_cuda_config_without_cuda_exit_2(runner):
-    result = runner.invoke(main, ["run", str(bench.CONFIG_DIR / "h200.yaml")])
+    result = runner.invoke(main, ["run", "h200"])
     assert result.exit_code == 2 and "CUDA is not available" in result.output
 
 
-def test_shipped_configs_parse_and_name_registered_mixers():
-    for name in ("cpu-smoke.yaml", "h200.yaml", "h200-kernels.yaml"):
-        _, sweeps = load_config(bench.CONFIG_DIR / name)
+def _bench_configs():
+    return [name for name in configs.names()
+            if "settings" not in yaml.safe_load(configs.shipped(name).read_text())]
+
+
+def test_shipped_configs_parse_name_registered_mixers_and_are_listed_in_run_help():
+    names = _bench_configs()
+    assert {"cpu-smoke", "h200", "h200-kernels", "h200-decode"} <= set(names)
+    for name in names:
+        _, sweeps = load_config(configs.shipped(name))
         for sweep in sweeps:
             sweep.check_mixers()
-    assert bench.DEFAULT_CONFIG.name == "cpu-smoke.yaml" and bench.DEFAULT_CONFIG.exists()
+    help_text = bench.run.help or ""
+    assert [name for name in names
+            if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", help_text)] == []
+
+
+def test_shipped_configs_are_package_data_found_through_importlib_resources():
+    """What `pip install .` ships: the configs lie in the hla_bench.configs package (found
+    with importlib.resources, not from the checkout's layout), and pyproject's package-data
+    globs cover every file there."""
+    import importlib.resources
+    from fnmatch import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+
+    folder = configs.folder()
+    assert folder == Path(str(importlib.resources.files("hla_bench.configs")))
+    assert configs.shipped("cpu-smoke") == folder / "cpu-smoke.yaml"
+    assert configs.shipped("cpu-smoke.yaml").is_file()
+    assert configs.reference("mad-lab.yaml").is_file()
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["hla_bench.configs"]
+    shipped = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
+               if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
+    assert shipped and [f for f in shipped if not any(fnmatch(f, g) for g in globs)] == []
+
+
+def test_config_argument_is_a_file_or_a_shipped_name(runner, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert configs.find("h200-kernels") == configs.shipped("h200-kernels")
+    (tmp_path / "h200-kernels").write_text("mixers: [sdpa]\nseq_lens: [64]\n")
+    assert configs.find("h200-kernels") == Path("h200-kernels")  # a file comes first
+    unknown = runner.invoke(main, ["run", "no-such-config"])
+    assert unknown.exit_code == 2 and "no shipped config of that name" in unknown.output
+    assert "cpu-smoke" in unknown.output
+    with pytest.raises(ValueError, match="no shipped config"):
+        configs.shipped("reference/mad-lab")
 
 
 # ---------------------------------------------------------------- the results file

@@ -317,6 +317,19 @@ def test_summary_picks_over_lr_and_weight_decay_and_offers_mad_labs_test_pick():
     assert "as Zoology" in text and " wd " not in text and "MAD scores" not in text
 
 
+def test_recall_markdown_is_paragraphs_a_table_and_a_list_of_failed_runs():
+    runs = [run(lr=1e-3, val_accuracy=0.9, test_accuracy=0.8),
+            run(lr=1e-2, status="error", error="AssertionError: ", val_accuracy=None,
+                test_accuracy=None)]
+    console = Console(record=True, width=80)
+    render_recall({"kind": "recall", "config": {}, "environment": {}, "runs": runs}, console,
+                  markdown=True)
+    lines = console.export_text().splitlines()
+    assert lines[0].startswith("recall (") and lines[1] == ""
+    assert lines[-1] == "- error: m d=64 lr=0.01 seed=0 [s]: AssertionError:"
+    assert lines[-2] == "" and lines[-3].startswith("| m | 64 |")
+
+
 def mad_run(task, setting, mixer="hla2", val=0.5, test=0.6, at_best=None, **fields):
     return run(**{"setting": setting, "mixer": mixer, "d_model": 128, "task": task, "lr": 1e-3,
                   "weight_decay": 0.0, "val_accuracy": val, "test_accuracy": test,
@@ -337,7 +350,7 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     assert entry["test"] == pytest.approx((0.95 + 0.5) / 2)  # MAD-lab's pick per setting
     assert entry["rule"] == "mad-lab" and (entry["settings"], entry["expected"]) == (2, 11)
     assert set(scores[("hla2", 128)]) == {"in_context_recall", "memorization"}
-    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
+    reference = yaml.safe_load((Path(__file__).parents[1] / "hla_bench" / "configs" / "reference" /
                                 "mad-lab.yaml").read_text())
     console = Console(record=True, width=250)
     console.print(mad_table(scores, reference))
@@ -411,7 +424,7 @@ def test_configs_in_the_repository_are_valid():
     from hla_bench.training import plan_groups
 
     checked = []
-    for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
+    for path in sorted(Path(__file__).parents[1].glob("hla_bench/configs/*.yaml")):
         data = yaml.safe_load(path.read_text())
         if "settings" in data:  # a recall config
             config = load_config(str(path), {})
@@ -673,11 +686,11 @@ def test_unavailable_mixer_is_recorded_not_run(tmp_path):
 
 
 def test_mad_config_smoke_on_the_cpu_through_the_cli(tmp_path):
-    """configs/mad.yaml's protocol at tiny sizes: one task setting, two mixers (one with a
+    """The shipped mad config's protocol at tiny sizes: one task setting, two mixers (one with a
     per-mixer model), its lr x weight-decay grid, MAD-lab's metric and test pick."""
     out = tmp_path / "mad.yaml"
     result = CliRunner().invoke(main, [
-        "recall", "--config", str(Path(__file__).parents[1] / "configs" / "mad.yaml"), "--task",
+        "recall", "--config", "mad", "--task",
         "in_context_recall",
         "--seq-len", "16", "--mixers", "sdpa,mamba2-ssd", "--d-model", "32", "--epochs", "1",
         "--num-train", "64", "--num-val", "32", "--num-test", "32", "--batch-size", "64",

@@ -62,6 +62,20 @@ def test_list_keeps_every_name_form_and_option_whole(long_mixer, columns):
     _narrow(result.output, int(columns))
 
 
+@pytest.mark.parametrize("columns", ["80", "250"])
+def test_tasks_list_keeps_every_task_and_parameter_name_whole(columns):
+    import tasks as task_registry
+
+    result = CliRunner(env={"COLUMNS": columns}).invoke(main, ["tasks", "list"])
+    assert result.exit_code == 0, result.output
+    names = []
+    for task in task_registry.all_tasks():
+        names += [task.name, *(f"{key}={value}" for key, value in task.params.items()),
+                  f"{task.num_train}/{task.num_test}"]
+    _whole(result.output, names)
+    _narrow(result.output, int(columns))
+
+
 def test_bench_tables_split_their_mixer_columns_at_80_columns():
     labels = [f"{name}-variant-{i}" for i, name in enumerate(("hla2", "sdpa-cudnn", "mamba2",
                                                                 "linear-attn", "ahla2", "hla3"))]
