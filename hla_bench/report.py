@@ -16,10 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hla_bench import recall_report, store
-from hla_bench import results as results_io
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
+from hla_bench.index import load_checked
 from hla_bench.recall_report import render_recall
 from hla_bench.tables import fit, pack, print_table
 
@@ -361,24 +360,6 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
         plt.close(figure)
         written.append(path)
     return written
-
-
-def load_checked(path: str | Path) -> dict[str, Any]:
-    """A results file of any kind, checked: the structure every results file has
-    (`store.check_structure`, the completion marker), then the kind's own schema (bench:
-    `results.validate`; recall: `recall_report.validate_recall`). Any problem is a
-    ValueError whose message starts with the path."""
-    try:
-        data = store.load_results(path)
-        if data["kind"] == "bench":
-            results_io.validate(data)
-        else:
-            recall_report.validate_recall(data)
-    except ValueError as error:
-        message = str(error)
-        raise ValueError(message if message.startswith(str(path))
-                         else f"{path}: {message}") from None
-    return data
 
 
 def load_any(path: str) -> tuple[str, str, dict[str, Any]]:

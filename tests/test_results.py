@@ -41,7 +41,7 @@ def test_environment_fields():
 
 
 def test_git_commit_prefers_the_variable(monkeypatch):
-    """A benchmark machine's copied tree may carry stale git metadata: the variable wins."""
+    """HLA_BENCH_GIT_COMMIT names the measured tree where its git metadata may not: it wins."""
     monkeypatch.setenv("HLA_BENCH_GIT_COMMIT", "abc1234")
     assert results.git_commit() == "abc1234"
     monkeypatch.delenv("HLA_BENCH_GIT_COMMIT")

@@ -13,14 +13,11 @@ failure leaves the empty record's values, plus its status and reason).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import yaml
 
 from hla_bench.engine.config import MODES
-
-if TYPE_CHECKING:
-    from hla_bench.engine.runner import Point
 
 STATUSES = ("ok", "oom", "error", "unavailable", "unsupported", "timeout")
 # Statuses a resumed sweep keeps; an error or a timeout is measured again.
@@ -47,10 +44,10 @@ class RecordField:
     choices: tuple[str, ...] = ()
     key: bool = False
     optional: bool = False
-    planned: Callable[["Point"], Any] | None = None
+    planned: Callable[[Any], Any] | None = None
 
 
-def _sweep(attribute: str) -> Callable[["Point"], Any]:
+def _sweep(attribute: str) -> Callable[[Any], Any]:
     return lambda point: getattr(point.sweep, attribute)
 
 
@@ -88,7 +85,7 @@ FIELDS: tuple[RecordField, ...] = (
 KEY = tuple(each.name for each in FIELDS if each.key)
 
 
-def empty_record(point: "Point") -> dict[str, Any]:
+def empty_record(point: Any) -> dict[str, Any]:
     """A new record of `point`: its identity and settings, status ok, nothing measured."""
     return {each.name: each.planned(point) if each.planned else None for each in FIELDS}
 
