@@ -413,7 +413,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[
 
 
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
-                  markdown: bool = False) -> list[Path]:
+                  markdown: bool = False, fmt: str = "png") -> list[Path]:
     """Print one table per task setting and, for runs of MAD tasks, the MAD score view
     (GitHub markdown with `markdown`); with `plots_dir`, write the plots there and return
     their paths."""
@@ -448,7 +448,7 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                           soft_wrap=True)
     if plots_dir is None or not summary:
         return []
-    paths = plot_recall(summary, plots_dir)
+    paths = plot_recall(summary, plots_dir, fmt)
     for path in paths:
         console.print(f"plot written to {path}", markup=False, highlight=False, soft_wrap=True)
     return paths

@@ -298,21 +298,40 @@ def comparison_lines(rows: list[dict[str, Any]], old_name: str, new_name: str,
     return lines
 
 
-def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """One PNG per (sweep, mode): time vs T and peak memory vs T (for decode: the state held,
-    as decode steps allocate next to nothing), log-log, a line per mixer.
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def _batch_label(points: list[dict[str, Any]]) -> str:
+    """The x label: T, and the batch each T ran at (fixed tokens per batch implies it)."""
+    batches = {p["seq_len"]: p["batch"] for p in points}
+    if len(set(batches.values())) == 1:
+        return f"sequence length T (batch {next(iter(batches.values()))})"
+    tokens = {t * b for t, b in batches.items()}
+    if len(tokens) == 1:
+        return f"sequence length T (batch = {tokens.pop()} tokens / T)"
+    return "sequence length T (batch per T in the tables)"
+
+
+def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> list[Path]:
+    """One figure per (sweep, mode): time vs T (median, with the p20-p80 band) and peak
+    memory vs T (for decode: the state held, as decode steps allocate next to nothing),
+    log-log, a line per mixer in one colour per mixer across all figures of the file.
 
     Points that did not run are drawn as an `x` near the bottom edge at their T (staggered
     by mixer so they do not hide each other).
     """
+    from hla_bench.recall_report import mixer_colors
     import matplotlib
     import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    colors = mixer_colors(sorted({p["mixer"] for p in data["points"]}))
     written = []
     for (sweep, mode), points in iter_groups(data["points"]):
         figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -322,8 +341,8 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
                   else ("memory", "peak memory above inputs (MiB)"))
         for ax, metric, ylabel in ((axes[0], "time", "median time (ms)"), (axes[1], *memory)):
             plotted = False
-            for index, label in enumerate(dict.fromkeys(p["mixer"] for p in points)):
-                color = f"C{index % 10}"
+            for label in dict.fromkeys(p["mixer"] for p in points):
+                color = colors[label]
                 mine = sorted((p for p in points if p["mixer"] == label), key=lambda p: p["seq_len"])
                 ran = [(p["seq_len"], _value(p, metric)) for p in mine if _value(p, metric)]
                 if metric != "time":
@@ -331,6 +350,10 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 if ran:
                     plotted = True
                     ax.plot(*zip(*ran), marker="o", color=color, label=label)
+                band = [(p["seq_len"], p.get("p20_ms"), p.get("p80_ms")) for p in mine
+                        if metric == "time" and p.get("p20_ms") and p.get("p80_ms")]
+                if len(band) > 1:
+                    ax.fill_between(*zip(*band), color=color, alpha=0.2, linewidth=0)
                 failed = [p["seq_len"] for p in mine if p["status"] != "ok"]
                 if failed:
                     any_failed = True
@@ -346,7 +369,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
                 ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set_xlabel("sequence length T")
+            ax.set_xlabel(_batch_label(points))
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
@@ -355,7 +378,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path) -> list[Path]:
             title += "\nx on the axis: OOM / error / unavailable at that T"
         figure.suptitle(title, fontsize=10)
         figure.tight_layout()
-        path = out_dir / f"{sweep}-{mode}.png"
+        path = out_dir / f"{sweep}-{mode}.{fmt}"
         figure.savefig(path, dpi=110)
         plt.close(figure)
         written.append(path)
@@ -376,7 +399,9 @@ def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
 @click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--compare", "compare_files", is_flag=True,
               help="Two bench files: per-point speedup old/new, regressions in red.")
-@click.option("--plots", type=click.Path(file_okay=False), help="Write PNG plots to this folder.")
+@click.option("--plots", type=click.Path(file_okay=False), help="Write plots to this folder.")
+@click.option("--format", "plot_format", type=click.Choice(PLOT_FORMATS), default="png",
+              show_default=True, help="File format of the plots.")
 @click.option("--metric", type=click.Choice(sorted(METRICS)), default="time", show_default=True)
 @click.option("--baseline", help="Mixer label to show ratios against.")
 @click.option("--threshold", type=float, default=0.05, show_default=True,
@@ -388,7 +413,8 @@ def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
               help="Write DIR/README.md, the index of every results file below DIR (kind, "
                    "config, device, date, git commit, completeness, read from each file); "
                    "takes no FILE.")
-def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metric: str,
+def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_format: str,
+           metric: str,
            baseline: str | None, threshold: float, markdown: bool, only: tuple[str, ...],
            index_dir: str | None) -> None:
     """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots).
@@ -436,10 +462,10 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, metri
         if kind == "bench":
             render_bench(data, console, (metric,), baseline, markdown)
             if plot_dir is not None:
-                for written in write_plots(data, plot_dir):
+                for written in write_plots(data, plot_dir, plot_format):
                     console.print(f"wrote {written}")
         else:
-            render_recall(data, console, plots_dir=plot_dir, markdown=markdown)
+            render_recall(data, console, plots_dir=plot_dir, markdown=markdown, fmt=plot_format)
         if data.get("complete") is False:
             note = (f"{path} is incomplete: its run was stopped before the end of its plan "
                     "(continue it with --resume)")

@@ -168,7 +168,7 @@ def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     path.write_text("kind: recall\nschema_version: 1\nconfig: {}\nenvironment: {}\nruns: []\n")
     seen = []
     monkeypatch.setattr(report, "render_recall",
-                        lambda data, console, plots_dir=None, markdown=False:
+                        lambda data, console, plots_dir=None, markdown=False, fmt="png":
                         seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
@@ -314,3 +314,32 @@ def test_the_repository_results_index_is_the_generated_one():
     for path in others:  # a file that is not a results file stays only while docs quote it
         assert str(path.relative_to(folder.parent)) in docs, path
     assert (folder / "README.md").read_text() == text, "run: hla-bench report --index results"
+
+
+def test_plots_keep_one_colour_per_mixer_show_the_spread_and_take_a_format(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from hla_bench.recall_report import mixer_colors
+
+    points = []
+    for sweep, labels in (("a", ["m1", "m2"]), ("b", ["m2"])):
+        for label in labels:
+            for t, batch in ((64, 8), (128, 4)):
+                points.append({"sweep": sweep, "mode": "fwd", "mixer": label, "seq_len": t,
+                               "batch": batch, "status": "ok", "median_ms": 2.0, "p20_ms": 1.5,
+                               "p80_ms": 3.0, "peak_memory_bytes": 2 ** 20, "heads": 1,
+                               "head_dim": 4, "value_dim": 4, "dtype": "float32",
+                               "device": "cpu", "name": label})
+    drawn = []
+    original = plt.Axes.fill_between
+    plt.Axes.fill_between = lambda self, *a, **k: drawn.append(k["color"]) or original(self, *a, **k)
+    try:
+        paths = report.write_plots({"points": points}, tmp_path, "svg")
+    finally:
+        plt.Axes.fill_between = original
+    assert sorted(p.name for p in paths) == ["a-fwd.svg", "b-fwd.svg"]
+    colors = mixer_colors(["m1", "m2"])
+    assert drawn == [colors["m1"], colors["m2"], colors["m2"]]  # m2 keeps its colour in b
+    assert "batch = 512 tokens / T" in paths[0].read_text()
+    with pytest.raises(ValueError, match="plot format"):
+        report.write_plots({"points": points}, tmp_path, "gif")
