@@ -127,11 +127,10 @@ def _check_executor(executor: str, scheduler: str | None) -> None:
     if scheduler and executor != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
     if executor == "dask":
-        import importlib.util
+        from hla_bench.dask_executor import unavailable_reason
 
-        if importlib.util.find_spec("distributed") is None:
-            raise click.UsageError('--executor dask needs dask.distributed: '
-                                   'pip install "hla-bench[dask]"')
+        if unavailable_reason():
+            raise click.UsageError(unavailable_reason())
 
 
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,

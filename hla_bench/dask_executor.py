@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any, Callable
 
-INSTALL_HINT = 'pip install "hla-bench[dask]"  (dask[distributed])'
+INSTALL_HINT = 'pip install "hla-bench[dask]"'
 # How often a task may lose its worker before it is given up (Dask's allowed-failures):
 # once retried, then recorded.
 ALLOWED_FAILURES = 1
@@ -31,11 +31,20 @@ class DaskUnavailable(RuntimeError):
     """dask.distributed is not installed; the message says how to install it."""
 
 
+def unavailable_reason() -> str | None:
+    """Why --executor dask cannot run here (dask.distributed missing), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("distributed") is None:
+        return f"--executor dask needs dask.distributed: {INSTALL_HINT}"
+    return None
+
+
 def _distributed():
     try:
         import distributed
     except ImportError:
-        raise DaskUnavailable(f"--executor dask needs dask.distributed: {INSTALL_HINT}") from None
+        raise DaskUnavailable(unavailable_reason()) from None
     return distributed
 
 

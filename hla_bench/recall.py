@@ -33,7 +33,7 @@ from hla_bench import configs, registry
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.tables import print_table
-from hla_bench.training import (FAILED, assign_devices, default_workers, failed_result,
+from hla_bench.training import (assign_devices, default_workers, failed_result,
                                 plan_groups, run_groups)
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
 from tasks.train import METRICS, SCHEDULES, RunSpec
@@ -434,14 +434,6 @@ def environment(device: str) -> dict:
     return capture_environment(device)
 
 
-def check_dask() -> None:
-    """--executor dask needs dask.distributed; say how to install it."""
-    import importlib.util
-
-    if importlib.util.find_spec("distributed") is None:
-        raise ConfigError('--executor dask needs dask.distributed: pip install "hla-bench[dask]"')
-
-
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -599,7 +591,10 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if scheduler and executor != "dask":
             raise ConfigError("--scheduler needs --executor dask")
         if executor == "dask":
-            check_dask()
+            from hla_bench.dask_executor import unavailable_reason
+
+            if unavailable_reason():
+                raise ConfigError(unavailable_reason())
         device = resolve_device(config["device"])
         check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
@@ -748,4 +743,4 @@ def show_task(name, seq_len, num_kv_pairs, vocab_size, extra_params, split, seed
 
 
 commands = [recall, tasks_group]
-__all__ = ["recall", "tasks_group", "summarize", "FAILED"]
+__all__ = ["recall", "tasks_group", "summarize"]

@@ -30,9 +30,6 @@ from hla_bench import registry
 from tasks.model import TinyLM
 from tasks.train import Interrupted, RunSpec, group_key, train_group
 
-FAILED = ("error", "oom", "crashed", "unavailable")
-
-
 def build_model(spec: dict) -> TinyLM:
     """The tiny LM of one run, its mixer layers from the registry (softmax attention gets
     learned positions; the other families carry order in their state)."""
@@ -130,12 +127,13 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
         results = [failed_result(spec, status, message) for spec in group]
     finally:
         _release_memory()
+    first = group[0]  # the runs of a group share the mixer, its options and the shapes
+    seq_len = next((r["seq_len"] for r in results if r.get("seq_len")), None) or \
+        tasks.get(first["task"]).resolve_params(first["params"])["seq_len"]
+    size = state_bytes(first["mixer"], first["mixer_options"], first["d_model"],
+                       first["n_heads"], first["n_layers"], seq_len)
     for result in results:
-        result["state_bytes"] = state_bytes(result["mixer"], result["mixer_options"],
-                                            result["d_model"], result["n_heads"],
-                                            result["n_layers"], result.get("seq_len") or
-                                            tasks.get(result["task"]).resolve_params(
-                                                result["params"])["seq_len"])
+        result["state_bytes"] = size
     return results
 
 

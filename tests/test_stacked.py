@@ -137,6 +137,16 @@ def test_a_run_leaving_the_stack_does_not_change_the_others():
         assert_same_params(trainer.model, slot, model)
 
 
+def step_each_alone(models, references, grads):
+    """One torch.optim step of each model with its row of the flat gradients `grads`."""
+    for n, (model, reference) in enumerate(zip(models, references)):
+        offset = 0
+        for p in model.parameters():
+            p.grad = grads[n, offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        reference.step()
+
+
 def test_flat_adamw_is_torch_adamw_with_a_learning_rate_per_row():
     torch.manual_seed(0)
     models = [torch.nn.Linear(3, 2).double() for _ in range(2)]
@@ -157,12 +167,7 @@ def test_flat_adamw_is_torch_adamw_with_a_learning_rate_per_row():
         grads = torch.randn_like(stacked.flat)
         stacked.grad.copy_(grads)
         optimizer.step(torch.tensor([1e-2, 3e-3], dtype=torch.float64))
-        for n, (model, reference) in enumerate(zip(models, references)):
-            offset = 0
-            for p in model.parameters():
-                p.grad = grads[n, offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-            reference.step()
+        step_each_alone(models, references, grads)
     for n, model in enumerate(models):
         expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         torch.testing.assert_close(stacked.flat[n], expected, rtol=1e-12, atol=1e-14)
@@ -259,12 +264,7 @@ def test_flat_adamw_weight_decay_per_row_is_torch_adamw_per_row():
         grads = torch.randn_like(stacked.flat)
         stacked.grad.copy_(grads)
         optimizer.step(torch.tensor(lrs, dtype=torch.float64))
-        for n, (model, reference) in enumerate(zip(models, references)):
-            offset = 0
-            for p in model.parameters():
-                p.grad = grads[n, offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-            reference.step()
+        step_each_alone(models, references, grads)
     assert optimizer.weight_decay.view(-1).tolist() == [0.0, 0.3]
     for n, model in enumerate(models):
         expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
