@@ -84,13 +84,21 @@ def _stacked(group: list[dict], steps: int) -> dict:
 
 
 def _profile(group: list[dict], steps: int, rows: int = 25) -> dict:
-    """Where one stacked step's GPU time goes: torch.profiler over `steps` eager steps (the
-    captured graph replays the same kernels), the `rows` costliest ops by CUDA time."""
+    """Where one stacked step's GPU time goes, the group alone on the GPU: the wall time of
+    a replayed graph step, then torch.profiler over `steps` eager steps (the graph replays
+    the same kernels), the `rows` costliest ops by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
     from hla_bench.training import build_model
     from tasks.train import RunSpec, _GroupTrainer
 
+    graphed = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
+                            progress=None)
+    graphed.train_to(WARMUP_STEPS)
+    started = time.perf_counter()
+    graphed.train_to(WARMUP_STEPS + 4 * steps)
+    graph_ms = (time.perf_counter() - started) * 1000 / (4 * steps)
+    del graphed
     trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=False,
                             progress=None)
     trainer.train_to(WARMUP_STEPS)
@@ -103,7 +111,7 @@ def _profile(group: list[dict], steps: int, rows: int = 25) -> dict:
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, own), reverse=True)
     total = sum(getattr(e, own) for e in events) / 1000 / steps
     return {"mixer": group[0]["mixer"], "runs": len(group), "steps": steps,
-            "gpu_ms_per_step": round(total, 3),
+            "graph_ms_per_step": round(graph_ms, 3), "gpu_ms_per_step": round(total, 3),
             "ops": [{"name": e.key, "calls_per_step": round(e.count / steps, 1),
                      "self_gpu_ms_per_step": round(getattr(e, own) / 1000 / steps, 4),
                      "gpu_ms_per_step": round(getattr(e, inclusive) / 1000 / steps, 4)}
@@ -136,10 +144,14 @@ def main() -> None:
                              "depend on it)")
     parser.add_argument("--mixers", default="sdpa,linear-attn,hla2",
                         help="comma-separated mixers of the config to train")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile one eager step of each cell's groups (ops by GPU time)")
+    parser.add_argument("--modes", default="stacked,alone",
+                        help="comma-separated: stacked, alone (the two rates and their ratio), "
+                             "profile (each group alone: graph step time, ops by GPU time)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    modes = set(args.modes.split(","))
+    if not modes or modes - {"stacked", "alone", "profile"}:
+        parser.error(f"--modes takes stacked, alone and profile, got {args.modes!r}")
 
     from hla_bench import configs, registry
     from hla_bench.recall import load_config, plan_runs
@@ -152,7 +164,7 @@ def main() -> None:
     from hla_bench.results import git_commit
 
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
-              "num_train": args.num_train, "mixers": config["mixers"],
+              "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__), "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
@@ -165,12 +177,16 @@ def main() -> None:
         entry = {"seq_len": seq_len, "d_model": d_model, "setting": runs[0]["setting"],
                  "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
         try:
-            entry["stacked"] = _rate(stacked := _pool(_stacked, groups, len(groups), args.steps))
-            entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
-                                              if r["graph_failure"]})
-            entry["alone"] = _rate(_pool(_alone, runs, len(runs), args.steps))
-            entry["speedup"] = round(entry["stacked"]["steps_per_s"] / entry["alone"]["steps_per_s"], 2)
-            if args.profile:
+            if "stacked" in modes:
+                entry["stacked"] = _rate(stacked := _pool(_stacked, groups, len(groups), args.steps))
+                entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
+                                                  if r["graph_failure"]})
+            if "alone" in modes:
+                entry["alone"] = _rate(_pool(_alone, runs, len(runs), args.steps))
+            if "stacked" in modes and "alone" in modes:
+                entry["speedup"] = round(entry["stacked"]["steps_per_s"]
+                                         / entry["alone"]["steps_per_s"], 2)
+            if "profile" in modes:
                 entry["profiles"] = _pool(_profile, groups, 1, 5)
         except Exception as error:  # noqa: BLE001 - one cell's failure is recorded, the rest run
             entry["error"] = f"{type(error).__name__}: {error}"
