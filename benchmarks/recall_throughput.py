@@ -28,6 +28,18 @@ import yaml
 WARMUP_STEPS = 5
 
 
+def mps_active() -> bool:
+    """Whether a CUDA MPS control daemon runs on this host: with it, the processes of a
+    sweep run their kernels on the GPU at the same time instead of in turns."""
+    for status in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if status.read_text().strip() == "nvidia-cuda-mps":
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _init(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -165,7 +177,8 @@ def main() -> None:
 
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
-              "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__), "cells": []}
+              "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
+              "mps": mps_active(), "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
         runs = [{**s, "num_train": args.num_train,
