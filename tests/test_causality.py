@@ -27,10 +27,14 @@ B, H = 2, 2
 ENTRY = 3  # the feature (or value column) that is made non-finite
 
 
+# Triton forms whose paths need chunks of 32: halves of 16 rows (tl.dot's smallest size).
+CHUNK_32 = ("hla2-triton-chunk-128-paths", "hla2-triton-split-rows-decay")
+
+
 def _tokens(name):
     """(T, bad token): three chunks of the form's chunk size (16 where it has none), the
     bad token in the second chunk, 3 past its middle (in the second half of its rows)."""
-    chunk = 32 if name == "hla2-triton-chunk-128-paths" else 16
+    chunk = 32 if name in CHUNK_32 else 16
     return 3 * chunk, chunk + chunk // 2 + 3
 
 
@@ -94,8 +98,8 @@ TRITON_FORMS = {
     "hla2-triton": _op(hla2, impl="triton", chunk_size=16),
     "hla2-triton-decay-normalize": _op(hla2, impl="triton", chunk_size=16, decay=DECAY,
                                        normalize=True),
-    # chunks of 16 as two programs of 8 query rows (the second mixes with the first)
-    "hla2-triton-split-rows-decay": _triton(split_output_rows, 16, DECAY),
+    # chunks of 32 as two programs of 16 query rows (the second mixes with the first)
+    "hla2-triton-split-rows-decay": _triton(split_output_rows, 32, DECAY),
     # scans over segments of 2 chunks, a scan over the segments, and a rescan
     "hla2-triton-two-level-normalize": _triton(two_level_scans, 16, normalize=True),
     # increments in halves of tokens, late state loads, and without backward the scan into

@@ -679,6 +679,7 @@ def test_a_plan_is_checked_against_the_call():
                     plan=plan)
     for change, reason in [
             (dict(output_rows=4), "output_rows must be the chunk"),
+            (dict(output_rows=8), "at least 16"),  # half of this chunk, too few rows
             (dict(output_cols=64), "output_cols must be a power of two in"),
             (dict(increments_rows=24), "increments_rows must be a power of two"),
             (dict(increments_halves=True), "increments_halves needs"),

@@ -320,9 +320,9 @@ def plan_unfit_reason(plan, shape, dtype, backward, form, normalize) -> str | No
             return f"plan.{name} must be True or False, got {getattr(plan, name)!r}"
     if plan.increments_halves and (plan.increments_rows != D or plan.chunk < 32):
         return "plan.increments_halves needs increments_rows = D and a chunk of 32 or more"
-    if plan.output_rows not in (plan.chunk, plan.chunk // 2):
-        return (f"plan.output_rows must be the chunk ({plan.chunk}) or half of it, got "
-                f"{plan.output_rows!r}")
+    if plan.output_rows not in (plan.chunk, plan.chunk // 2) or plan.output_rows < 16:
+        return (f"plan.output_rows must be the chunk ({plan.chunk}) or half of it, and at "
+                f"least 16 (tl.dot's smallest size), got {plan.output_rows!r}")
     NT = _cdiv(T, plan.chunk)
     for name, scan in scans.items():
         if scan.n_seg < 1 or scan.n_seg > 1 and (scan.seg < 1 or scan.seg * scan.n_seg < NT):
