@@ -81,21 +81,26 @@ def _alone(spec: dict, steps: int) -> dict:
     return {"start": start, "end": time.time(), "model_steps": steps}
 
 
-def _stacked(group: list[dict], steps: int) -> dict:
-    """One group the way `tasks.train` trains it (stacked, CUDA graph)."""
+def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
+    """One group the way `tasks.train` trains it (stacked, CUDA graph, compiled with
+    `compile`)."""
     from hla_bench.training import build_model
     from tasks.train import RunSpec, _GroupTrainer
 
     trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
-                            progress=None)
-    trainer.train_to(WARMUP_STEPS)  # eager warm-up steps and the capture
+                            progress=None, compile=compile)
+    started = time.perf_counter()
+    trainer.train_to(WARMUP_STEPS)  # eager warm-up steps (compilation) and the capture
+    warmup_s = time.perf_counter() - started
     start = time.time()
     trainer.train_to(WARMUP_STEPS + steps)
     return {"start": start, "end": time.time(), "model_steps": steps * len(group),
-            "graphed": trainer.graphed, "graph_failure": trainer.graph_failure}
+            "graphed": trainer.graphed, "graph_failure": trainer.graph_failure,
+            "mixer": group[0]["mixer"], "warmup_s": round(warmup_s, 1),
+            "group_seconds": round(time.time() - start, 3)}
 
 
-def _profile(group: list[dict], steps: int, rows: int = 25) -> dict:
+def _profile(group: list[dict], steps: int, compile: bool = False, rows: int = 25) -> dict:
     """Where one stacked step's GPU time goes, the group alone on the GPU: the wall time of
     a replayed graph step, then torch.profiler over `steps` eager steps (the graph replays
     the same kernels), the `rows` costliest ops by CUDA time."""
@@ -105,14 +110,14 @@ def _profile(group: list[dict], steps: int, rows: int = 25) -> dict:
     from tasks.train import RunSpec, _GroupTrainer
 
     graphed = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
-                            progress=None)
+                            progress=None, compile=compile)
     graphed.train_to(WARMUP_STEPS)
     started = time.perf_counter()
     graphed.train_to(WARMUP_STEPS + 4 * steps)
     graph_ms = (time.perf_counter() - started) * 1000 / (4 * steps)
     del graphed
     trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=False,
-                            progress=None)
+                            progress=None, compile=compile)
     trainer.train_to(WARMUP_STEPS)
     cuda = trainer.cuda
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -137,11 +142,11 @@ def _rate(reports: list[dict]) -> dict:
             "steps_per_s": round(steps / (end - start), 1)}
 
 
-def _pool(function, items, workers: int, steps: int) -> list[dict]:
+def _pool(function, items, workers: int, *args) -> list[dict]:
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
                              initargs=(max(1, 16 // workers),)) as pool:
-        return list(pool.map(function, items, [steps] * len(items)))
+        return list(pool.map(function, items, *([a] * len(items) for a in args)))
 
 
 def main() -> None:
@@ -159,6 +164,9 @@ def main() -> None:
     parser.add_argument("--modes", default="stacked,alone",
                         help="comma-separated: stacked, alone (the two rates and their ratio), "
                              "profile (each group alone: graph step time, ops by GPU time)")
+    parser.add_argument("--compile", action="store_true",
+                        help="stacked and profile modes: compile each group's step "
+                             "(torch.compile) before it is captured")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     modes = set(args.modes.split(","))
@@ -178,7 +186,7 @@ def main() -> None:
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
-              "mps": mps_active(), "cells": []}
+              "mps": mps_active(), "compile": args.compile, "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
         runs = [{**s, "num_train": args.num_train,
@@ -191,16 +199,19 @@ def main() -> None:
                  "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
         try:
             if "stacked" in modes:
-                entry["stacked"] = _rate(stacked := _pool(_stacked, groups, len(groups), args.steps))
+                entry["stacked"] = _rate(stacked := _pool(_stacked, groups, len(groups), args.steps,
+                                                       args.compile))
                 entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
                                                   if r["graph_failure"]})
+                entry["groups_stacked"] = [{k: r[k] for k in ("mixer", "warmup_s", "group_seconds")}
+                                           for r in stacked]
             if "alone" in modes:
                 entry["alone"] = _rate(_pool(_alone, runs, len(runs), args.steps))
             if "stacked" in modes and "alone" in modes:
                 entry["speedup"] = round(entry["stacked"]["steps_per_s"]
                                          / entry["alone"]["steps_per_s"], 2)
             if "profile" in modes:
-                entry["profiles"] = _pool(_profile, groups, 1, 5)
+                entry["profiles"] = _pool(_profile, groups, 1, 5, args.compile)
         except Exception as error:  # noqa: BLE001 - one cell's failure is recorded, the rest run
             entry["error"] = f"{type(error).__name__}: {error}"
         report["cells"].append(entry)

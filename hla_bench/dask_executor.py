@@ -103,6 +103,7 @@ def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
 def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[int], dict], None],
                     on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
                     checkpoint_dir: str | None = None, graphs: bool = True,
+                    compile: bool = False,
                     task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
     """`hla_bench.training.run_groups` on a Dask cluster: every group is one `task`;
     results reach `on_results` as each task finishes. Returns False when the deadline left
@@ -110,7 +111,8 @@ def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[i
     from hla_bench.training import failed_result
 
     distributed = _distributed()
-    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs}
+    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
+               "compile": compile}
     futures = {}
     for group in groups:
         cuda = str(group[0]["device"]).startswith("cuda")

@@ -131,6 +131,7 @@ TOP_FIELDS = {
     "workers_per_gpu": (2, _int(1)),
     "max_group": (32, _int(1)),
     "graphs": (True, _bool),
+    "compile": (False, _bool),
     "seeds": ([0], _list(_int(0))),
     "mixers": (["sdpa", "linear-attn", "hla2", "mamba2-ssd"], _list(_str)),
     "mixer_options": ({}, lambda v: None if isinstance(v, dict) else "a mapping"),
@@ -551,6 +552,10 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.option("--max-group", type=int, help="Most runs trained as one stack (default 32).")
 @click.option("--graphs/--no-graphs", default=None,
               help="Replay each training step as a CUDA graph (default on CUDA).")
+@click.option("--compile/--no-compile", "compile", default=None,
+              help="Compile each group's stacked forward and backward with torch.compile "
+                   "(fused elementwise kernels; each stack size compiles once, tens of "
+                   "seconds). Default off.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results YAML here.")
 @click.option("--resume", is_flag=True, help="Continue the --out file: keep its runs, run "
               "the missing ones (a group cut at --time-limit continues from its checkpoint).")
@@ -648,7 +653,7 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
             complete = run_with_progress(
                 groups, min(workers, max(1, len(groups))), console, on_results, client=client,
                 deadline=deadline, checkpoint_dir=f"{store.path}.checkpoints",
-                graphs=config["graphs"])
+                graphs=config["graphs"], compile=config["compile"])
         finally:
             if client is not None:
                 client.close()

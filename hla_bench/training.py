@@ -102,13 +102,13 @@ def failed_result(spec: dict, status: str, message: str) -> dict:
 
 def run_group(group: list[dict], progress: Callable[[dict], None], *,
               deadline: float | None = None, checkpoint_dir: str | None = None,
-              graphs: bool = True) -> list[dict] | None:
+              graphs: bool = True, compile: bool = False) -> list[dict] | None:
     """Train one group; returns its results, or None when stopped at the deadline (its
     checkpoint holds the state). Out of memory splits the group in two and retries."""
     checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
     try:
         results = train_group(group, build_model, progress=progress, graphs=graphs,
-                              deadline=deadline, checkpoint=checkpoint)
+                              compile=compile, deadline=deadline, checkpoint=checkpoint)
     except Interrupted:
         return None
     except Exception as error:  # noqa: BLE001 - a sweep records any failing group, goes on
@@ -118,7 +118,8 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
             _release_memory()
             half = len(group) // 2
             parts = [run_group(part, progress, deadline=deadline, checkpoint_dir=checkpoint_dir,
-                               graphs=graphs) for part in (group[:half], group[half:])]
+                               graphs=graphs, compile=compile)
+                     for part in (group[:half], group[half:])]
             return None if any(part is None for part in parts) else parts[0] + parts[1]
         if not oom:
             traceback.print_exc()
@@ -181,11 +182,13 @@ def _worker(group: list[dict], options: dict) -> list[dict] | None:
 def run_groups(groups: list[list[dict]], workers: int,
                on_event: Callable[[list[int], dict], None],
                on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
-               checkpoint_dir: str | None = None, graphs: bool = True) -> bool:
+               checkpoint_dir: str | None = None, graphs: bool = True,
+               compile: bool = False) -> bool:
     """Run every group; `on_event(run_ids, event)` sees progress, `on_results(results)` each
     finished group. Returns False when the deadline stopped some group (checkpointed) or
     left some unstarted. One worker runs in this process; more are spawned processes."""
-    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs}
+    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
+               "compile": compile}
     complete = True
     if workers <= 1:
         for group in groups:

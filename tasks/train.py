@@ -7,7 +7,10 @@ form a group (`group_key`); `train_group` trains a group as one stacked model
 initialisation (`torch.manual_seed` of its seed before its model is built), its own data
 (its seed's splits) and batch order, its own learning rate and weight decay, and its own
 early stop (a stopped run leaves the stack). On CUDA the training step is captured as a
-CUDA graph and replayed.
+CUDA graph and replayed. With `compile`, the stacked forward and backward are compiled by
+`torch.compile` (inductor fuses the elementwise work of the tiny models; random ops stay
+PyTorch's own, so the captured graph draws fresh dropout masks at every replay); each stack
+size compiles once.
 
 Protocol: each run evaluates its validation split every `eval_every` steps (0: once per
 epoch) and stops early once validation accuracy exceeds `stop_accuracy`; its test split is
@@ -205,7 +208,7 @@ class _Step:
         tokens, labels = t.data.train_x[seed_rows, rows], t.data.train_y[seed_rows, rows]
         t.model.zero_grad()
         with t.autocast():
-            losses = t.model.losses(tokens, labels, self.batch * t.data.max_rows_per_example)
+            losses = t.losses(tokens, labels, self.batch * t.data.max_rows_per_example)
         losses.sum().backward()
         t.optimizer.step(t.lr_table.index_select(0, t.global_step.view(1))[0]
                          .index_select(0, t.columns))
@@ -257,7 +260,7 @@ class _GroupTrainer:
     """The state of one group's training: stacked models, optimizer, counters, curves."""
 
     def __init__(self, specs: list[RunSpec], build_model: Callable[[dict], TinyLM],
-                 graphs: bool, progress: Callable[[dict], None] | None):
+                 graphs: bool, progress: Callable[[dict], None] | None, compile: bool = False):
         first = specs[0]
         task = tasks.get(first.task)
         self.specs, self.task, self.progress = specs, task, progress or (lambda event: None)
@@ -308,6 +311,16 @@ class _GroupTrainer:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.programs: dict[int, _Step] = {}
         self.graphed, self.graph_failure = False, None
+        self.compile = compile
+        self._compiled: tuple[StackedLM, Callable] | None = None
+        if compile:
+            import torch._dynamo as dynamo
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True  # graph-safe dropout
+            dynamo.reset()  # a worker's earlier groups leave compiled code behind
+            # one compilation per stack size and batch shape (the last batch of an epoch)
+            dynamo.config.recompile_limit = 2 * len(specs) + 8
         self.started = time.perf_counter()
         self.train_seconds = 0.0
 
@@ -317,6 +330,14 @@ class _GroupTrainer:
         if self.cuda:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def losses(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int) -> torch.Tensor:
+        """The stacked models' losses, through the compiled forward with `compile`."""
+        if not self.compile:
+            return self.model.losses(tokens, labels, max_rows)
+        if self._compiled is None or self._compiled[0] is not self.model:
+            self._compiled = (self.model, torch.compile(self.model.losses, dynamic=False))
+        return self._compiled[1](tokens, labels, max_rows)
 
     def _seed_rows(self, active: list[int]) -> torch.Tensor:
         """The data row (index into the group's seeds) of each run in `active`."""
@@ -552,7 +573,8 @@ class _GroupTrainer:
 
 def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
                 progress: Callable[[dict], None] | None = None, graphs: bool = True,
-                deadline: float | None = None, checkpoint: str | Path | None = None) -> list[dict]:
+                compile: bool = False, deadline: float | None = None,
+                checkpoint: str | Path | None = None) -> list[dict]:
     """Train the runs `specs` (one group: they differ only in lr, weight decay, seed and run
     id) as one stack; returns one result per spec, in order. `deadline` (a `time.time()` value) stops
     training at the next evaluation after it, saving `checkpoint` (raises `Interrupted`);
@@ -562,12 +584,13 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
     if len(keys) != 1:
         raise ValueError("train_group needs runs that differ only in lr, weight_decay, seed "
                          "and run_id")
-    trainer = _GroupTrainer(runs, build_model, graphs, progress)
+    trainer = _GroupTrainer(runs, build_model, graphs, progress, compile=compile)
     results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)
     seconds = round(time.perf_counter() - trainer.started, 2)
     for result in results:
         result.update({"seconds": seconds, "train_seconds": round(trainer.train_seconds, 2),
-                       "group_size": len(runs), "graphs": trainer.graphed})
+                       "group_size": len(runs), "graphs": trainer.graphed,
+                       "compiled": compile})
         if trainer.graph_failure:
             result["graph_failure"] = trainer.graph_failure
     return results

@@ -428,3 +428,19 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
     for a, b in zip(resumed, tracked):
         assert a["test_accuracy_at_best_val_loss"] == b["test_accuracy_at_best_val_loss"]
         assert a["best_val_loss_step"] == b["best_val_loss_step"]
+
+
+def test_compiled_training_equals_eager_training():
+    """torch.compile'd stacked steps give the eager steps' losses and parameters (float64),
+    also after a run leaves the stack (a new stack size compiles anew)."""
+    runs = group("linear-attn", num_train=80, epochs=3)  # 2 full batches an epoch
+    trainers = [_GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False,
+                              progress=None, compile=compile) for compile in (False, True)]
+    for trainer in trainers:
+        trainer.train_to(2)
+        trainer._keep([0, 2])
+        trainer.train_to(4)
+    eager, compiled = trainers
+    assert compiled._compiled is not None and compiled._compiled[0] is compiled.model
+    torch.testing.assert_close(compiled.loss_sum, eager.loss_sum, rtol=1e-9, atol=0)
+    torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
