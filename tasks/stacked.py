@@ -167,7 +167,13 @@ class StackedLM:
         if self.count == 1 and not callable(getattr(block.mixer, "forward_stacked", None)):
             single = {name: value[0] for name, value in params.items()}
             return functional_call(block.mixer, single, (x[0],)).unsqueeze(0)
-        return block.mixer.forward_stacked(params, x)
+        forward = block.mixer.forward_stacked
+        if torch.compiler.is_compiling():
+            # Mixers run their own kernels (Triton launchers, autotuners, fla and mamba ops)
+            # that torch.compile cannot trace: under compilation the mixer layer stays eager,
+            # and the embedding, norms, residuals, head and loss around it are compiled.
+            forward = torch.compiler.disable(forward)
+        return forward(params, x)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """The states each model's head reads, `[N, B, T, d]`, for its own tokens (as
