@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Wheels of hla-bench's optional packages for a GPU host that cannot reach a package index:
+# flash-linear-attention (fla-core and flash-linear-attention), mamba-ssm built as pure Python
+# (its Triton SSD kernel, no CUDA extension), and dask[distributed] with its dependencies.
+#
+#   bash benchmarks/offline_wheels.sh [DEST] [PYTHON_VERSION]      # defaults: .whl 3.12
+#
+# Run it where pip reaches an index and torch is installed (mamba-ssm's build imports it).
+# On the host, install them beside its own torch and Triton:
+#
+#   python3 -m pip install --no-index --no-deps --target /tmp/site DEST/*.whl
+#   export PYTHONPATH=/tmp/site
+#
+# The host's own torch and Triton are never replaced: fla and mamba-ssm come without their
+# dependencies (torch, triton, einops, transformers are expected there), dask with all of its.
+set -euo pipefail
+dest=${1:-.whl}
+python_version=${2:-3.12}
+mkdir -p "$dest"
+platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64)
+download() {
+    python3 -m pip download -q --only-binary=:all: --python-version "$python_version" \
+        --implementation cp "${platforms[@]}" -d "$dest" "$@"
+}
+download --no-deps fla-core flash-linear-attention
+download "dask[distributed]>=2024.1"
+MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
+    python3 -m pip wheel -q --no-deps --no-build-isolation -w "$dest" mamba-ssm
+ls "$dest"
