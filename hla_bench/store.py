@@ -52,7 +52,7 @@ STORE_KEYS = ("settings", "complete", MARKER_KEY)  # written by the store, after
 DEFAULT_FOLDER = Path("runs")
 # The first two lines of every results file, legacy or not (yaml.safe_dump writes the keys
 # in their order).
-_HEADER_LINES = re.compile(r"\Akind: ([A-Za-z0-9_-]+)\nschema_version: \d+\n")
+_HEADER_LINES = re.compile(r"\Akind: ([A-Za-z0-9_-]+)\nschema_version: (\d+)\n")
 
 
 class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
@@ -132,6 +132,16 @@ def check_structure(data: Any, kind: str | None = None) -> dict[str, Any]:
     return data
 
 
+CUT_SHORT = f"the file was cut short (its last line is not {MARKER_LINE.strip()!r})"
+
+
+def _cut_short(text: str) -> bool:
+    """Whether `text` starts as a store-written results file but lacks its final line."""
+    header = _HEADER_LINES.match(text)
+    return (header is not None and int(header.group(2)) >= FIRST_STORE_SCHEMA
+            and not text.endswith(MARKER_LINE))
+
+
 def parse_results(text: str, kind: str | None = None) -> dict[str, Any]:
     """A results document from its text: YAML, `check_structure`, and for store-written
     schemas the text itself ending with the marker line (so that no byte is missing)."""
@@ -141,9 +151,16 @@ def parse_results(text: str, kind: str | None = None) -> dict[str, Any]:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        if _cut_short(text):
+            raise StoreError(f"not valid YAML{line} ({problem}); {CUT_SHORT}") from None
         raise StoreError(f"not valid YAML{line} ({problem}); a file cut short while being "
                          "written?") from None
-    data = check_structure(data, kind)
+    try:
+        data = check_structure(data, kind)
+    except StoreError as error:
+        if _cut_short(text):
+            raise StoreError(f"{error}; {CUT_SHORT}") from None
+        raise
     if data["schema_version"] >= FIRST_STORE_SCHEMA and not text.endswith(MARKER_LINE):
         raise StoreError(f"the file does not end with {MARKER_LINE.strip()!r}: it was cut short")
     return data
