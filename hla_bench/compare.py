@@ -239,6 +239,8 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
                 continue
         drift = _time(reference[1]) / _time(reference[0]) if reference else 1.0
         row["ratio"] = row["new_ms"] / row["old_ms"] / drift
+        if row["is_control"]:  # its ratio is the drift the others are divided by
+            continue
         control_samples = None
         if reference is not None:
             control_samples = (_samples(reference[1]), _samples(reference[0]))
@@ -254,7 +256,8 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
         row["q"] = q
         low, high = row["ci"]
         row["significant"] = q < alpha and (low > 1 or high < 1)
-    untested = [row for row in rows if not row["tested"] and row["ratio"] is not None]
+    untested = [row for row in rows
+                if not row["tested"] and row["ratio"] is not None and not row["is_control"]]
     return {"rows": rows, "only_old": matched["only_old"], "only_new": matched["only_new"],
             "by_sweep": matched["by_sweep"], "untested": untested, "missing_control": missing,
             "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance}
