@@ -229,9 +229,13 @@ def bench_lines(points: list[dict[str, Any]], title: str, metric: str = "time",
 
 def bench_markdown(points: list[dict[str, Any]], title: str, metric: str = "time",
                    baseline: str | None = None) -> str:
-    """The same table as GitHub markdown (best in bold), for READMEs and issue notes."""
+    """The same table as GitHub markdown (best in bold), for READMEs and issue notes; for
+    time, its title counts the points whose spread exceeds SPREAD_LIMIT (marked ±)."""
     labels, rows = bench_cells(points, metric, baseline)
-    lines = [f"**{title}** ({_caption(points, metric, labels, baseline, ', ')})", "",
+    wide = [p for p in points if (spread(p)[0] or 0) > SPREAD_LIMIT] if metric == "time" else []
+    warning = (f" **spread above {SPREAD_LIMIT:.0%} at {len(wide)} of "
+               f"{sum(p['status'] == 'ok' for p in points)} points**" if wide else "")
+    lines = [f"**{title}** ({_caption(points, metric, labels, baseline, ', ')}){warning}", "",
              "| T | batch | " + " | ".join(labels) + " |", "|" + " ---: |" * (len(labels) + 2)]
     for seq_len, batch, cells in rows:
         texts = ["" if cell is None else cell if isinstance(cell, str)
@@ -252,8 +256,9 @@ def _failure_notes(points: list[dict[str, Any]]) -> list[str]:
 
 def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] = ("time",),
                  baseline: str | None = None, markdown: bool = False) -> None:
-    """A table per (sweep, mode) and metric, then the reasons points failed; with `markdown`,
-    GitHub markdown tables printed as plain text."""
+    """A table per (sweep, mode) and metric, then the reasons points failed and the points
+    whose time spread exceeds SPREAD_LIMIT; with `markdown`, GitHub markdown tables printed
+    as plain text."""
     env = data.get("environment", {})
     fields = [f"bench {data.get('created', '')}", f"host {env.get('hostname')}",
               f"gpu {env.get('gpu') or 'none'}", f"torch {env.get('torch')}",
@@ -277,12 +282,15 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
                     console.print(table)
                 for line in [] if tables else bench_lines(points, title, metric, base):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
-        wide = spread_note(points)
-        for note in _failure_notes(points) + ([wide] if wide else []):
+        wide = None if markdown else spread_note(points)  # markdown: in the table's title
+        notes = _failure_notes(points) + ([wide] if wide else [])
+        for note in notes:
             if markdown:
                 console.print(f"- {note}", markup=False, highlight=False, soft_wrap=True)
             else:
                 console.print(f"  [yellow]{escape(note)}[/yellow]", highlight=False)
+        if markdown and notes:  # ends the list: a paragraph right after it would join it
+            console.print()
 
 
 PLOT_FORMATS = ("png", "svg", "pdf")

@@ -280,3 +280,11 @@ def test_bench_tables_flag_spreads_above_10_percent():
     assert report.spread(old) == (1.0, False)
     assert "p80 - p20 over the median" in report.spread_note([old])
     assert report.spread_note([narrow]) is None
+
+
+def test_markdown_tables_count_the_wide_spreads_in_their_title():
+    points = [_sampled("a", 1024, 1.0, 1, sigma=0.5), _sampled("b", 1024, 1.0, 2, sigma=0.01)]
+    title = report.bench_markdown(points, "t").splitlines()[0]
+    assert title.endswith("IQR / median of the samples) **spread above 10% at 1 of 2 points**")
+    assert "spread above" not in report.bench_markdown(points[1:], "t").splitlines()[0][-30:]
+    assert "±" not in report.bench_markdown(points, "t", "memory")
