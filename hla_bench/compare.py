@@ -39,7 +39,7 @@ import numpy as np
 from rich.table import Table
 
 from hla_bench.engine.config import format_seq_len
-from hla_bench.report import STATUS_LABELS, _format_value, format_bytes
+from hla_bench.report import STATUS_LABELS, _format_value, pyplot_for, seq_len_axis
 
 ALPHA = 0.01
 BOOTSTRAP_DRAWS = 2000
@@ -263,6 +263,18 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
             "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance}
 
 
+def why(row: dict[str, Any]) -> str:
+    """A failing row and what failed, for the `--fail-on-regression` verdict."""
+    reasons = []
+    if row["status_changed"]:
+        reasons.append(f"{row['old_status']} -> {row['new_status']}")
+    if row["significant"] and row["ratio"] > 1:
+        reasons.append(f"time {row['ratio']:.3f}x")
+    if row["memory_changed"] and row["memory_ratio"] > 1:
+        reasons.append(f"memory {row['memory_ratio']:.2f}x")
+    return f"{where([row])} ({', '.join(reasons)})"
+
+
 def regressions(result: dict[str, Any], percent: float) -> list[dict[str, Any]]:
     """The rows that fail `--fail-on-regression PCT`: a status change from ok, a
     significant slowdown whose ratio exceeds 1 + PCT/100, or peak memory grown beyond both
@@ -353,9 +365,11 @@ def comparison_lines(result: dict[str, Any], old_name: str, new_name: str) -> li
     lines = [f"{old_name} -> {new_name}", f"({caption(result)})"]
     for row in result["rows"]:
         sweep, mode, mixer, t, old, new, ratio, ci, p, memory, verdict = _cells(row)
-        if _style(row) in ("red", "green") and not row["memory_changed"]:
+        old, new = (f"{text} ms" if ms is not None else text
+                    for text, ms in ((old, row["old_ms"]), (new, row["new_ms"])))
+        if row["significant"]:
             verdict = verdict.upper()
-        lines.append(f"  {sweep} {mode} {mixer} T={t}: {old} -> {new} ms, ratio {ratio} "
+        lines.append(f"  {sweep} {mode} {mixer} T={t}: {old} -> {new}, ratio {ratio} "
                      f"(CI {ci}, p {p}), memory {memory}: {verdict}")
     return lines
 
@@ -389,8 +403,8 @@ def summary(result: dict[str, Any], old_name: str, new_name: str) -> list[str]:
                      "(mixer spec, mode, shape) occurs in more than one sweep of a file")
     if result["untested"]:
         lines.append(f"{len(result['untested'])} points without samples in one file or both "
-                     "(files written before samples_ms): median ratio shown, not tested, "
-                     "never significant")
+                     "(files written before samples_ms), or whose control has none: ratio "
+                     "shown, not tested, never significant")
     if result["missing_control"]:
         lines.append(f"control {result['control']} not measured in both files at the shape "
                      f"of {len(result['missing_control'])} points, which have no ratio: "
@@ -410,17 +424,8 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
     mixer, with the bootstrap interval as error bars where there are samples; a dashed line
     at 1 (no change)."""
     from hla_bench.recall_report import mixer_colors
-    from hla_bench.report import PLOT_FORMATS
-    import matplotlib
-    import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if fmt not in PLOT_FORMATS:
-        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    plt, out_dir = pyplot_for(out_dir, fmt)
     rows = [row for row in result["rows"] if row["ratio"] is not None]
     colors = mixer_colors(sorted({row["mixer"] for row in rows}))
     written = []
@@ -439,10 +444,7 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
             ax.errorbar(ts, ratios, yerr=[low, high], marker="o", capsize=3,
                         color=colors[mixer], label=f"{sweep} {mixer}" if several else mixer)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_xscale("log", base=2)
-        seq_lens = sorted({r["seq_len"] for r in mine})
-        ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        seq_len_axis(ax, {r["seq_len"] for r in mine})
         ax.set_xlabel("sequence length T")
         versus = f" / {result['control']}'s ratio" if result["control"] else ""
         ax.set_ylabel(f"new / old median time{versus}")

@@ -1,4 +1,5 @@
-"""Tables, comparisons and plots of results files, and the `hla-bench report` command.
+"""Tables and plots of results files, and the `hla-bench report` command (its `--compare`
+of two bench files is `hla_bench.compare`).
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
 `hla_bench.recall_report.render_recall`. Every file given is checked before anything is
@@ -22,7 +23,7 @@ from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
 from hla_bench.recall_report import render_recall
-from hla_bench.tables import fit, pack, print_table
+from hla_bench.tables import fit, pack, print_table, wrap
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
@@ -307,6 +308,31 @@ def _batch_label(points: list[dict[str, Any]]) -> str:
     return "sequence length T (batch per T in the tables)"
 
 
+def pyplot_for(out_dir: str | Path, fmt: str) -> tuple[Any, Path]:
+    """(matplotlib.pyplot on the Agg backend, `out_dir` created) for plots in `fmt`; a
+    ValueError for a format not in PLOT_FORMATS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return plt, out_dir
+
+
+def seq_len_axis(ax: Any, seq_lens: Iterable[int]) -> None:
+    """A log2 x axis ticked at each sequence length, labelled as configs write them."""
+    import matplotlib.ticker
+
+    seq_lens = sorted(seq_lens)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
 def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> list[Path]:
     """One figure per (sweep, mode): time vs T (median, with the p20-p80 band) and peak
     memory vs T (for decode: the state held, as decode steps allocate next to nothing),
@@ -316,16 +342,9 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> 
     by mixer so they do not hide each other).
     """
     from hla_bench.recall_report import mixer_colors
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if fmt not in PLOT_FORMATS:
-        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    plt, out_dir = pyplot_for(out_dir, fmt)
     colors = mixer_colors(sorted({p["mixer"] for p in data["points"]}))
     written = []
     for (sweep, mode), points in iter_groups(data["points"]):
@@ -356,10 +375,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> 
                     ax.plot(failed, [height] * len(failed), "x", color=color, markersize=9,
                             transform=ax.get_xaxis_transform(), clip_on=False,
                             label=None if ran else f"{label} (did not run)")
-            ax.set_xscale("log", base=2)
-            seq_lens = sorted({p["seq_len"] for p in points})
-            ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            seq_len_axis(ax, {p["seq_len"] for p in points})
             if plotted:
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
@@ -526,8 +542,12 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
     else:
         print_table(console, compare.comparison_table(result, *names),
                     lambda: compare.comparison_lines(result, *names))
+    def say(line: str) -> None:  # a list item in markdown, else lines of the console's width
+        for text in [f"- {line}"] if markdown else wrap(line, console.width):
+            console.print(text, **plain)
+
     for line in compare.summary(result, *names):
-        console.print(f"- {line}" if markdown else line, **plain)
+        say(line)
     if plots and result["rows"]:
         for written in compare.write_plots(result, plots, plot_format):
             console.print(f"wrote {written}", **plain)
@@ -535,9 +555,9 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
         return False
     failing = compare.regressions(result, fail_percent)
     verdict = (f"FAIL: {len(failing)} regression(s) beyond {fail_percent:g}%: "
-               + compare.where(failing) if failing
+               + ", ".join(map(compare.why, failing)) if failing
                else f"no regression beyond {fail_percent:g}%")
-    console.print(f"- {verdict}" if markdown else verdict, **plain)
+    say(verdict)
     return bool(failing)
 
 

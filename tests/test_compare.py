@@ -213,7 +213,9 @@ def test_fail_on_regression_exit_codes(slowed):
     assert shown.exit_code == 0, shown.output
     failed = _invoke(old, new, "--compare", "--fail-on-regression", "10")
     assert failed.exit_code == 1, failed.output
-    assert "FAIL: 2 regression(s) beyond 10%: s fwd a T=1k, s fwd a T=4k" in failed.output
+    ratios = [row["ratio"] for row in compare.compare(*(results.load(path) for path in slowed))["rows"]]
+    assert (f"FAIL: 2 regression(s) beyond 10%: s fwd a T=1k (time {ratios[0]:.3f}x), "
+            f"s fwd a T=4k (time {ratios[1]:.3f}x)") in " ".join(failed.output.split())
     passed = _invoke(old, new, "--compare", "--fail-on-regression", "30")
     assert passed.exit_code == 0 and "no regression beyond 30%" in passed.output
     assert _invoke(old, new, "--compare", "--fail-on-regression", "10", "-k", "b").exit_code == 0
