@@ -290,3 +290,14 @@ def test_markdown_tables_count_the_wide_spreads_in_their_title():
     assert title.endswith("IQR / median of the samples) **spread above 10% at 1 of 2 points**")
     assert "spread above" not in report.bench_markdown(points[1:], "t").splitlines()[0][-30:]
     assert "±" not in report.bench_markdown(points, "t", "memory")
+
+
+def test_bench_and_report_print_the_spread_warning():
+    from rich.console import Console
+
+    data = _data([_sampled("a", 1024, 1.0, 1, sigma=0.5), _sampled("b", 1024, 1.0, 2, sigma=0.01)])
+    console = Console(record=True, width=200, force_terminal=False)
+    report.render_bench(data, console)
+    text = console.export_text()
+    assert "spread above 10% at 1 of 2 points (IQR / median of the samples): a T=1k" in text
+    assert "±: spread above 10%, IQR / median of the samples" in " ".join(text.split())

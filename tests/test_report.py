@@ -90,7 +90,7 @@ def test_report_markdown_command(synthetic, tmp_path):
     assert rendered.exit_code == 0, rendered.output
     assert "| 1k | 1 | **2.000** | 4.000 |" not in rendered.output  # column order is a, b
     assert "| 1k | 1 | 4.000 | **2.000** |" in rendered.output
-    assert "- b oom at T=4k: CUDA out of memory" in rendered.output
+    assert "- b oom at T=4k: CUDA out of memory\n\n" in rendered.output  # the list ends
     assert "┃" not in rendered.output
     lines = rendered.output.splitlines()
     assert lines[0] == f"<!-- {path} -->" and lines[1].startswith("bench ") and lines[2] == ""
