@@ -1,4 +1,5 @@
-"""Tables, comparisons and plots of results files, and the `hla-bench report` command.
+"""Tables and plots of results files, and the `hla-bench report` command (its `--compare`
+of two bench files is `hla_bench.compare`).
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
 `hla_bench.recall_report.render_recall`. Every file given is checked before anything is
@@ -8,10 +9,12 @@ error (exit 2).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
 import click
+import numpy as np
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -20,7 +23,7 @@ from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
 from hla_bench.recall_report import render_recall
-from hla_bench.tables import fit, pack, print_table
+from hla_bench.tables import fit, pack, print_table, wrap
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
@@ -51,6 +54,49 @@ def format_bytes(value: float) -> str:
         if value >= size:
             return f"{value / size:.1f} {unit}"
     return f"{value:.0f} B"
+
+
+SPREAD_LIMIT = 0.10  # a time whose spread exceeds this share of its median is flagged
+
+
+def spread(point: dict[str, Any]) -> tuple[float | None, bool]:
+    """(spread of the point's time over its median, whether it comes from the samples):
+    the record's `spread` (interquartile range / median of `samples_ms`), else that of its
+    `samples_ms`, else (p80 - p20) / median for files without samples; (None, False) for a
+    point that did not run or lacks them."""
+    if point["status"] != "ok" or not point.get("median_ms"):
+        return None, False
+    if point.get("spread") is not None:
+        return float(point["spread"]), True
+    if point.get("samples_ms"):
+        low, middle, high = np.percentile(point["samples_ms"], [25, 50, 75])
+        return (float((high - low) / middle) if middle else None), True
+    if point.get("p20_ms") is not None and point.get("p80_ms") is not None:
+        return (point["p80_ms"] - point["p20_ms"]) / point["median_ms"], False
+    return None, False
+
+
+def _spread_rule(points: list[dict[str, Any]]) -> str:
+    """How the spreads of `points` were measured, for captions and notes."""
+    sources = {spread(p)[1] for p in points if spread(p)[0] is not None}
+    if sources == {True}:
+        return "IQR / median of the samples"
+    if sources == {False}:
+        return "p80 - p20 over the median, no samples in the file"
+    return "IQR / median of the samples, p80 - p20 over the median where none"
+
+
+def spread_note(points: list[dict[str, Any]]) -> str | None:
+    """The warning line listing the points whose spread exceeds SPREAD_LIMIT, or None."""
+    wide = [(p, value) for p in points if (value := spread(p)[0]) is not None
+            and value > SPREAD_LIMIT]
+    if not wide:
+        return None
+    listed = ", ".join(f"{p['mixer']} T={format_seq_len(p['seq_len'])} {value:.0%}"
+                       for p, value in wide)
+    return (f"spread above {SPREAD_LIMIT:.0%} at {len(wide)} of "
+            f"{sum(p['status'] == 'ok' for p in points)} points ({_spread_rule(points)}): "
+            f"{listed}")
 
 
 def _value(point: dict[str, Any], metric: str) -> float | None:
@@ -97,15 +143,21 @@ def bench_cells(points: list[dict[str, Any]], metric: str = "time",
                 text = _format_value(metric, value)
                 if base and label != baseline:
                     text += f" ({_format_ratio(value / base)})"
+                wide = spread(point)[0] if metric == "time" else None
+                if wide is not None and wide > SPREAD_LIMIT:
+                    text += f" ±{wide:.0%}"
                 cells.append((text, value == best and len(present) > 1))
         rows.append((seq_len, next(iter(row.values()))["batch"], cells))
     return labels, rows
 
 
-def _caption(metric: str, labels: list[str], baseline: str | None, sep: str) -> str:
+def _caption(points: list[dict[str, Any]], metric: str, labels: list[str],
+             baseline: str | None, sep: str) -> str:
     parts = [METRICS[metric][1], "best in bold"]
     if baseline in labels:
         parts.append(f"(x) = ratio to {baseline}")
+    if metric == "time":
+        parts.append(f"±: spread above {SPREAD_LIMIT:.0%}, {_spread_rule(points)}")
     return sep.join(parts)
 
 
@@ -116,7 +168,7 @@ def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
     its values wrap between words."""
     every, rows = bench_cells(points, metric, baseline)
     shown = [every.index(label) for label in (labels or every)]
-    table = Table(title=title, caption=_caption(metric, every, baseline, "; "))
+    table = Table(title=title, caption=_caption(points, metric, every, baseline, "; "))
     table.add_column("T", justify="right", no_wrap=True)
     table.add_column("batch", justify="right", no_wrap=True)
     for index in shown:
@@ -167,7 +219,7 @@ def bench_lines(points: list[dict[str, Any]], title: str, metric: str = "time",
     """The bench table as plain lines, for a console too narrow for any table: a line per
     (T, mixer)."""
     labels, rows = bench_cells(points, metric, baseline)
-    lines = [title, _caption(metric, labels, baseline, "; ")]
+    lines = [title, _caption(points, metric, labels, baseline, "; ")]
     for seq_len, batch, cells in rows:
         for label, cell in zip(labels, cells):
             if cell is not None:
@@ -178,9 +230,13 @@ def bench_lines(points: list[dict[str, Any]], title: str, metric: str = "time",
 
 def bench_markdown(points: list[dict[str, Any]], title: str, metric: str = "time",
                    baseline: str | None = None) -> str:
-    """The same table as GitHub markdown (best in bold), for READMEs and issue notes."""
+    """The same table as GitHub markdown (best in bold), for READMEs and issue notes; for
+    time, its title counts the points whose spread exceeds SPREAD_LIMIT (marked ±)."""
     labels, rows = bench_cells(points, metric, baseline)
-    lines = [f"**{title}** ({_caption(metric, labels, baseline, ', ')})", "",
+    wide = [p for p in points if (spread(p)[0] or 0) > SPREAD_LIMIT] if metric == "time" else []
+    warning = (f" **spread above {SPREAD_LIMIT:.0%} at {len(wide)} of "
+               f"{sum(p['status'] == 'ok' for p in points)} points**" if wide else "")
+    lines = [f"**{title}** ({_caption(points, metric, labels, baseline, ', ')}){warning}", "",
              "| T | batch | " + " | ".join(labels) + " |", "|" + " ---: |" * (len(labels) + 2)]
     for seq_len, batch, cells in rows:
         texts = ["" if cell is None else cell if isinstance(cell, str)
@@ -201,8 +257,9 @@ def _failure_notes(points: list[dict[str, Any]]) -> list[str]:
 
 def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] = ("time",),
                  baseline: str | None = None, markdown: bool = False) -> None:
-    """A table per (sweep, mode) and metric, then the reasons points failed; with `markdown`,
-    GitHub markdown tables printed as plain text."""
+    """A table per (sweep, mode) and metric, then the reasons points failed and the points
+    whose time spread exceeds SPREAD_LIMIT; with `markdown`, GitHub markdown tables printed
+    as plain text."""
     env = data.get("environment", {})
     fields = [f"bench {data.get('created', '')}", f"host {env.get('hostname')}",
               f"gpu {env.get('gpu') or 'none'}", f"torch {env.get('torch')}",
@@ -226,76 +283,15 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
                     console.print(table)
                 for line in [] if tables else bench_lines(points, title, metric, base):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
-        for note in _failure_notes(points):
+        wide = None if markdown else spread_note(points)  # markdown: in the table's title
+        notes = _failure_notes(points) + ([wide] if wide else [])
+        for note in notes:
             if markdown:
                 console.print(f"- {note}", markup=False, highlight=False, soft_wrap=True)
             else:
                 console.print(f"  [yellow]{escape(note)}[/yellow]", highlight=False)
-
-
-def _key(point: dict[str, Any]) -> tuple:
-    return (point["sweep"], point["mode"], point["mixer"], point["seq_len"], point["batch"],
-            point["heads"], point["head_dim"], point["value_dim"], point["dtype"])
-
-
-def compare(old: dict[str, Any], new: dict[str, Any], threshold: float = 0.05) -> list[dict[str, Any]]:
-    """Points present in both files: speedup = old median / new median (> 1: new is faster).
-
-    `regression` is True when new is slower by more than `threshold` (a fraction), or when
-    a point that ran before no longer does.
-    """
-    old_points = {_key(p): p for p in old["points"]}
-    rows = []
-    for point in new["points"]:
-        before = old_points.get(_key(point))
-        if before is None:
-            continue
-        old_ms, new_ms = _value(before, "time"), _value(point, "time")
-        speedup = old_ms / new_ms if old_ms and new_ms else None
-        regression = (speedup is not None and speedup < 1 / (1 + threshold)) or (
-            before["status"] == "ok" and point["status"] != "ok")
-        rows.append({"sweep": point["sweep"], "mode": point["mode"], "mixer": point["mixer"],
-                     "seq_len": point["seq_len"], "old_ms": old_ms, "new_ms": new_ms,
-                     "old_status": before["status"], "new_status": point["status"],
-                     "speedup": speedup, "regression": regression})
-    return rows
-
-
-def comparison_table(rows: list[dict[str, Any]], old_name: str, new_name: str,
-                     threshold: float) -> Table:
-    table = Table(title=f"{old_name} -> {new_name}",
-                  caption=f"speedup = old/new median; red: slower by more than {threshold:.0%}")
-    for name in ("sweep", "mode", "mixer", "T", "old ms", "new ms", "speedup"):
-        numeric = name in ("old ms", "new ms", "speedup")
-        table.add_column(name, justify="right" if numeric or name == "T" else "left",
-                         no_wrap=not numeric, overflow="fold")
-    for row in rows:
-        old, new, speedup = _comparison_cells(row)
-        style = "red" if row["regression"] else ("green" if (row["speedup"] or 0) > 1.05 else None)
-        table.add_row(row["sweep"], row["mode"], row["mixer"], format_seq_len(row["seq_len"]),
-                      old, new, speedup, style=style)
-    return table
-
-
-def _comparison_cells(row: dict[str, Any]) -> tuple[str, str, str]:
-    """(old, new, speedup) of a comparison row as the table shows them."""
-    def cell(ms: float | None, status: str) -> str:
-        return _format_value("time", ms) if ms is not None else STATUS_LABELS.get(status, status)
-    speedup = f"{row['speedup']:.2f}x" if row["speedup"] is not None else "—"
-    return cell(row["old_ms"], row["old_status"]), cell(row["new_ms"], row["new_status"]), speedup
-
-
-def comparison_lines(rows: list[dict[str, Any]], old_name: str, new_name: str,
-                     threshold: float) -> list[str]:
-    """The comparison as plain lines, for a console too narrow for its table."""
-    lines = [f"{old_name} -> {new_name} (speedup = old/new median; "
-             f"REGRESSION: slower by more than {threshold:.0%})"]
-    for row in rows:
-        old, new, speedup = _comparison_cells(row)
-        flag = "  REGRESSION" if row["regression"] else ""
-        lines.append(f"  {row['sweep']} {row['mode']} {row['mixer']} "
-                     f"T={format_seq_len(row['seq_len'])}: {old} -> {new} ms, {speedup}{flag}")
-    return lines
+        if markdown and notes:  # ends the list: a paragraph right after it would join it
+            console.print()
 
 
 PLOT_FORMATS = ("png", "svg", "pdf")
@@ -312,6 +308,31 @@ def _batch_label(points: list[dict[str, Any]]) -> str:
     return "sequence length T (batch per T in the tables)"
 
 
+def pyplot_for(out_dir: str | Path, fmt: str) -> tuple[Any, Path]:
+    """(matplotlib.pyplot on the Agg backend, `out_dir` created) for plots in `fmt`; a
+    ValueError for a format not in PLOT_FORMATS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return plt, out_dir
+
+
+def seq_len_axis(ax: Any, seq_lens: Iterable[int]) -> None:
+    """A log2 x axis ticked at each sequence length, labelled as configs write them."""
+    import matplotlib.ticker
+
+    seq_lens = sorted(seq_lens)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
 def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> list[Path]:
     """One figure per (sweep, mode): time vs T (median, with the p20-p80 band) and peak
     memory vs T (for decode: the state held, as decode steps allocate next to nothing),
@@ -321,16 +342,9 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> 
     by mixer so they do not hide each other).
     """
     from hla_bench.recall_report import mixer_colors
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if fmt not in PLOT_FORMATS:
-        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    plt, out_dir = pyplot_for(out_dir, fmt)
     colors = mixer_colors(sorted({p["mixer"] for p in data["points"]}))
     written = []
     for (sweep, mode), points in iter_groups(data["points"]):
@@ -361,10 +375,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> 
                     ax.plot(failed, [height] * len(failed), "x", color=color, markersize=9,
                             transform=ax.get_xaxis_transform(), clip_on=False,
                             label=None if ran else f"{label} (did not run)")
-            ax.set_xscale("log", base=2)
-            seq_lens = sorted({p["seq_len"] for p in points})
-            ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
-            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+            seq_len_axis(ax, {p["seq_len"] for p in points})
             if plotted:
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
@@ -395,17 +406,43 @@ def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
     return path, data["kind"], data
 
 
+def _percent(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A PCT option: a finite number of percent, at least 0."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise click.BadParameter(f"expected a percentage of at least 0, got {value}")
+    return value
+
+
 @click.command()
 @click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--compare", "compare_files", is_flag=True,
-              help="Two bench files: per-point speedup old/new, regressions in red.")
+              help="Two bench files OLD NEW: per point, the time ratio new/old with a "
+                   "bootstrap interval and a Mann-Whitney test on the stored samples, the "
+                   "memory ratio and status changes (docs/comparing.md).")
 @click.option("--plots", type=click.Path(file_okay=False), help="Write plots to this folder.")
 @click.option("--format", "plot_format", type=click.Choice(PLOT_FORMATS), default="png",
               show_default=True, help="File format of the plots.")
 @click.option("--metric", type=click.Choice(sorted(METRICS)), default="time", show_default=True)
 @click.option("--baseline", help="Mixer label to show ratios against.")
-@click.option("--threshold", type=float, default=0.05, show_default=True,
-              help="Slowdown fraction counted as a regression with --compare.")
+@click.option("--control", metavar="MIXER",
+              help="With --compare: a mixer label measured in both files; every ratio is "
+                   "taken relative to its ratio at the same mode and shape (cancels a "
+                   "machine's drift between the runs).")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              default=0.01, show_default=True,
+              help="With --compare: significance level (false-discovery rate over the tested "
+                   "points); the intervals are at 1 - alpha.")
+@click.option("--fail-on-regression", "fail_percent", type=float, metavar="PCT",
+              callback=_percent,
+              help="With --compare: exit 1 when a point is significantly slower by more than "
+                   "PCT percent, grew its peak memory by more than PCT percent (and the "
+                   "memory tolerance), or no longer runs.")
+@click.option("--memory-tolerance", "memory_percent", type=float, metavar="PCT", default=5.0,
+              show_default=True, callback=_percent,
+              help="With --compare: peak memory changes within PCT percent are not listed.")
+@click.option("-k", "pattern", metavar="PATTERN",
+              help="With --compare: only points whose mixer label, mixer name, sweep or mode "
+                   "matches PATTERN (a glob; a plain word matches as a substring).")
 @click.option("--markdown", is_flag=True, help="Print GitHub markdown tables (for READMEs).")
 @click.option("--sweep", "only", multiple=True, metavar="NAME",
               help="Bench files: show only this sweep (repeatable; default: all).")
@@ -414,12 +451,13 @@ def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
                    "config, device, date, git commit, completeness, read from each file); "
                    "takes no FILE.")
 def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_format: str,
-           metric: str,
-           baseline: str | None, threshold: float, markdown: bool, only: tuple[str, ...],
-           index_dir: str | None) -> None:
+           metric: str, baseline: str | None, control: str | None, alpha: float,
+           fail_percent: float | None, memory_percent: float, pattern: str | None,
+           markdown: bool, only: tuple[str, ...], index_dir: str | None) -> None:
     """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots).
 
-    With --index DIR, write the index of a results folder instead."""
+    With --index DIR, write the index of a results folder instead. Exit status: 0, 2 for
+    a usage error, 1 when --fail-on-regression finds a regression."""
     console = Console()
     if index_dir is not None:
         if files:
@@ -429,6 +467,10 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         return
     if not files:
         raise click.UsageError("give one or more results FILEs (or --index DIR)")
+    comparing = {"--control": control, "--fail-on-regression": fail_percent, "-k": pattern}
+    for name, value in comparing.items():
+        if value is not None and not compare_files:
+            raise click.UsageError(f"{name} applies to --compare")
     loaded = [load_any(path) for path in files]  # every file checked before any output
     if only:
         loaded = [(path, kind, _only_sweeps(path, kind, data, only))
@@ -442,15 +484,19 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
     if compare_files:
         if len(loaded) != 2 or any(kind != "bench" for _, kind, _ in loaded):
             raise click.UsageError("--compare takes exactly two bench results files")
-        (old_path, _, old), (new_path, _, new) = loaded
-        rows = compare(old, new, threshold)
-        if not rows:
-            console.print("[yellow]no points in common[/yellow]")
-        else:
-            names = Path(old_path).name, Path(new_path).name
-            print_table(console, comparison_table(rows, *names, threshold),
-                        lambda: comparison_lines(rows, *names, threshold))
-            console.print(f"{sum(r['regression'] for r in rows)} regression(s) in {len(rows)} points")
+        if control is not None:
+            for path, _, data in loaded:
+                labels = {p["mixer"] for p in data["points"]}
+                if control not in labels:
+                    raise click.UsageError(
+                        f"--control {control!r} is not a mixer label of {path} "
+                        f"({', '.join(sorted(labels)) or 'no points'})")
+        failed = render_comparison(loaded, console, alpha=alpha, control=control,
+                                   pattern=pattern, memory_tolerance=memory_percent / 100,
+                                   fail_percent=fail_percent, markdown=markdown, plots=plots,
+                                   plot_format=plot_format)
+        if failed:
+            click.get_current_context().exit(1)
         return
     for path, kind, data in loaded:
         if markdown:
@@ -471,6 +517,48 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                     "(continue it with --resume)")
             console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"\n_{note}_",
                           markup=not markdown, highlight=False, soft_wrap=True)
+
+
+def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Console,
+                      alpha: float, control: str | None, pattern: str | None,
+                      memory_tolerance: float, fail_percent: float | None, markdown: bool,
+                      plots: str | None, plot_format: str) -> bool:
+    """`report --compare`: the comparison of two loaded bench files (`hla_bench.compare`)
+    as a table (plain lines where it does not fit; markdown with `markdown`), its summary,
+    and its plots; True when `fail_percent` is given and some point fails it."""
+    from hla_bench import compare
+
+    (old_path, _, old), (new_path, _, new) = loaded
+    names = Path(old_path).name, Path(new_path).name
+    if names[0] == names[1]:
+        names = old_path, new_path
+    result = compare.compare(old, new, alpha, control, pattern, memory_tolerance)
+    plain = {"markup": False, "highlight": False, "soft_wrap": True}
+    if not result["rows"]:
+        console.print("no points in common" + (f" matching -k {pattern}" if pattern else ""),
+                      **plain)
+    elif markdown:
+        console.print(compare.comparison_markdown(result, *names), **plain)
+    else:
+        print_table(console, compare.comparison_table(result, *names),
+                    lambda: compare.comparison_lines(result, *names))
+    def say(line: str) -> None:  # a list item in markdown, else lines of the console's width
+        for text in [f"- {line}"] if markdown else wrap(line, console.width):
+            console.print(text, **plain)
+
+    for line in compare.summary(result, *names):
+        say(line)
+    if plots and result["rows"]:
+        for written in compare.write_plots(result, plots, plot_format):
+            console.print(f"wrote {written}", **plain)
+    if fail_percent is None:
+        return False
+    failing = compare.regressions(result, fail_percent)
+    verdict = (f"FAIL: {len(failing)} regression(s) beyond {fail_percent:g}%: "
+               + ", ".join(map(compare.why, failing)) if failing
+               else f"no regression beyond {fail_percent:g}%")
+    say(verdict)
+    return bool(failing)
 
 
 def _only_sweeps(path: str, kind: str, data: dict[str, Any],

@@ -112,16 +112,18 @@ def test_bench_lines_where_no_table_fits():
 
 
 def test_comparison_keeps_names_whole():
+    from hla_bench import compare
+
     old = _data([_point(LONG, 1024, 4.0), _point("b", 4096, 2.0)])
     new = _data([_point(LONG, 1024, 8.0), _point("b", 4096, 1.0)])
-    rows = report.compare(old, new)
+    result = compare.compare(old, new)
     for width in (200, 40):
         console = _console(width)
-        tables.print_table(console, report.comparison_table(rows, "old.yaml", "new.yaml", 0.05),
-                           lambda: report.comparison_lines(rows, "old.yaml", "new.yaml", 0.05))
+        tables.print_table(console, compare.comparison_table(result, "old.yaml", "new.yaml"),
+                           lambda: compare.comparison_lines(result, "old.yaml", "new.yaml"))
         text = console.export_text()
-        _whole(text, [LONG, "b", "4k", "0.50x", "2.00x"])
-        assert ("REGRESSION" in text) == (width == 40)  # the plain layout names it in words
+        _whole(text, [LONG, "b", "4k", "2.000x", "0.500x"])
+        assert ("┃" in text) == (width == 200)  # the plain layout where the table cannot fit
 
 
 def _verify_result():
