@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mixers import dispatch
 from mixers.hla.common import FiniteInputs, check_choice, check_flag, check_qkv
 
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
@@ -76,6 +77,21 @@ def _backend_context(backend: str):
     return sdpa_kernel([kernels[backend]])
 
 
+def _chosen_backend(q, k, v, mask, dropout_p, scale) -> str:
+    """The SDPA backend PyTorch picks for these inputs under the enabled backends (its own
+    dispatch function; "unknown" where this PyTorch lacks it)."""
+    from torch.nn.attention import SDPBackend
+
+    try:
+        choice = int(torch._fused_sdp_choice(q, k, v, mask, dropout_p, mask is None,
+                                             scale=scale))
+    except (AttributeError, RuntimeError, TypeError):
+        return "unknown"
+    names = {int(value): name.lower() for name, value in SDPBackend.__members__.items()}
+    return {"flash_attention": "flash", "efficient_attention": "efficient",
+            "cudnn_attention": "cudnn"}.get(names.get(choice, ""), names.get(choice, "unknown"))
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    backend: str = "auto", scale: float | None = None,
                    initial_state: KVCache | None = None, output_final_state: bool = False,
@@ -109,6 +125,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         T = q.shape[2]
         mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
     with _backend_context(backend):
+        if dispatch.listening():
+            dispatch.note(sdpa_backend=backend if backend != "auto" else
+                          _chosen_backend(q, keys, values, mask, dropout_p, scale))
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                            is_causal=mask is None, scale=scale)
     cache = KVCache.from_tensors(raw_k, raw_v, cache_reserve) if output_final_state else None

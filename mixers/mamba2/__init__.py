@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from mixers.dispatch import note
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_flag,
                                check_qkv)
 from mixers.mamba2.chunk import ssd_chunk
@@ -38,8 +39,15 @@ def ssd_parameters(heads: int, seed: int = 0, device=None, dtype=torch.float32):
 def _pick_impl(impl: str, x: torch.Tensor) -> str:
     check_choice("impl", impl, IMPLS)
     if impl != "auto":
+        note(impl=impl)
         return impl
-    return "triton" if x.is_cuda and importlib.util.find_spec("mamba_ssm") else "chunk"
+    why_not = ("no CUDA device" if not x.is_cuda else
+               "mamba-ssm not installed" if importlib.util.find_spec("mamba_ssm") is None else None)
+    if why_not is None:
+        note(impl="triton", kernel="mamba_ssm")
+        return "triton"
+    note(impl="chunk", fallback=f"not mamba_ssm's Triton kernel: {why_not}")
+    return "chunk"
 
 
 def ssd(x, dt, A, B, C, *, D=None, impl="auto", chunk_size=64, initial_state=None):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from mixers.dispatch import note
 from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
 from mixers.hla.ahla2.scan import ahla2_scan
@@ -75,6 +76,7 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     q_in, k_in, v_in = guard.inputs
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
+    note(impl="chunk" if impl == "auto" else impl)
     if impl in ("auto", "chunk"):
         o, (P, E) = ahla2_chunk(qh, kh, vh, P0, E0, decay, chunk_size)
     else:

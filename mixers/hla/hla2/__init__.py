@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from mixers.dispatch import note
 from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
                                check_decay, check_eps, check_flag, check_qkv, check_state)
 from mixers.hla.hla2.chunk import hla2_chunk
@@ -71,9 +72,14 @@ def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
             raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
     elif impl == "auto":
         paper_decay = triton_args["decay"] is not None and triton_args["decay_form"] == "paper"
-        use_triton = (q.is_cuda and not paper_decay
-                      and _triton_unsupported(q, k, v, **triton_args) is None)
-        impl = "triton" if use_triton else fallback
+        why_not = ("no CUDA device" if not q.is_cuda else
+                   "the paper decay form's kernels are not tuned" if paper_decay else
+                   _triton_unsupported(q, k, v, **triton_args))
+        if why_not is not None:
+            note(impl=fallback, fallback=f"not triton: {why_not}")
+            return fallback
+        impl = "triton"
+    note(impl=impl)
     return impl
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from mixers.dispatch import note
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
@@ -101,6 +102,7 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "auto":
         impl = "chunk" if variant == "causal" else "scan"
+    note(impl=impl)
     if impl == "chunk":
         o, carries = hla3_chunk(qh, kh, vh, carries, chunk_size)
     else:

@@ -1,0 +1,39 @@
+"""What an op's dispatcher chose, told to whoever is listening (the harness records it).
+
+A dispatcher that picks among implementations calls `note(impl=..., ...)` with what it chose
+and, where it fell back, why (`fallback=`). Outside a `noting()` block a note costs one
+context-variable lookup and is dropped; inside, the facts of every note in the block are
+merged into the block's mapping (a later note of the same key replaces the earlier one).
+Values are plain data (str, int, float, bool), so they can be written to a results file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Iterator
+
+_NOTES: ContextVar[dict[str, Any] | None] = ContextVar("dispatch_notes", default=None)
+
+
+def note(**facts: Any) -> None:
+    """Record `facts` about the implementation that runs, when someone is listening."""
+    notes = _NOTES.get()
+    if notes is not None:
+        notes.update(facts)
+
+
+def listening() -> bool:
+    """Whether a note would be kept (to skip working out facts nobody asked for)."""
+    return _NOTES.get() is not None
+
+
+@contextlib.contextmanager
+def noting() -> Iterator[dict[str, Any]]:
+    """A mapping that collects the notes of every dispatch inside the block."""
+    notes: dict[str, Any] = {}
+    token = _NOTES.set(notes)
+    try:
+        yield notes
+    finally:
+        _NOTES.reset(token)
