@@ -138,7 +138,8 @@ def match_key(point: dict[str, Any]) -> tuple:
     """What a point measured: mixer spec, mode, shape, and how decode was timed."""
     return (point["name"], json.dumps(point.get("options") or {}, sort_keys=True, default=str),
             point["mode"], *(point[name] for name in SHAPE),
-            point.get("decode_steps") or 1, bool(point.get("decode_graph")))
+            point.get("decode_steps") or 1,
+            bool(point.get("decode_graph") or point.get("cuda_graph")))
 
 
 def match(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, Any]:

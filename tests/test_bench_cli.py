@@ -176,10 +176,10 @@ def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp
     data["points"] = [p for p in data["points"] if p["seq_len"] == 16]  # as if killed
     results.save(data, out)
     measured = []
-    original = engine_runner.run_point
-    monkeypatch.setattr(engine_runner, "run_point",
-                        lambda point, oom_at=None: measured.append(point.describe())
-                        or original(point, oom_at))
+    original = engine_runner.run_together
+    monkeypatch.setattr(engine_runner, "run_together",
+                        lambda points, *a: measured.extend(p.describe() for p in points)
+                        or original(points, *a))
     result = runner.invoke(main, args + ["--resume"])
     assert result.exit_code == 0, result.output
     assert sorted(measured) == ["bench fake-broken fwd T=16", "bench fake-broken fwd T=32",
@@ -403,7 +403,7 @@ def test_bad_option_values_are_usage_errors_before_any_point(runner, tmp_path, m
                                                              spec, message, modes):
     """Decode points are checked against the op too, so the message lists the op's impls."""
     monkeypatch.setattr(engine_runner, "run_point", lambda *a: pytest.fail("a point ran"))
-    monkeypatch.setattr(engine_runner, "run_decode_points", lambda *a: pytest.fail("a point ran"))
+    monkeypatch.setattr(engine_runner, "run_together", lambda *a: pytest.fail("a point ran"))
     out = tmp_path / "r.yaml"
     result = runner.invoke(main, ["bench", "--mixers", f"linear-attn,{spec}", "--seq-lens", "32",
                                   "--modes", modes, "--heads", "2", "--head-dim", "8",

@@ -37,14 +37,15 @@ DRIVER = textwrap.dedent("""
 
     registry.register(registry.Mixer("fake-sleepy", "fake", "sleeps", build,
                                      options={"scale": 1.0}), replace=True)
-    measure = runner.run_point
+    measure = runner.run_together
 
-    def logged(point, oom_at=None):
+    def logged(points, *args):
         with open(os.environ["FAULT_LOG"], "a") as log:
-            log.write(f"{os.getpid()} {point.spec.label} {point.seq_len}\\n")
-        return measure(point, oom_at)
+            for point in points:
+                log.write(f"{os.getpid()} {point.spec.label} {point.seq_len}\\n")
+        return measure(points, *args)
 
-    runner.run_point = logged
+    runner.run_together = logged
     import gc
     gc.freeze()  # the runner collects garbage around every point: keep that quick here
     main(sys.argv[1:], prog_name="hla-bench")

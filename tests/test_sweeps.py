@@ -4,6 +4,7 @@
 """
 
 import gc
+import importlib.metadata
 import time
 
 import pytest
@@ -16,7 +17,8 @@ from hla_bench.engine.config import (MixerSpec, SweepConfig, format_seq_len, par
                                      setting_fields)
 from hla_bench.engine.records import FIELDS, KEY, empty_record
 from hla_bench.engine.runner import plan, run_sweeps
-from hla_bench.engine.timing import percentile, summarize_times, time_calls
+from hla_bench.engine.timing import (MAX_SAMPLES, Sampling, percentile, sample_rounds,
+                                     summarize_times, time_calls, warm_up)
 
 
 def _fast_op(**options):
@@ -168,7 +170,8 @@ def test_a_config_needs_only_mixers_and_resume_matches_the_matched_settings():
     matched = {each.name for each in setting_fields() if each.metadata["matched"]}
     assert set(sweep.settings()) == matched == {
         "heads", "head_dim", "value_dim", "batch", "tokens_per_batch", "decode_batch",
-        "decode_steps", "decode_graph", "dtype", "device", "warmup", "repeats"}
+        "decode_steps", "decode_graph", "dtype", "device", "warmup", "repeats", "min_time_s",
+        "warm_cache", "cuda_graph"}
     assert sweep.settings()["value_dim"] == 64
 
 
@@ -205,17 +208,86 @@ def test_percentiles_match_numpy_linear():
     assert percentile(values, 50) == 3.5
     assert percentile(values, 20) == pytest.approx(2.0)
     assert percentile(values, 80) == pytest.approx(5.0)
-    assert summarize_times([7.0]) == {"median_ms": 7.0, "p20_ms": 7.0, "p80_ms": 7.0}
+    assert summarize_times([7.0]) == {"median_ms": 7.0, "p20_ms": 7.0, "p80_ms": 7.0,
+                                      "spread": 0.0, "samples_ms": [7.0]}
+    summary = summarize_times([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert summary["spread"] == pytest.approx((4.0 - 2.0) / 3.0)  # IQR over the median
+    assert summary["samples_ms"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+class _FakeClock:
+    """A clock that each call of the timed function advances by its next duration (s)."""
+
+    def __init__(self, durations):
+        self.now, self.durations, self.calls = 0.0, list(durations), 0
+
+    def __call__(self):
+        return self.now
+
+    def fn(self):
+        self.now += self.durations[min(self.calls, len(self.durations) - 1)]
+        self.calls += 1
 
 
 def test_time_calls_with_fake_clock():
-    ticks = iter([0.0, 0.001, 1.0, 1.003, 2.0, 2.002])
-    calls = []
-    times = time_calls(lambda: calls.append(1), warmup=2, repeats=3, device="cpu",
-                       clock=lambda: next(ticks))
-    assert len(calls) == 5
+    clock = _FakeClock([0.5, 0.5, 0.001, 0.003, 0.002])
+    times = time_calls(clock.fn, warmup=2, repeats=3, device="cpu", clock=clock)
+    assert clock.calls == 5  # two warm-up calls, then three samples
     assert times == pytest.approx([1.0, 3.0, 2.0])
     assert summarize_times(times)["median_ms"] == pytest.approx(2.0)
+
+
+def test_a_time_budget_sets_the_warm_up_and_the_number_of_samples():
+    clock = _FakeClock([0.01])  # 10 ms a call
+    times = time_calls(clock.fn, warmup=1, repeats=3, device="cpu", clock=clock, min_time_s=1.0)
+    # the warm-up runs a quarter of the budget (25 calls), the samples fill it (100)
+    assert len(times) == 100 and clock.calls == 125
+    assert Sampling(repeats=3, min_time_s=1.0).count(1e-6) == MAX_SAMPLES  # capped
+    assert Sampling(repeats=30, min_time_s=1.0).count(0.5) == 30          # at least repeats
+    assert Sampling(repeats=7).count(1e-6) == 7                           # no budget
+    assert warm_up(lambda: None, Sampling(warmup=0), cuda=False) is None
+
+
+class _FakeEvent:
+    """A stand-in CUDA event: records the order of recordings in a shared log."""
+
+    log: list = []
+
+    def __init__(self):
+        self.at = None
+
+    def record(self):
+        self.at = len(self.log)
+        self.log.append("event")
+
+    def elapsed_time(self, end):
+        return float(end.at - self.at)
+
+
+def test_cuda_samples_flush_between_event_pairs_and_synchronise_once(monkeypatch):
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    log = _FakeEvent.log = []
+    calls = [lambda: log.append("a"), lambda: log.append("b")]
+    times, failed = sample_rounds(calls, [2, 1], cuda=True, flush=lambda: log.append("flush"),
+                                  event=_FakeEvent)
+    assert not failed and len(syncs) == 2  # one before the samples, one after them all
+    # each sample is flush, start, call, end: the flush is never inside a timed pair
+    assert log == ["flush", "event", "a", "event", "flush", "event", "b", "event",
+                   "flush", "event", "a", "event"]
+    assert times == [[2.0, 2.0], [2.0]]
+
+
+def test_a_call_that_fails_while_sampled_stops_only_its_samples():
+    seen = []
+
+    def broken():
+        seen.append("x")
+        raise ValueError("no")
+
+    times, failed = sample_rounds([lambda: seen.append("a"), broken], [3, 3], cuda=False)
+    assert seen == ["a", "x", "a", "a"] and len(times[0]) == 3
+    assert list(failed) == [1] and str(failed[1]) == "no"
 
 
 def test_time_calls_pause_the_garbage_collector_while_timing():
@@ -313,11 +385,10 @@ def test_decode_calls_run_decode_steps_tokens_from_context_t(monkeypatch):
 
 
 def test_decode_times_are_per_token(fake_mixers, monkeypatch):
-    def fixed_times(fn, *, warmup, repeats, device):
-        fn()
-        return [6.0] * repeats
+    def fixed_times(calls, counts, cuda, flush):
+        return [[6.0] * count for count in counts], {}
 
-    monkeypatch.setattr(runner, "time_calls", fixed_times)
+    monkeypatch.setattr(runner, "sample_rounds", fixed_times)
     sweep = tiny_sweep(["fake-fast"], modes=["fwd", "decode"], seq_lens=[16], decode_steps=4)
     by = {p["mode"]: p for p in run_sweeps([sweep])}
     assert by["fwd"]["median_ms"] == 6.0 and by["fwd"]["decode_steps"] is None
@@ -364,20 +435,64 @@ def context_mixer():
     registry._REGISTRY.pop("fake-context", None)
 
 
-def test_decode_points_of_a_mixer_are_timed_in_rounds(context_mixer):
-    log = context_mixer()
+def _logging_mixer(name, log, fail_at=None):
+    """A mixer whose op and decode steps append (name, T) to `log`; its `fail_at`-th call
+    raises."""
+    calls = []
+
+    def build(**options):
+        def op(q, k, v, initial_state=None, output_final_state=False):
+            calls.append(1)
+            log.append((name, q.shape[1]))
+            if len(calls) == fail_at:
+                raise ValueError("failed on purpose")
+            return v, None
+        return op
+    return registry.Mixer(name, "fake", "logs its calls", build, options={})
+
+
+@pytest.fixture
+def logging_mixers():
+    """A function registering logging mixers by name; they are removed after the test."""
+    names = []
+
+    def register(name, log, **failures):
+        names.append(name)
+        registry.register(_logging_mixer(name, log, **failures), replace=True)
+    yield register
+    for name in names:
+        registry._REGISTRY.pop(name, None)
+
+
+def test_the_mixers_of_a_sweep_are_timed_in_interleaved_rounds_at_each_shape(logging_mixers):
+    log = []
+    logging_mixers("log-a", log)
+    logging_mixers("log-b", log)
     seen = []
-    sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64], warmup=1,
-                       repeats=3, decode_steps=1)
-    records = run_sweeps([sweep], lambda i, n, p: seen.append((i, n, p.seq_len)))
-    assert [r["seq_len"] for r in records] == [16, 32, 64]
-    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in records)
-    assert seen == [(0, 3, 16), (1, 3, 32), (2, 3, 64)]
-    # built one after the other (a warm-up and a memory call each), then timed in rounds
-    assert log == [16, 16, 32, 32, 64, 64] + [16, 32, 64] * 3
+    sweep = tiny_sweep(["log-a", "log-b"], modes=["fwd"], seq_lens=[16, 32], warmup=1,
+                       repeats=3)
+    records = run_sweeps([sweep], lambda i, n, p: seen.append((i, n, p.spec.name, p.seq_len)))
+    assert [(r["mixer"], r["seq_len"]) for r in records] == [
+        ("log-a", 16), ("log-b", 16), ("log-a", 32), ("log-b", 32)]
+    assert all(r["status"] == "ok" and len(r["samples_ms"]) == 3 for r in records)
+    assert seen == [(0, 4, "log-a", 16), (1, 4, "log-b", 16), (2, 4, "log-a", 32),
+                    (3, 4, "log-b", 32)]
+    # at each T: built one after the other (a warm-up and a memory call each), then sampled
+    # in rounds, one call of each mixer per round
+    for T, part in ((16, log[:10]), (32, log[10:])):
+        assert part == [("log-a", T)] * 2 + [("log-b", T)] * 2 + [("log-a", T), ("log-b", T)] * 3
 
 
-def test_decode_rounds_record_failures_per_point(context_mixer):
+def test_a_failure_while_sampling_is_that_mixers_alone(logging_mixers, context_mixer):
+    log = []
+    logging_mixers("log-a", log)
+    logging_mixers("log-b", log, fail_at=3)  # its first sample, after warm-up and memory call
+    records = run_sweeps([tiny_sweep(["log-a", "log-b"], modes=["fwd"], seq_lens=[16],
+                                     warmup=1, repeats=3)])
+    assert [r["status"] for r in records] == ["ok", "error"]
+    assert "failed on purpose" in records[1]["reason"] and records[1]["median_ms"] is None
+    assert records[1]["samples_ms"] is None and len(records[0]["samples_ms"]) == 3
+
     context_mixer(oom_from=32)
     sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64])
     by = {r["seq_len"]: r for r in run_sweeps([sweep])}
@@ -385,26 +500,38 @@ def test_decode_rounds_record_failures_per_point(context_mixer):
     assert by[32]["status"] == "oom" and "out of memory" in by[32]["reason"]
     assert by[64]["status"] == "oom" and by[64]["reason"].startswith("skipped: out of memory")
 
-    context_mixer(fail_at=5)  # the first timed round, after 2 build calls of each point
-    records = run_sweeps([tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32],
-                                     decode_steps=1)])
-    assert [r["status"] for r in records] == ["error", "error"]
-    assert all("step failed on purpose" in r["reason"] and r["median_ms"] is None
-               for r in records)
 
-
-def test_only_eager_decode_points_are_timed_in_rounds(context_mixer, monkeypatch):
+def test_points_timed_as_graph_replays_are_timed_alone(fake_mixers, monkeypatch):
     grouped = []
-    rounds = runner.run_decode_points
-    monkeypatch.setattr(runner, "run_decode_points",
-                        lambda points, *a: grouped.append(len(points)) or rounds(points, *a))
-    context_mixer()
-    run_sweeps([tiny_sweep(["fake-context"], modes=["fwd", "decode"], seq_lens=[16, 32, 64])])
-    assert grouped == [3]
+    together = runner.run_together
+    monkeypatch.setattr(runner, "run_together",
+                        lambda points, *a: grouped.append(len(points)) or together(points, *a))
+    run_sweeps([tiny_sweep(["fake-fast", "fake-fast:scale=2:label=f2"], modes=["fwd", "decode"],
+                           seq_lens=[16, 32])])
+    assert grouped == [2, 2, 2, 2]
     grouped.clear()
-    records = run_sweeps([tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32],
-                                     decode_graph=True)])
-    assert grouped == [] and [r["status"] for r in records] == ["unsupported"] * 2
+    records = run_sweeps([tiny_sweep(["fake-fast", "fake-fast:scale=2:label=f2"],
+                                     modes=["fwd", "decode"], seq_lens=[16], decode_graph=True)])
+    assert grouped == [2, 1, 1]
+    assert [r["status"] for r in records] == ["ok", "ok", "unsupported", "unsupported"]
+    grouped.clear()
+    records = run_sweeps([tiny_sweep(["fake-fast", "fake-fast:scale=2:label=f2"],
+                                     modes=["fwd"], seq_lens=[16], cuda_graph=True)])
+    assert grouped == [1, 1] and {r["reason"] for r in records} == {
+        "cuda_graph needs a CUDA device"}
+
+
+def test_a_point_records_what_ran(fake_mixers):
+    records = run_sweeps([tiny_sweep(["hla2", "mamba2-ssd", "sdpa", "fake-fast"], modes=["fwd"],
+                                     seq_lens=[16])])
+    by = {r["mixer"]: r["resolved"] for r in records}
+    assert by["hla2"]["impl"] == "chunk"
+    assert by["hla2"]["fallback"] == "not triton: no CUDA device"
+    assert by["mamba2-ssd"]["impl"] == "chunk"
+    assert by["mamba2-ssd"]["fallback"].startswith("not mamba_ssm's Triton kernel: ")
+    assert by["sdpa"]["sdpa_backend"] in ("flash", "math", "efficient", "cudnn", "unknown")
+    assert by["sdpa"]["packages"]["torch"] == importlib.metadata.version("torch")
+    assert by["fake-fast"] == {"packages": by["sdpa"]["packages"]}
 
 
 def test_decode_rounds_keep_resumed_points(context_mixer):

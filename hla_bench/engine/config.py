@@ -237,7 +237,19 @@ class SweepConfig:
                           help="auto, cpu, cuda, cuda:1, ...")
     warmup: int = setting(3, kind="count0", matched=True,
                           help="Untimed calls before the timed ones.")
-    repeats: int = setting(10, kind="count", matched=True, help="Timed calls per point.")
+    repeats: int = setting(10, kind="count", matched=True,
+                           help="Timed calls per point (at least, with --min-time-s).")
+    min_time_s: float | None = setting(
+        None, kind="seconds", matched=True,
+        help="Time budget per point: warm up for a quarter of it, then take samples until "
+             "they fill it (at least --repeats, at most 500). Unset: exactly --repeats.")
+    warm_cache: bool = setting(False, kind="flag", matched=True,
+                               help="Keep the GPU's L2 cache warm between samples (default: "
+                                    "evict it before each CUDA sample, as a model's call sees "
+                                    "it).")
+    cuda_graph: bool = setting(False, kind="flag", matched=True,
+                               help="Capture each timed call, in every mode, as a CUDA graph "
+                                    "and time its replays (times the GPU work, not the host).")
     point_timeout_s: float | None = setting(
         None, kind="seconds", help="Record a point that runs longer as a timeout and go on.")
     baseline: str | None = setting(None, kind="label", cli=False,
@@ -320,6 +332,11 @@ class SweepConfig:
         values.update(value_dim=self.value_dim or self.head_dim, dtype=self.resolved_dtype(),
                       device=self.resolved_device())
         return values
+
+    def graph_timed(self, mode: str) -> bool:
+        """Whether points of `mode` time CUDA-graph replays (cuda_graph, or decode_graph for
+        decode points)."""
+        return self.cuda_graph or (mode == "decode" and self.decode_graph)
 
     def batch_for(self, seq_len: int, mode: str) -> int:
         if mode == "decode" and self.decode_batch is not None:

@@ -81,6 +81,8 @@ FIELDS: tuple[RecordField, ...] = (
     # the tokens per timed decode call (absent: 1), and whether it replayed a CUDA graph
     RecordField("decode_steps", _INT, nullable=True, optional=True),
     RecordField("decode_graph", _BOOL, nullable=True, optional=True),
+    # whether the samples timed CUDA-graph replays of the call (any mode)
+    RecordField("cuda_graph", _BOOL, nullable=True, optional=True),
     # raw per-sample times, their spread ((p75 - p25) / median) and what ran: implementation,
     # kernel path, chunk size, SDPA backend, package versions (absent in older files)
     RecordField("samples_ms", (list,), nullable=True, optional=True),

@@ -5,17 +5,22 @@ point gives one record (`hla_bench.engine.records`). Mixers are reached only thr
 `hla_bench.registry`. A failure at one point (out of memory, an exception, a missing
 package, running past the sweep's point_timeout_s) is recorded as that point's status and
 the sweep goes on; once a mixer runs out of memory at some T in a mode, its larger T in
-that mode are recorded as out of memory without being tried. The eager decode points of one
-mixer are timed in interleaved rounds (one call of each T per round): a decode step is
-mostly host work, whose speed drifts over seconds, and in rounds that drift falls on every
-T alike, so a difference between them is the context's.
+that mode are recorded as out of memory without being tried.
+
+The mixers of a sweep are timed side by side at each shape: every mixer's call at one
+(mode, T) is built and warmed up, then sampled in interleaved rounds (one sample of each per
+round, `hla_bench.engine.timing`), so a drift of the machine's speed over seconds falls on
+every mixer alike and their ratios are the mixers'. Points that replay CUDA graphs are timed
+one at a time: a graph bakes in the addresses of the workspaces its kernels used, and a
+graph replayed after a library has regrown and freed its workspace for another capture
+(cuDNN SDPA does) would touch freed memory.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import time
+import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -24,9 +29,10 @@ import torch
 from hla_bench import registry
 from hla_bench.engine.config import MixerSpec, SweepConfig, format_seq_len
 from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
-from hla_bench.engine.timing import (PointTimeout, cuda_graph_replay, gc_paused,
-                                     peak_memory_bytes, summarize_times, time_calls, time_limit,
-                                     timed)
+from hla_bench.engine.timing import (ESTIMATE_CALLS, CacheFlusher, PointTimeout, Sampling,
+                                     cuda_graph_replay, peak_memory_bytes, sample_rounds,
+                                     summarize_times, time_limit, warm_up)
+from mixers import dispatch
 
 # (sweep name, mixer label, mode) -> the smallest T that ran out of memory
 OomAt = dict[tuple[str, str, str], int]
@@ -46,10 +52,16 @@ class Point:
 
 
 def plan(sweeps: list[SweepConfig]) -> list[Point]:
-    """Every point, in run order: sweep, mode, mixer, then increasing T."""
+    """Every point, in run order: sweep, mode, increasing T, then the sweep's mixers (the
+    points of one shape are timed together)."""
     return [Point(sweep, spec, mode, seq_len)
-            for sweep in sweeps for mode in sweep.modes for spec in sweep.mixers
-            for seq_len in sorted(sweep.seq_lens)]
+            for sweep in sweeps for mode in sweep.modes for seq_len in sorted(sweep.seq_lens)
+            for spec in sweep.mixers]
+
+
+def sampling(sweep: SweepConfig) -> Sampling:
+    """How the sweep's points are warmed up and sampled."""
+    return Sampling(sweep.warmup, sweep.repeats, sweep.min_time_s, not sweep.warm_cache)
 
 
 # ---------------------------------------------------------------- inputs and calls
@@ -71,11 +83,22 @@ def _qkv(prefix: tuple[int, ...], head_dim: int, value_dim: int, device: str, dt
             _random((*prefix, value_dim), device, dtype, generator, requires_grad=requires_grad))
 
 
+class Built(NamedTuple):
+    """A point's timed call, warmed up: the call (a CUDA graph's replay when graph-timed),
+    the steps one call makes, the tokens one step processes, and the seconds one call was
+    estimated to take in the warm-up."""
+
+    call: Callable[[], Any]
+    steps: int
+    tokens: int
+    estimate_s: float | None
+
+
 def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
-               record: dict) -> tuple[Callable[[], Any], int, int]:
-    """The call that times `point`, warmed up (with decode_graph the replay of its CUDA
-    graph), the steps one call makes and the tokens one step processes; fills the record's
-    state size, decode fields and peak memory."""
+               record: dict) -> Built:
+    """The call that times `point`, warmed up; fills the record's state size, decode
+    fields, peak memory and `resolved` (what the mixer's dispatch chose, and the versions of
+    the packages whose kernels ran)."""
     sweep = point.sweep
     device, dtype = record["device"], getattr(torch, record["dtype"])
     batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
@@ -117,17 +140,40 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
         tokens = batch * point.seq_len
         steps = 1
 
-    for _ in range(sweep.warmup):
-        call()
-    if point.mode == "decode" and sweep.decode_graph:
-        call = cuda_graph_replay(call)
-    record["peak_memory_bytes"] = peak_memory_bytes(call, device)
-    return call, steps, tokens
+    how = sampling(sweep)
+    cuda = device.startswith("cuda")
+    with dispatch.noting() as notes:
+        estimate = warm_up(call, how, cuda)
+        graph = sweep.graph_timed(point.mode)
+        record["cuda_graph"] = graph
+        if graph:
+            call = cuda_graph_replay(call, f"the {point.mode} call")
+            estimate = warm_up(call, Sampling(warmup=ESTIMATE_CALLS), cuda)
+        record["peak_memory_bytes"] = peak_memory_bytes(call, device)
+    record["resolved"] = resolved(mixer, notes)
+    return Built(call, steps, tokens, estimate)
+
+
+def resolved(mixer: registry.Mixer, notes: dict[str, Any]) -> dict[str, Any]:
+    """What ran: the dispatch's notes, and the installed versions of torch and of the
+    packages whose kernels the mixer needs or its dispatch named (None: not installed)."""
+    names = ["torch", *(name for name in mixer.requires if name != "cuda")]
+    if notes.get("impl") == "triton":
+        names.append("triton")
+    if notes.get("kernel"):
+        names.append(notes["kernel"])
+    packages = {}
+    for name in dict.fromkeys(names):
+        try:
+            packages[name] = importlib.metadata.version(registry.PACKAGE_NAMES.get(name, name))
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    return {**notes, "packages": packages}
 
 
 def _fill_times(point: Point, mixer: registry.Mixer, options: dict[str, Any], record: dict,
                 times_ms: list[float], tokens: int) -> None:
-    """Median and percentiles of per-step times, and the rates they give."""
+    """Median, percentiles, spread and samples of per-step times, and the rates they give."""
     record.update(summarize_times(times_ms))
     seconds = record["median_ms"] / 1e3
     record["tokens_per_s"] = tokens / seconds if seconds > 0 else None
@@ -236,37 +282,44 @@ def prepare(point: Point, oom_at: OomAt | None) -> tuple[dict[str, Any], tuple |
         return {**record, "status": "unavailable", "reason": unavailable}, None
     if point.mode == "decode" and mixer.build_decoder is None:
         return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}, None
-    if point.mode == "decode" and point.sweep.decode_graph and not record["device"].startswith("cuda"):
-        return {**record, "status": "unsupported", "reason": "decode_graph needs a CUDA device"}, None
+    if point.sweep.graph_timed(point.mode) and not record["device"].startswith("cuda"):
+        setting = "cuda_graph" if point.sweep.cuda_graph else "decode_graph"
+        return {**record, "status": "unsupported", "reason": f"{setting} needs a CUDA device"}, None
     if oom_at is not None and key in oom_at and point.seq_len > oom_at[key]:
         return {**record, "status": "oom",
                 "reason": f"skipped: out of memory at T={format_seq_len(oom_at[key])}"}, None
     return record, (mixer, options)
 
 
+def failure(error: Exception, points: list[Point], oom_at: OomAt | None) -> dict[str, Any]:
+    """The status and reason an exception gives a point (an out-of-memory error marks the
+    smallest of `points` in oom_at)."""
+    message = f"{type(error).__name__}: {error}".strip()
+    if isinstance(error, PointTimeout):
+        status, message = "timeout", str(error)
+    elif is_oom(error):
+        status = "oom"
+        if oom_at is not None:
+            _mark_oom(oom_at, points[0])
+    elif isinstance(error, (registry.MixerUnavailableError, ImportError)):
+        status = "unavailable"
+    elif isinstance(error, NotImplementedError):
+        status = "unsupported"
+    else:
+        status = "error"
+    return {"status": status, "reason": message[:2000]}
+
+
 def _attempt(points: list[Point], work: Callable[[], None], oom_at: OomAt | None,
              seconds: float | None) -> dict[str, Any] | None:
     """Run work() within `seconds`; None when it succeeds, else the failure's status and
-    reason (an out-of-memory error marks the smallest of `points` in oom_at)."""
+    reason (see `failure`)."""
     failed = None
     try:
         with time_limit(seconds):
             work()
     except Exception as error:  # every failure is a result; the sweep goes on
-        message = f"{type(error).__name__}: {error}".strip()
-        if isinstance(error, PointTimeout):
-            status, message = "timeout", str(error)
-        elif is_oom(error):
-            status = "oom"
-            if oom_at is not None:
-                _mark_oom(oom_at, points[0])
-        elif isinstance(error, (registry.MixerUnavailableError, ImportError)):
-            status = "unavailable"
-        elif isinstance(error, NotImplementedError):
-            status = "unsupported"
-        else:
-            status = "error"
-        failed = {"status": status, "reason": message[:2000]}
+        failed = failure(error, points, oom_at)
     if failed:  # after the except block, so the traceback's tensors can be freed
         free_memory()
     return failed
@@ -276,46 +329,33 @@ def _attempt(points: list[Point], work: Callable[[], None], oom_at: OomAt | None
 
 
 def run_point(point: Point, oom_at: OomAt | None = None) -> dict[str, Any]:
-    """Measure one point; every failure becomes the record's status and reason.
+    """Measure one point alone; every failure becomes the record's status and reason.
 
     `oom_at` remembers the smallest T that ran out of memory per (sweep, mixer, mode), so
     larger T for the same mixer and mode are recorded as oom without being tried.
     """
-    record, prepared = prepare(point, oom_at)
-    if prepared is None:
-        return record
-
-    def measure() -> None:
-        call, steps, tokens = build_call(point, *prepared, record)
-        times = time_calls(call, warmup=0, repeats=point.sweep.repeats, device=record["device"])
-        _fill_times(point, *prepared, record, [t / steps for t in times], tokens)
-
-    failed = _attempt([point], measure, oom_at, point.sweep.point_timeout_s)
-    return {**empty_record(point), **failed} if failed else record
+    return run_together([point], oom_at)[0]
 
 
-class _BuiltPoint(NamedTuple):
-    """A decode point ready for the rounds: its record's index, the call and its figures."""
+class _Ready(NamedTuple):
+    """A point built and warmed up, waiting for its samples."""
 
     index: int
     point: Point
     mixer: registry.Mixer
     options: dict[str, Any]
-    call: Callable[[], Any]
-    steps: int
-    tokens: int
+    built: Built
 
 
-def run_decode_points(points: list[Point], oom_at: OomAt | None = None,
-                      on_point: Callable[[Point], None] | None = None) -> list[dict[str, Any]]:
-    """Measure the decode points of one mixer in one sweep (increasing T) side by side: each
-    is built and warmed up, then `repeats` rounds time one call of every point in turn (see
-    the module doc for why). All points' states are held at once; failures are per point as
-    in run_point (a failure while timing the rounds is every remaining point's), and the
-    rounds' time limit is the sum of the points'. `on_point(point)` is called before each
-    is built."""
+def run_together(points: list[Point], oom_at: OomAt | None = None,
+                 on_point: Callable[[Point], None] | None = None) -> list[dict[str, Any]]:
+    """Measure points of one sweep side by side: each is built and warmed up in turn, then
+    all are sampled in interleaved rounds (see the module doc). All points' inputs and
+    states are held at once; failures are per point as in run_point (a time limit reached
+    while sampling is every remaining point's: the rounds' limit is the sum of the points').
+    `on_point(point)` is called before each is built."""
     records: list[dict[str, Any]] = []
-    built: list[_BuiltPoint] = []
+    ready: list[_Ready] = []
     for point in points:
         if on_point is not None:
             on_point(point)
@@ -327,31 +367,36 @@ def run_decode_points(points: list[Point], oom_at: OomAt | None = None,
             if failed:
                 record = {**empty_record(point), **failed}
             else:
-                built.append(_BuiltPoint(len(records), point, *prepared, *made[0]))
+                ready.append(_Ready(len(records), point, *prepared, made[0]))
         records.append(record)
-    if not built:
+    if not ready:
         return records
     sweep = points[0].sweep
-    cuda = records[built[0].index]["device"].startswith("cuda")
-    times: list[list[float]] = [[] for _ in built]
+    device = records[ready[0].index]["device"]
+    how = sampling(sweep)
+    sampled = []
 
     def rounds() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-        with gc_paused():
-            for _ in range(sweep.repeats):
-                for each, times_of in zip(built, times):
-                    times_of.extend(t / each.steps for t in
-                                    timed(each.call, 1, cuda, time.perf_counter))
+        sampled.append(sample_rounds([each.built.call for each in ready],
+                                     [how.count(each.built.estimate_s) for each in ready],
+                                     device.startswith("cuda"),
+                                     CacheFlusher(device, how.flush_cache)))
 
-    timeout = None if sweep.point_timeout_s is None else sweep.point_timeout_s * len(built)
-    failed = _attempt([each.point for each in built], rounds, oom_at, timeout)
-    for each, times_of in zip(built, times):
+    timeout = None if sweep.point_timeout_s is None else sweep.point_timeout_s * len(ready)
+    failed = _attempt([each.point for each in ready], rounds, oom_at, timeout)
+    for position, each in enumerate(ready):
         if failed:
             records[each.index] = {**empty_record(each.point), **failed}
-        else:
-            _fill_times(each.point, each.mixer, each.options, records[each.index], times_of,
-                        each.tokens)
+            continue
+        times, errors = sampled[0]
+        if position in errors:
+            records[each.index] = {**empty_record(each.point),
+                                   **failure(errors[position], [each.point], oom_at)}
+            continue
+        _fill_times(each.point, each.mixer, each.options, records[each.index],
+                    [t / each.built.steps for t in times[position]], each.built.tokens)
+    if sampled and sampled[0][1]:  # a call failed while sampling: free what it left
+        free_memory()
     return records
 
 
@@ -365,8 +410,8 @@ def run_sweeps(sweeps: list[SweepConfig],
     `on_record(records_so_far)` after each, and `on_measured(record)` after each point
     measured here (not taken from `previous`), to save it as soon as it exists.
     A point with a record in `previous` (same key, a kept status) is not measured again:
-    a sweep cut short can be resumed from its results file. The eager decode points of one
-    mixer in a sweep are measured together, in rounds (see run_decode_points)."""
+    a sweep cut short can be resumed from its results file. The points of one shape are
+    measured together, in rounds (see run_together)."""
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     points = plan(sweeps)
     oom_at: OomAt = {}
@@ -386,41 +431,32 @@ def run_sweeps(sweeps: list[SweepConfig],
     for start, group in _timing_groups(points):
         resumed = [kept.get(point_key(empty_record(p))) for p in group]
         todo = [p for p, record in zip(group, resumed) if record is None]
-        if len(todo) > 1:
-            measured = iter(run_decode_points(
-                todo, oom_at,
-                on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
-            for record in resumed:
-                add(record or next(measured), record is None)
-            continue
-        for offset, (point, record) in enumerate(zip(group, resumed)):
-            if on_point is not None:
-                on_point(start + offset, len(points), point)
-            add(record if record is not None else run_point(point, oom_at), record is None)
+        measured = iter(run_together(
+            todo, oom_at,
+            on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
+        for point, record in zip(group, resumed):
+            if record is None:
+                add(next(measured), True)
+            else:
+                if on_point is not None:
+                    on_point(start + group.index(point), len(points), point)
+                add(record, False)
     return records
 
 
 def _timing_groups(points: list[Point]) -> Iterator[tuple[int, list[Point]]]:
-    """(index of the first, points) of consecutive points timed together: the eager decode
-    points of one mixer in a sweep, every other point alone."""
+    """(index of the first, points) of consecutive points timed together: the points of one
+    sweep, mode and T, except those timed as CUDA-graph replays, which are timed alone."""
     start = 0
     while start < len(points):
         end = start + 1
-        while (_in_rounds(points[start]) and end < len(points)
-               and _same_mixer(points[end], points[start])):
+        while (end < len(points) and _same_shape(points[end], points[start])
+               and not points[start].sweep.graph_timed(points[start].mode)):
             end += 1
         yield start, points[start:end]
         start = end
 
 
-def _in_rounds(point: Point) -> bool:
-    """Eager decode points are timed in rounds. CUDA-graph replays are not host-bound, and
-    they are timed one point at a time: a graph bakes in the addresses of the workspaces its
-    kernels used, so a graph replayed after a library has regrown and freed its workspace
-    for another point's capture (cuDNN SDPA does) would touch freed memory."""
-    return point.mode == "decode" and not point.sweep.decode_graph
-
-
-def _same_mixer(point: Point, other: Point) -> bool:
-    return (point.sweep is other.sweep and point.spec == other.spec
-            and point.mode == other.mode)
+def _same_shape(point: Point, other: Point) -> bool:
+    return (point.sweep is other.sweep and point.mode == other.mode
+            and point.seq_len == other.seq_len)

@@ -1,8 +1,22 @@
 """Timing and memory of one call, and the time limit of a point.
 
-Timing: `warmup` untimed calls, then `repeats` timed calls; CUDA events on a GPU,
-`time.perf_counter` on the CPU (CPU ops are synchronous). Python's garbage collector is
-paused while timed calls run. Median and 20th/80th percentiles.
+Timing (one method for `hla-bench bench` and the scripts in benchmarks/):
+- Warm-up: `warmup` untimed calls, and with a time budget (`min_time_s`) more of them until
+  a quarter of the budget has passed (clocks, caches and autotuners settle). The last
+  warm-up calls, each synchronised, estimate the time of one call.
+- Samples: `repeats` at least; with `min_time_s`, as many more as the estimate says fill the
+  budget, at most MAX_SAMPLES. Each sample times one call.
+- On CUDA each sample is a pair of CUDA events around the call, every pair queued with no
+  host synchronisation between samples (one at the end); before each sample, outside its
+  events, a write over a buffer twice the size of the device's L2 cache evicts what the
+  previous call left there (`flush_cache`), so each call reads its inputs from memory as a
+  call in a model does. On the CPU each sample is a `time.perf_counter` interval (CPU ops
+  are synchronous) and nothing is flushed.
+- Points timed together are sampled in interleaved rounds (`sample_rounds`): one sample of
+  each point per round, so a drift of the machine's speed falls on all of them alike.
+- Python's garbage collector is paused while samples are taken.
+- Summary: median and 20th/80th percentiles; the spread is the interquartile range over the
+  median (`spread`); the samples themselves are kept (`samples_ms`).
 
 Peak memory above the inputs:
 - CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus
@@ -23,10 +37,18 @@ import math
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+# The most samples one point takes, whatever its budget (they are stored with the point).
+MAX_SAMPLES = 500
+# Warm-up calls whose synchronised times estimate one call.
+ESTIMATE_CALLS = 3
+# Stored samples are rounded to this many decimals of a millisecond (0.1 us).
+SAMPLE_DECIMALS = 4
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -39,25 +61,135 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarize_times(times_ms: list[float]) -> dict[str, float]:
-    """The record's time fields: median and 20th/80th percentiles, in milliseconds."""
+def spread(times_ms: list[float]) -> float | None:
+    """Interquartile range over the median (None for a zero median)."""
+    median = percentile(times_ms, 50)
+    return (percentile(times_ms, 75) - percentile(times_ms, 25)) / median if median > 0 else None
+
+
+def summarize_times(times_ms: list[float]) -> dict[str, Any]:
+    """The record's time fields: median and 20th/80th percentiles in milliseconds, the
+    spread, and the samples themselves (rounded to SAMPLE_DECIMALS)."""
     return {"median_ms": percentile(times_ms, 50), "p20_ms": percentile(times_ms, 20),
-            "p80_ms": percentile(times_ms, 80)}
+            "p80_ms": percentile(times_ms, 80), "spread": spread(times_ms),
+            "samples_ms": [round(t, SAMPLE_DECIMALS) for t in times_ms]}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a point is sampled: `warmup` untimed calls at least, `repeats` samples at least,
+    and with `min_time_s` a time budget for the samples (a quarter of it for the warm-up);
+    `flush_cache`: evict the L2 cache before each CUDA sample."""
+
+    warmup: int = 3
+    repeats: int = 10
+    min_time_s: float | None = None
+    flush_cache: bool = True
+
+    def count(self, estimate_s: float | None) -> int:
+        """Samples for a call estimated at `estimate_s` seconds."""
+        if self.min_time_s is None or not estimate_s or estimate_s <= 0:
+            return self.repeats
+        wanted = math.ceil(self.min_time_s / estimate_s)
+        return max(self.repeats, min(wanted, MAX_SAMPLES))
+
+
+def warm_up(fn: Callable[[], Any], sampling: Sampling, cuda: bool,
+            clock: Callable[[], float] = time.perf_counter) -> float | None:
+    """The warm-up calls of `sampling`; returns the median seconds of the last
+    ESTIMATE_CALLS of them, each synchronised (None when there were none)."""
+    budget = None if sampling.min_time_s is None else sampling.min_time_s / 4
+    least = max(sampling.warmup, 1 if budget is not None else 0)
+    started, seconds = clock(), []
+    while len(seconds) < least or (budget is not None and clock() - started < budget):
+        if cuda:
+            torch.cuda.synchronize()
+        begin = clock()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = (seconds + [clock() - begin])[-ESTIMATE_CALLS:]
+    return percentile(seconds, 50) if seconds else None
+
+
+class CacheFlusher:
+    """A write over twice the L2 cache of a CUDA device (nothing elsewhere)."""
+
+    _buffers: dict[int, torch.Tensor] = {}
+
+    def __init__(self, device: str, enabled: bool = True):
+        self.buffer = None
+        if enabled and device.startswith("cuda"):
+            index = torch.device(device).index
+            index = torch.cuda.current_device() if index is None else index
+            if index not in self._buffers:
+                size = 2 * max(torch.cuda.get_device_properties(index).L2_cache_size, 1 << 20)
+                self._buffers[index] = torch.empty(size, dtype=torch.uint8,
+                                                   device=f"cuda:{index}")
+            self.buffer = self._buffers[index]
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.zero_()
+
+
+def sample_rounds(calls: list[Callable[[], Any]], counts: list[int], cuda: bool,
+                  flush: Callable[[], None] = lambda: None,
+                  clock: Callable[[], float] = time.perf_counter,
+                  event: Callable[[], Any] | None = None,
+                  ) -> tuple[list[list[float]], dict[int, BaseException]]:
+    """Milliseconds of each sample of each call, taken in interleaved rounds: round r times
+    once every call i with counts[i] > r, each after `flush()` (outside the timed interval).
+    A call that raises takes no more samples: its error is returned by index (PointTimeout
+    and interrupts propagate). On CUDA the samples are event pairs with one synchronisation
+    at the end (`event` makes an event: a stand-in in tests)."""
+    if cuda and event is None:
+        event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    pairs: list[list[Any]] = [[] for _ in calls]
+    failed: dict[int, BaseException] = {}
+    with gc_paused():
+        if cuda:
+            torch.cuda.synchronize()
+        for round_index in range(max(counts, default=0)):
+            for index, (fn, count) in enumerate(zip(calls, counts)):
+                if round_index >= count or index in failed:
+                    continue
+                flush()
+                try:
+                    if cuda:
+                        start, end = event(), event()
+                        start.record()
+                        fn()
+                        end.record()
+                        pairs[index].append((start, end))
+                    else:
+                        begin = clock()
+                        fn()
+                        pairs[index].append((clock() - begin) * 1e3)
+                except PointTimeout:
+                    raise
+                except Exception as error:  # noqa: BLE001 - that call's result
+                    failed[index] = error
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return [[start.elapsed_time(end) for start, end in each] for each in pairs], failed
+    return pairs, failed
 
 
 def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int, device: str,
-               clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Milliseconds for each of `repeats` calls of `fn` after `warmup` untimed ones. Python's
-    garbage collector is paused while they run (as timeit does): a collection of a process
-    holding torch and Triton takes milliseconds, and whichever timed call it fell into
-    (a host-bound decode run, say) would carry it."""
-    for _ in range(warmup):
-        fn()
+               clock: Callable[[], float] = time.perf_counter,
+               min_time_s: float | None = None, flush_cache: bool = False) -> list[float]:
+    """Milliseconds for each sample of `fn` under `Sampling(warmup, repeats, min_time_s,
+    flush_cache)`, after its warm-up: the method above for a single call."""
+    sampling = Sampling(warmup, repeats, min_time_s, flush_cache)
     cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-    with gc_paused():
-        return timed(fn, repeats, cuda, clock)
+    estimate = warm_up(fn, sampling, cuda, clock)
+    times, failed = sample_rounds([fn], [sampling.count(estimate)], cuda,
+                                  CacheFlusher(device, flush_cache), clock)
+    if failed:
+        raise failed[0]
+    return times[0]
 
 
 @contextlib.contextmanager
@@ -73,36 +205,16 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def timed(fn: Callable[[], Any], repeats: int, cuda: bool,
-          clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """Milliseconds for each of `repeats` calls of `fn`, nothing else (no warm-up, no
-    synchronisation before the first, the garbage collector as the caller left it)."""
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = clock()
-            fn()
-            times.append((clock() - begin) * 1e3)
-    return times
-
-
-def cuda_graph_replay(fn: Callable[[], Any]) -> Callable[[], None]:
+def cuda_graph_replay(fn: Callable[[], Any], what: str = "the call") -> Callable[[], None]:
     """Capture one call of `fn` (already warmed up, so nothing compiles or autotunes during
-    capture) as a CUDA graph; return its replay. A step that cannot be captured raises
+    capture) as a CUDA graph; return its replay. A call that cannot be captured raises
     NotImplementedError, which the runner records as unsupported."""
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
             fn()
     except Exception as error:
-        raise NotImplementedError(f"the decode run cannot be captured as a CUDA graph: "
+        raise NotImplementedError(f"{what} cannot be captured as a CUDA graph: "
                                   f"{type(error).__name__}: {error}") from error
     return graph.replay
 
