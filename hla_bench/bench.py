@@ -135,7 +135,8 @@ def _check_executor(executor: str, scheduler: str | None) -> None:
 
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
             baseline: str | None, resume: bool = False, overwrite: bool = False,
-            executor: str = "local", scheduler: str | None = None) -> dict[str, Any]:
+            executor: str = "local", scheduler: str | None = None,
+            isolate: bool = False) -> dict[str, Any]:
     """Check everything, run the sweeps with a progress bar, keeping the results file
     current after every point; print tables or data."""
     from hla_bench.engine.runner import run_sweeps
@@ -147,6 +148,9 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
     started = time.perf_counter()
     devices = sorted({s.resolved_device() for s in sweeps})
     environment = results_io.capture_environment(",".join(devices))
+    if isolate or executor == "dask":
+        environment["timing_method"] += ("; each mixer in a process of its own (not "
+                                         "interleaved with the others)")
     store = open_store(out, mode, sweeps, config, environment)
     path = store.path
     with store:
@@ -181,6 +185,11 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
 
                 planned = run_sweeps_dask(sweeps, scheduler, previous=store.records(),
                                           on_measured=on_measured)
+            elif isolate:
+                from hla_bench.engine.isolate import run_sweeps_isolated
+
+                planned = run_sweeps_isolated(sweeps, previous=store.records(),
+                                              on_measured=on_measured, on_point=on_point)
             else:
                 planned = run_sweeps(sweeps, on_point, previous=store.records(),
                                      on_measured=on_measured)
@@ -230,6 +239,11 @@ output_options = [
                  "cluster, one worker per GPU or CPU slot, without --scheduler)."),
     click.option("--scheduler", metavar="ADDRESS",
                  help="An existing Dask scheduler (tcp://host:8786) for --executor dask."),
+    click.option("--isolate", is_flag=True,
+                 help="Measure each mixer of a sweep in a process of its own, so a fault "
+                      "that kills or poisons a process (an illegal memory access) costs only "
+                      "that mixer's remaining points, recorded as errors. Its mixers are then "
+                      "not sampled in interleaved rounds. (--executor dask always does this.)"),
 ]
 
 
@@ -265,7 +279,7 @@ def with_setting_options(command: Callable) -> Callable:
 @with_setting_options
 @with_output_options
 def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
-          resume: bool, overwrite: bool, executor: str, scheduler: str | None,
+          resume: bool, overwrite: bool, executor: str, scheduler: str | None, isolate: bool,
           **settings: Any) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
@@ -278,7 +292,8 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
-    execute(config, [sweep], out, output_format, baseline, resume, overwrite, executor, scheduler)
+    execute(config, [sweep], out, output_format, baseline, resume, overwrite, executor, scheduler,
+            isolate)
 
 
 @click.command()
@@ -288,7 +303,7 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
 @with_output_options
 def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
         as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool, executor: str,
-        scheduler: str | None) -> None:
+        scheduler: str | None, isolate: bool) -> None:
     """Run the sweeps of a config file (default: the shipped cpu-smoke).
 
     CONFIG is a YAML file, or the name of a config shipped with hla-bench in
@@ -321,7 +336,8 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
                                f"({', '.join(sorted(labels))})")
     total = sum(len(s.mixers) * len(s.modes) * len(s.seq_lens) for s in sweeps)
     Console(stderr=True).print(f"{path.name}: {len(sweeps)} sweep(s), {total} points")
-    execute(config, sweeps, out, output_format, baseline, resume, overwrite, executor, scheduler)
+    execute(config, sweeps, out, output_format, baseline, resume, overwrite, executor, scheduler,
+            isolate)
 
 
 commands = [list_, bench, run]

@@ -159,16 +159,6 @@ def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
         return pool.submit(_measure_points, sweep, previous).result()
 
 
-def point_groups(sweeps) -> list[dict]:
-    """One sweep per (sweep, mixer spec): the unit a Dask task measures."""
-    groups = []
-    for sweep in sweeps:
-        data = sweep.to_dict()
-        for spec in sweep.mixers:
-            groups.append({**data, "mixers": [spec.to_dict()]})
-    return groups
-
-
 def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
                     on_measured: Callable[[dict], None]) -> list[dict]:
     """`hla_bench.engine.runner.run_sweeps` on a Dask cluster: each (sweep, mixer) point
@@ -176,6 +166,7 @@ def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
     whose worker died twice is recorded as an error point per planned point. Returns every
     record of the plan (kept and measured), as run_sweeps does."""
     from hla_bench.engine.config import SweepConfig
+    from hla_bench.engine.isolate import group_records, point_groups
     from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
     from hla_bench.engine.runner import plan
 
@@ -190,9 +181,7 @@ def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
         futures = {}
         for group in groups:
             on_gpu = str(SweepConfig.from_dict(group).resolved_device()).startswith("cuda")
-            mine = [r for r in previous if r.get("sweep") == group["name"]
-                    and r.get("mixer") == group["mixers"][0]["label"]]
-            futures[client.submit(_bench_task, group, mine, pure=False,
+            futures[client.submit(_bench_task, group, group_records(group, previous), pure=False,
                                   resources={"GPU": 1} if on_gpu else None)] = group
         for future in distributed.as_completed(list(futures)):
             group = futures[future]

@@ -91,7 +91,7 @@ def capture_environment(device: str) -> dict[str, Any]:
     """What the numbers depend on: hardware, driver and library versions, code version."""
     import torch
 
-    from hla_bench.engine.timing import memory_method
+    from hla_bench.engine.timing import memory_method, timing_method
 
     env: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -105,6 +105,7 @@ def capture_environment(device: str) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "device": device,
         "memory_method": memory_method(device),
+        "timing_method": timing_method(device),
         "gpu": None,
         "gpu_count": 0,
         "driver": None,

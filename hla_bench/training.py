@@ -10,12 +10,10 @@ retried; any other failure is recorded on each of its runs.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import queue as queue_module
 import signal
-import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -27,6 +25,7 @@ import torch
 
 import tasks
 from hla_bench import registry
+from hla_bench.processes import exit_with_parent
 from tasks.model import TinyLM
 from tasks.train import Interrupted, RunSpec, group_key, train_group
 
@@ -146,29 +145,12 @@ def _release_memory() -> None:
 # --- worker processes ----------------------------------------------------------------
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Workers die with the sweep: the kernel kills them when the parent dies (Linux), and
-    a watchdog thread exits when the parent pid changes (elsewhere, or if that failed)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
 _EVENTS = None  # a worker's queue of progress events to the parent (set at its start)
 
 
 def _init_worker(threads: int, parent: int, events) -> None:
     global _EVENTS
-    _exit_with_parent(parent)
+    exit_with_parent(parent)
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     _EVENTS = events
