@@ -8,8 +8,8 @@
 1. Correctness on random data against hla2's float64 explicit sums (mixers/hla/hla2/naive.py,
    differentiated by torch autograd): outputs, final states and q/k/v gradients (relative
    Frobenius errors).
-2. Timings (triton.testing.do_bench, median ms) of forward and forward+backward in bf16 with
-   B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
+2. Timings (hla_bench.engine.timing.median_ms: the harness's method, median ms) of forward
+   and forward+backward in bf16 with B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
    PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
    imports; with the peak memory of one forward+backward.
 3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 2k, 8k, 32k, 64k).
@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 import yaml
 
+from hla_bench.engine.timing import median_ms
 from hla_bench.results import git_commit
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
 from mixers.reference import relative_error
@@ -105,11 +106,9 @@ def implementations():
 
 
 def time_one(fn, q, k, v):
-    from triton.testing import do_bench
-
     out = {}
     with torch.no_grad():
-        out["fwd_ms"] = do_bench(lambda: fn(q, k, v), warmup=10, rep=50, return_mode="median")
+        out["fwd_ms"] = median_ms(lambda: fn(q, k, v))
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     do = torch.randn_like(v)
 
@@ -124,7 +123,7 @@ def time_one(fn, q, k, v):
     fwd_bwd()
     torch.cuda.synchronize()
     out["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    out["fwd_bwd_ms"] = do_bench(fwd_bwd, warmup=10, rep=50, return_mode="median")
+    out["fwd_bwd_ms"] = median_ms(fwd_bwd)
     return out
 
 
@@ -281,12 +280,10 @@ def _tuned_warps():
 
 def time_kernel_variants(results, backward):
     """The forward (backward=False: chunk 128 at D = 128; also D = 64) or forward+backward
-    (chunk 64, D = 128) under launch variants, side by side in this process (do_bench
+    (chunk 64, D = 128) under launch variants, side by side in this process (median_ms
     medians; relative difference of the outputs, and of dq with backward, to the first
     variant), with fla's chunk_linear_attn alongside when it imports, CUDA time per kernel
     of each variant and the autotuner's warp choices: where the time goes."""
-    from triton.testing import do_bench
-
     from mixers.hla.hla2.triton import hla2_triton, plan_call
 
     def run(q, k, v, variant):
@@ -314,8 +311,7 @@ def time_kernel_variants(results, backward):
             base = None
             if fla is not None and not backward:
                 with torch.no_grad():
-                    ms = do_bench(lambda: fla(q, k, v), warmup=10, rep=60,
-                                  return_mode="median")
+                    ms = median_ms(lambda: fla(q, k, v))
                 table[f"D={D} T={T} fla-linear-attn"] = {"ms": round(ms, 4)}
                 print(f"D={D} T={T} fla-linear-attn fwd {ms:8.3f} ms")
             for name, variant in variants.items():
@@ -324,8 +320,7 @@ def time_kernel_variants(results, backward):
                     out = step(variant).float()
                     base = out if base is None else base
                     diff = relative_error(out, base, norm="fro")
-                    ms = do_bench(lambda: step(variant), warmup=10, rep=60,
-                                  return_mode="median")
+                    ms = median_ms(lambda: step(variant))
                     per_kernel = cuda_time_per_kernel(lambda: step(variant))
                     table[key] = {"ms": round(ms, 4), "rel_to_first": diff,
                                   "cuda_ms_per_kernel": {kernel: round(t, 4)

@@ -192,6 +192,16 @@ def time_calls(fn: Callable[[], Any], *, warmup: int, repeats: int, device: str,
     return times[0]
 
 
+def median_ms(fn: Callable[[], Any], device: str = "cuda", *, warmup: int = 3,
+              repeats: int = 10, min_time_s: float | None = 0.25,
+              flush_cache: bool = True) -> float:
+    """The median of `time_calls` with the harness's defaults for a GPU script: a quarter
+    second of samples, the L2 cache flushed between them (what benchmarks/ use, so their
+    figures and `hla-bench bench`'s are measured alike)."""
+    return percentile(time_calls(fn, warmup=warmup, repeats=repeats, device=device,
+                                 min_time_s=min_time_s, flush_cache=flush_cache), 50)
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Collect once, then keep the garbage collector off until the block ends."""
