@@ -9,9 +9,9 @@
    differentiated by torch autograd): outputs, final states and q/k/v gradients (relative
    Frobenius errors).
 2. Timings (hla_bench.engine.timing.median_ms: the harness's method, median ms) of forward
-   and forward+backward in bf16 with B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k, 8k, 32k, 64k}, for the Triton op, the
-   PyTorch chunk form (mixers.hla.hla2, impl="chunk") and fla's chunk_linear_attn when it
-   imports; with the peak memory of one forward+backward.
+   and forward+backward in bf16 with B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k,
+   8k, 32k, 64k}, for the Triton op, the PyTorch chunk form (mixers.hla.hla2, impl="chunk")
+   and fla's chunk_linear_attn when it imports; with the peak memory of one forward+backward.
 3. --profile: CUDA time per kernel of one forward+backward (D = 64, T = 2k, 8k, 32k, 64k).
 4. --variants: the Triton op at other chunk sizes and launch shapes (dq/dk and dv in two
    launches, scans planned for 4 resident programs per SM, scans in 32-row blocks) at
