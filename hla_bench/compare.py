@@ -139,7 +139,7 @@ def match_key(point: dict[str, Any]) -> tuple:
     return (point["name"], json.dumps(point.get("options") or {}, sort_keys=True, default=str),
             point["mode"], *(point[name] for name in SHAPE),
             point.get("decode_steps") or 1,
-            bool(point.get("decode_graph") or point.get("cuda_graph")))
+            bool(point.get("decode_graph") or point.get("cuda_graph")), point.get("level") or "op")
 
 
 def match(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, Any]:

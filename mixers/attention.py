@@ -165,6 +165,11 @@ class KVCacheDecoder:
     def state_bytes(self, state: KVCache) -> int:
         return state.nbytes
 
+    def step_bytes(self, state: KVCache) -> int:
+        """A step reads the whole cache and appends one token's keys and values."""
+        per_token = state.nbytes // max(1, state.length)
+        return state.nbytes + per_token
+
 
 def softmax_flops(batch, seq_len, heads, head_dim, value_dim, mode, **_):
     """Causal attention: QK^T and PV over half the T x T square; backward is 2.5x forward.

@@ -25,8 +25,9 @@ class MixerUnavailableError(RuntimeError):
     """Raised when a mixer's requirements (CUDA, an optional package) are missing here."""
 
 
-# `seq_len` is the context length for "decode" (FLOPs of one token step after it).
-FLOP_MODES = ("fwd", "fwdbwd", "decode")
+# `seq_len` is the context length for "decode" (FLOPs of one token step after it);
+# "prefill" (the forward that fills the state) counts as "fwd".
+FLOP_MODES = ("fwd", "fwdbwd", "decode", "prefill")
 
 
 class Decoder(Protocol):
@@ -40,7 +41,11 @@ class Decoder(Protocol):
         """One token: `[B, H, D]` inputs, returns (`[B, H, Dv]` output, new state)."""
 
     def state_bytes(self, state: Any) -> int:
-        """Bytes held by `state` (KV cache for softmax attention)."""
+        """Bytes held by `state` (KV cache for softmax attention).
+
+        A decoder may also define `step_bytes(state)`: the bytes one step must read and
+        write at least (the harness takes 2 x state_bytes, a fixed state read and written
+        once, where it does not)."""
 
 
 # A requirement is "cuda" or the import name of an optional package; PACKAGE_NAMES gives
@@ -153,6 +158,7 @@ class Mixer:
             raise ValueError(f"mode must be one of {FLOP_MODES}, got {mode!r}")
         if self.flops is None:
             return None
+        mode = "fwd" if mode == "prefill" else mode
         return self.flops(batch, seq_len, heads, head_dim, value_dim, mode,
                           **self.resolve_options(options))
 

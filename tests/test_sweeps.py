@@ -171,7 +171,7 @@ def test_a_config_needs_only_mixers_and_resume_matches_the_matched_settings():
     assert set(sweep.settings()) == matched == {
         "heads", "head_dim", "value_dim", "batch", "tokens_per_batch", "decode_batch",
         "decode_steps", "decode_graph", "dtype", "device", "warmup", "repeats", "min_time_s",
-        "warm_cache", "cuda_graph"}
+        "warm_cache", "cuda_graph", "level"}
     assert sweep.settings()["value_dim"] == 64
 
 
@@ -624,3 +624,57 @@ def test_cpu_allocation_failures_are_oom_and_skip_larger_t(build, monkeypatch):
         assert tried == []  # the kept failure still rules out T = 64 and 128
     finally:
         registry._REGISTRY.pop("fake-cpu-oom", None)
+
+
+def test_prefill_fills_the_state_at_the_decode_batch():
+    calls = []
+    hla2 = registry.get("hla2")
+
+    def spy(**options):
+        inner = hla2.build_op(**options)
+
+        def call(q, k, v, initial_state=None, output_final_state=False):
+            calls.append((q.shape[0], output_final_state))
+            return inner(q, k, v, initial_state=initial_state,
+                         output_final_state=output_final_state)
+        return call
+    registry.register(registry.Mixer("spy-hla2", "fake", "hla2, logged", spy,
+                                     options=dict(hla2.options), flops=hla2.flops))
+    try:
+        sweep = tiny_sweep(["spy-hla2"], modes=["fwd", "prefill"], seq_lens=[32], batch=None,
+                           tokens_per_batch=128, decode_batch=3, warmup=0, repeats=2)
+        by = {r["mode"]: r for r in run_sweeps([sweep])}
+    finally:
+        registry._REGISTRY.pop("spy-hla2", None)
+    assert by["prefill"]["status"] == "ok" and by["prefill"]["batch"] == 3
+    assert by["fwd"]["batch"] == 4
+    assert (3, True) in calls and (4, False) in calls  # prefill keeps the final state
+    assert by["prefill"]["flops"] == pytest.approx(by["fwd"]["flops"] * 3 / 4)
+
+
+def test_layer_level_times_the_registry_layer(fake_mixers):
+    sweep = tiny_sweep(["linear-attn:short_conv=4", "hla2"], modes=["fwd", "fwdbwd"],
+                       seq_lens=[16], level="layer")
+    records = run_sweeps([sweep])
+    assert [r["status"] for r in records] == ["ok"] * 4
+    assert all(r["level"] == "layer" and r["samples_ms"] for r in records)
+    assert {r["mixer"] for r in records} == {"linear-attn", "hla2"}
+    with pytest.raises(ValueError, match="level layer times the modes fwd and fwdbwd only, "
+                                         "not decode"):
+        tiny_sweep(["hla2"], modes=["fwd", "decode"], level="layer")
+    with pytest.raises(ValueError, match="level must be one of op, layer"):
+        tiny_sweep(["hla2"], level="model")
+    with pytest.raises(ValueError, match="applies to layers only"):
+        tiny_sweep(["linear-attn:short_conv=4"], modes=["fwd"]).check_mixers()
+
+
+def test_decode_points_record_the_bytes_a_step_moves_per_second(fake_mixers):
+    sweep = tiny_sweep(["fake-fast", "sdpa:backend=math"], modes=["decode"], seq_lens=[32],
+                       decode_steps=1)
+    by = {r["mixer"]: r for r in run_sweeps([sweep])}
+    fixed, cache = by["fake-fast"], by["sdpa"]
+    assert fixed["bytes_per_s"] == pytest.approx(
+        2 * fixed["state_bytes"] / (fixed["median_ms"] / 1e3))  # the state read and written
+    per_token = cache["state_bytes"] // 32
+    assert cache["bytes_per_s"] == pytest.approx(
+        (cache["state_bytes"] + per_token) / (cache["median_ms"] / 1e3))  # the cache read

@@ -30,7 +30,9 @@ import yaml
 
 from hla_bench import registry
 
-MODES = ("fwd", "fwdbwd", "decode")
+MODES = ("fwd", "fwdbwd", "decode", "prefill")
+DEFAULT_MODES = ("fwd", "fwdbwd", "decode")
+LEVELS = ("op", "layer")
 # Accepted dtype names -> the canonical name (torch's attribute for the dtype).
 DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -214,7 +216,10 @@ class SweepConfig:
                             "variant, e.g. hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn")
     seq_lens: list[int] = setting([1024, 4096], kind="seq_lens",
                                   help="Sequence lengths, e.g. 1k,4k,16k,64k.")
-    modes: list[str] = setting(list(MODES), kind="modes", help=f"Some of {','.join(MODES)}.")
+    modes: list[str] = setting(list(DEFAULT_MODES), kind="modes",
+                               help=f"Some of {','.join(MODES)} (prefill: the forward over T "
+                                    "tokens that fills the state, at the decode batch: the "
+                                    "time to first token).")
     batch: int | None = setting(None, kind="count", matched=True, help="Fixed batch size.")
     tokens_per_batch: int | None = setting(
         None, kind="count", matched=True,
@@ -250,6 +255,10 @@ class SweepConfig:
     cuda_graph: bool = setting(False, kind="flag", matched=True,
                                help="Capture each timed call, in every mode, as a CUDA graph "
                                     "and time its replays (times the GPU work, not the host).")
+    level: str = setting("op", kind="text", matched=True,
+                         help="op: time the bare operator on [B, T, H, D] q, k, v; layer: the "
+                              "registry's layer (projections, convolution, norms and the "
+                              "operator) on [B, T, heads x head_dim] inputs, as a model pays.")
     point_timeout_s: float | None = setting(
         None, kind="seconds", help="Record a point that runs longer as a timeout and go on.")
     baseline: str | None = setting(None, kind="label", cli=False,
@@ -291,6 +300,13 @@ class SweepConfig:
                 raise ValueError(f"sweep {self.name!r}: {each.name} must be {problem}, "
                                  f"got {getattr(self, each.name)!r}")
         self.dtype = dtype_name(self.dtype)
+        if self.level not in LEVELS:
+            raise ValueError(f"sweep {self.name!r}: level must be one of {', '.join(LEVELS)}, "
+                             f"got {self.level!r}")
+        other_modes = sorted(set(self.modes) - {"fwd", "fwdbwd"})
+        if self.level == "layer" and other_modes:
+            raise ValueError(f"sweep {self.name!r}: level layer times the modes fwd and "
+                             f"fwdbwd only, not {', '.join(other_modes)}")
         if self.baseline is not None and self.baseline not in labels:
             raise ValueError(f"sweep {self.name!r}: baseline {self.baseline!r} is not one of "
                              f"the mixer labels {', '.join(labels)}")
@@ -339,7 +355,7 @@ class SweepConfig:
         return self.cuda_graph or (mode == "decode" and self.decode_graph)
 
     def batch_for(self, seq_len: int, mode: str) -> int:
-        if mode == "decode" and self.decode_batch is not None:
+        if mode in ("decode", "prefill") and self.decode_batch is not None:
             return self.decode_batch
         if self.tokens_per_batch is not None:
             return max(1, self.tokens_per_batch // seq_len)
@@ -363,12 +379,13 @@ class SweepConfig:
         for spec in self.mixers:
             registry.get(spec.name).resolve_options(spec.options)
             layer_only = [key for key in spec.options if key in LAYER_ONLY_OPTIONS]
-            if layer_only:
+            if layer_only and self.level == "op":
                 raise ValueError(
                     f"sweep {self.name!r}: mixer {spec.label!r}: option "
                     f"{', '.join(map(repr, layer_only))} of "
                     f"{spec.name!r} applies to layers only (the models of the recall command); "
-                    "the fwd, fwdbwd and decode benchmarks time the op, which does not use it")
+                    "at level op the benchmarks time the op, which does not use it (level "
+                    "layer times the layer)")
 
     def check_device(self) -> None:
         """A malformed device, one whose work cannot be timed (meta computes nothing), or

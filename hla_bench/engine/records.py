@@ -83,6 +83,10 @@ FIELDS: tuple[RecordField, ...] = (
     RecordField("decode_graph", _BOOL, nullable=True, optional=True),
     # whether the samples timed CUDA-graph replays of the call (any mode)
     RecordField("cuda_graph", _BOOL, nullable=True, optional=True),
+    # op or layer (absent in older files: op)
+    RecordField("level", _STR, choices=("op", "layer"), optional=True, planned=_sweep("level")),
+    # decode: bytes a step must move (its decoder's step_bytes, else 2 x state_bytes) per second
+    RecordField("bytes_per_s", _NUM, nullable=True, optional=True),
     # raw per-sample times, their spread ((p75 - p25) / median) and what ran: implementation,
     # kernel path, chunk size, SDPA backend, package versions (absent in older files)
     RecordField("samples_ms", (list,), nullable=True, optional=True),

@@ -85,13 +85,14 @@ def _qkv(prefix: tuple[int, ...], head_dim: int, value_dim: int, device: str, dt
 
 class Built(NamedTuple):
     """A point's timed call, warmed up: the call (a CUDA graph's replay when graph-timed),
-    the steps one call makes, the tokens one step processes, and the seconds one call was
-    estimated to take in the warm-up."""
+    the steps one call makes, the tokens one step processes, the seconds one call was
+    estimated to take in the warm-up, and for decode the bytes a step moves."""
 
     call: Callable[[], Any]
     steps: int
     tokens: int
     estimate_s: float | None
+    step_bytes: int | None  # decode: the bytes one step moves at least
 
 
 def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
@@ -103,6 +104,7 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
     device, dtype = record["device"], getattr(torch, record["dtype"])
     batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
     generator = torch.Generator().manual_seed(0)
+    moved = None
     if point.mode == "decode":
         decoder = mixer.decoder(**options)
         state = decoder.init_state(batch, heads, head_dim, value_dim, point.seq_len, device, dtype)
@@ -121,6 +123,12 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
         steps = sweep.decode_steps
         record["decode_steps"], record["decode_graph"] = sweep.decode_steps, sweep.decode_graph
         tokens = batch
+        step_bytes = getattr(decoder, "step_bytes", None)
+        moved = step_bytes(state) if step_bytes is not None else 2 * record["state_bytes"]
+    elif sweep.level == "layer":
+        call = _layer_call(point, mixer, options, batch, heads * head_dim, heads, device,
+                           dtype, generator)
+        tokens, steps = batch * point.seq_len, 1
     else:
         op = mixer.op(**options)
         backward = point.mode == "fwdbwd"
@@ -134,9 +142,11 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
                 out.backward(cotangent)
                 q.grad = k.grad = v.grad = None  # so the memory before each call is the inputs
         else:
+            final_state = point.mode == "prefill"  # the state a decode would continue from
+
             def call() -> Any:
                 with torch.no_grad():
-                    return op(q, k, v)
+                    return op(q, k, v, output_final_state=final_state)
         tokens = batch * point.seq_len
         steps = 1
 
@@ -151,7 +161,32 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
             estimate = warm_up(call, Sampling(warmup=ESTIMATE_CALLS), cuda)
         record["peak_memory_bytes"] = peak_memory_bytes(call, device)
     record["resolved"] = resolved(mixer, notes)
-    return Built(call, steps, tokens, estimate)
+    return Built(call, steps, tokens, estimate, moved)
+
+
+def _layer_call(point: Point, mixer: registry.Mixer, options: dict[str, Any], batch: int,
+                d_model: int, heads: int, device: str, dtype: torch.dtype,
+                generator: torch.Generator) -> Callable[[], Any]:
+    """One call of the mixer's layer (d_model = heads x head dim) on a `[batch, T, d_model]`
+    input: forward, or forward and backward of a fixed cotangent (parameter and input
+    gradients dropped after each call)."""
+    layer = mixer.layer(d_model, heads, **options).to(device=device, dtype=dtype)
+    x = _random((batch, point.seq_len, d_model), device, dtype, generator,
+                requires_grad=point.mode == "fwdbwd")
+    if point.mode != "fwdbwd":
+        layer.eval()
+
+        def call() -> Any:
+            with torch.no_grad():
+                return layer(x)
+        return call
+    cotangent = _random((batch, point.seq_len, d_model), device, dtype, generator)
+
+    def call() -> Any:
+        layer(x).backward(cotangent)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+    return call
 
 
 def resolved(mixer: registry.Mixer, notes: dict[str, Any]) -> dict[str, Any]:
@@ -282,6 +317,8 @@ def prepare(point: Point, oom_at: OomAt | None) -> tuple[dict[str, Any], tuple |
         return {**record, "status": "unavailable", "reason": unavailable}, None
     if point.mode == "decode" and mixer.build_decoder is None:
         return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}, None
+    if point.sweep.level == "layer" and mixer.build_layer is None:
+        return {**record, "status": "unsupported", "reason": f"{mixer.name} has no layer form"}, None
     if point.sweep.graph_timed(point.mode) and not record["device"].startswith("cuda"):
         setting = "cuda_graph" if point.sweep.cuda_graph else "decode_graph"
         return {**record, "status": "unsupported", "reason": f"{setting} needs a CUDA device"}, None
@@ -393,8 +430,11 @@ def run_together(points: list[Point], oom_at: OomAt | None = None,
             records[each.index] = {**empty_record(each.point),
                                    **failure(errors[position], [each.point], oom_at)}
             continue
-        _fill_times(each.point, each.mixer, each.options, records[each.index],
+        record = records[each.index]
+        _fill_times(each.point, each.mixer, each.options, record,
                     [t / each.built.steps for t in times[position]], each.built.tokens)
+        if each.built.step_bytes is not None and record["median_ms"] > 0:
+            record["bytes_per_s"] = each.built.step_bytes / (record["median_ms"] / 1e3)
     if sampled and sampled[0][1]:  # a call failed while sampling: free what it left
         free_memory()
     return records
