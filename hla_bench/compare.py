@@ -39,7 +39,8 @@ import numpy as np
 from rich.table import Table
 
 from hla_bench.engine.config import format_seq_len
-from hla_bench.report import STATUS_LABELS, _format_value, pyplot_for, seq_len_axis
+from hla_bench.plots import pyplot_for, save_figure
+from hla_bench.report import STATUS_LABELS, _format_value, seq_len_axis
 
 ALPHA = 0.01
 BOOTSTRAP_DRAWS = 2000
@@ -453,9 +454,5 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
         ax.legend(fontsize=8)
         ax.set_title(f"{mode}: ratio with {1 - result['alpha']:.0%} bootstrap interval "
                      "(no bar: no samples)", fontsize=10)
-        figure.tight_layout()
-        path = out_dir / f"compare-{mode}.{fmt}"
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        written.append(save_figure(figure, out_dir / f"compare-{mode}.{fmt}"))
     return written

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hla_bench import configs
+from hla_bench.plots import pyplot_for, save_figure
 from tasks.mad import MAD_TASKS, mad_settings
 
 MAD_REFERENCE = configs.reference("mad-lab.yaml")
@@ -371,13 +372,7 @@ def mixer_colors(names: list[str]) -> dict[str, Any]:
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
     and against d_model, one panel per setting, one point per (mixer, d_model)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plots_dir = Path(plots_dir)
-    plots_dir.mkdir(parents=True, exist_ok=True)
+    plt, plots_dir = pyplot_for(plots_dir, fmt)
     settings = list(summary)
     colors = mixer_colors(sorted({m for by_mixer in summary.values() for m in by_mixer}))
     paths = []
@@ -404,11 +399,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[
             axis.grid(alpha=0.3)
         axes[0][0].set_ylabel("test accuracy (lr chosen on validation)")
         axes[0][-1].legend(fontsize=7)
-        figure.tight_layout()
-        path = plots_dir / f"{name}.{fmt}"
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        paths.append(path)
+        paths.append(save_figure(figure, plots_dir / f"{name}.{fmt}", dpi=120))
     return paths
 
 

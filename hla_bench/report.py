@@ -22,6 +22,7 @@ from rich.table import Table
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
+from hla_bench.plots import PLOT_FORMATS, pyplot_for, save_figure
 from hla_bench.recall_report import render_recall
 from hla_bench.tables import fit, pack, print_table, wrap
 
@@ -294,9 +295,6 @@ def render_bench(data: dict[str, Any], console: Console, metrics: Iterable[str] 
             console.print()
 
 
-PLOT_FORMATS = ("png", "svg", "pdf")
-
-
 def _batch_label(points: list[dict[str, Any]]) -> str:
     """The x label: T, and the batch each T ran at (fixed tokens per batch implies it)."""
     batches = {p["seq_len"]: p["batch"] for p in points}
@@ -308,19 +306,6 @@ def _batch_label(points: list[dict[str, Any]]) -> str:
     return "sequence length T (batch per T in the tables)"
 
 
-def pyplot_for(out_dir: str | Path, fmt: str) -> tuple[Any, Path]:
-    """(matplotlib.pyplot on the Agg backend, `out_dir` created) for plots in `fmt`; a
-    ValueError for a format not in PLOT_FORMATS."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if fmt not in PLOT_FORMATS:
-        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return plt, out_dir
 
 
 def seq_len_axis(ax: Any, seq_lens: Iterable[int]) -> None:
@@ -388,11 +373,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> 
         if any_failed:
             title += "\nx on the axis: OOM / error / unavailable at that T"
         figure.suptitle(title, fontsize=10)
-        figure.tight_layout()
-        path = out_dir / f"{sweep}-{mode}.{fmt}"
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        written.append(path)
+        written.append(save_figure(figure, out_dir / f"{sweep}-{mode}.{fmt}"))
     return written
 
 

@@ -1,0 +1,33 @@
+"""What every plot of the report shares: the formats, a headless pyplot, saving a figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def save_figure(figure: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close a matplotlib figure; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path
+
+
+def pyplot_for(out_dir: str | Path, fmt: str) -> tuple[Any, Path]:
+    """(matplotlib.pyplot on the Agg backend, `out_dir` created) for plots in `fmt`; a
+    ValueError for a format not in PLOT_FORMATS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"plot format must be one of {', '.join(PLOT_FORMATS)}, got {fmt!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return plt, out_dir
