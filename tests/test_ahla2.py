@@ -140,7 +140,7 @@ def test_state_bytes_and_flops():
 def test_bad_inputs_name_the_argument():
     q, k, v = inputs()
     cases = [
-        (dict(impl="triton"), "impl"),
+        (dict(impl="trtion"), "impl"),
         (dict(decay=1.5), "decay"),
         (dict(decay=torch.tensor([0.9, 0.9])), "decay"),
         (dict(chunk_size=0), "chunk_size"),

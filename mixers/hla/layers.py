@@ -134,7 +134,7 @@ def hla_mixers() -> list[Mixer]:
         hla_entry("ahla2", "mixers.hla.ahla2", "ahla2",
                   "Asymmetric second-order HLA (AHLA): ((L*QK^T)(L*QK^T)*L) V.",
                   {"normalize": False, "eps": 1e-6, "decay": None, "impl": "auto",
-                   "chunk_size": 64}, ("serial", "scan", "chunk")),
+                   "chunk_size": 64}, ("serial", "scan", "chunk", "triton")),
         hla_entry("hla3", "mixers.hla.hla3", "hla3",
                   "Third-order HLA: variant 'causal' (causal restriction of the tensor form) "
                   "or 'paper' (the paper's Alg. 3).",

@@ -28,8 +28,35 @@ from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, che
 
 __all__ = ["ahla2", "ahla2_step", "ahla2_naive", "ahla2_state_bytes", "ahla2_flops"]
 
-AHLA2_IMPLS = ("auto", "serial", "scan", "chunk")
+AHLA2_IMPLS = ("auto", "serial", "scan", "chunk", "triton")
+STEP_IMPLS = ("auto", "torch", "triton")
 FORMS = {"serial": ahla2_serial, "scan": ahla2_scan}
+
+
+def _triton_unsupported(q, k, v) -> str | None:
+    """Why the Triton form cannot run these inputs, or None (imports the kernels lazily)."""
+    try:
+        from mixers.hla.ahla2 import triton as kernels
+    except ImportError as error:
+        return f"the Triton kernels are not available ({error})"
+    return kernels.unsupported_reason(q, k, v)
+
+
+def _resolve_impl(impl: str, fallback: str, q, k, v) -> str:
+    """impl="triton" is checked (ValueError with the reason); "auto" takes Triton on CUDA
+    where the kernels support the inputs, else `fallback`. Notes the choice."""
+    if impl == "triton":
+        reason = _triton_unsupported(q, k, v)
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
+    elif impl == "auto":
+        why_not = "no CUDA device" if not q.is_cuda else _triton_unsupported(q, k, v)
+        if why_not is not None:
+            note(impl=fallback, fallback=f"not triton: {why_not}")
+            return fallback
+        impl = "triton"
+    note(impl=impl)
+    return impl
 
 
 def _state_shapes(B, H, D, Dv, normalize):
@@ -72,12 +99,17 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     if T == 0:  # no tokens: no output rows, and the start state is the final one
         final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
         return q.new_zeros(B, 0, H, Dv), final
+    impl = _resolve_impl(impl, "chunk", q, k, v)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     q_in, k_in, v_in = guard.inputs
+    if impl == "triton":
+        from mixers.hla.ahla2.triton import ahla2_triton_packed
+        o, P, E = ahla2_triton_packed(q_in, k_in, v_in, P0, E0, decay, normalize, chunk_size)
+        o = guard.outputs(read_out(o, normalize, eps, q.dtype))
+        return o, (guard.state(_state_dict(P, E, normalize)) if output_final_state else None)
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
-    note(impl="chunk" if impl == "auto" else impl)
-    if impl in ("auto", "chunk"):
+    if impl == "chunk":
         o, (P, E) = ahla2_chunk(qh, kh, vh, P0, E0, decay, chunk_size)
     else:
         o, (P, E) = FORMS[impl](qh, kh, vh, P0, E0, decay)
@@ -85,14 +117,22 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     return o, (guard.state(_state_dict(P, E, normalize)) if output_final_state else None)
 
 
-def ahla2_step(q_t, k_t, v_t, state=None, *, normalize=False, eps=1e-6, decay=None):
-    """One decode step (Alg. 2) on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state)."""
+def ahla2_step(q_t, k_t, v_t, state=None, *, normalize=False, eps=1e-6, decay=None,
+               impl="auto"):
+    """One decode step (Alg. 2) on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state).
+    impl: "torch", "triton" (the fused step), or "auto" (Triton on CUDA)."""
     B, H, D, Dv = check_token(q_t, k_t, v_t)
     check_flag("normalize", normalize)
     check_eps(eps)
+    check_choice("impl", impl, STEP_IMPLS)
     decay = check_decay(decay, H, q_t.device)
     dtype = compute_dtype(q_t.dtype)
     P, E = _carries(state, B, H, D, Dv, normalize, dtype, q_t.device)
+    if _resolve_impl(impl, "torch", q_t, k_t, v_t) == "triton":
+        from mixers.hla.ahla2.triton import ahla2_step_packed, plan_launch
+        plan = plan_launch(D, Dv + normalize, dtype)
+        o, P, E = ahla2_step_packed(q_t, k_t, v_t, P, E, decay, normalize, plan)
+        return read_out(o, normalize, eps, q_t.dtype), _state_dict(P, E, normalize)
     v = v_t.to(dtype)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)

@@ -1,0 +1,23 @@
+"""Triton forms of AHLA (mixers/hla/ahla2): a differentiable chunked op and a decode step,
+both on packed states `[B, H, D, Dv(+1)]` (the ones column of the denominator when
+normalized); mixers.hla.ahla2 (ahla2, ahla2_step with impl="triton") checks a call, applies
+the non-finite rule and unpacks.
+
+  plan.py     what the kernels support; AHLA2Plan, plan_launch, unsupported_reason
+  forward.py  the forward: one program per (value block, batch x head) walks the chunks,
+              carrying its columns of (P, E)
+  chunked.py  ahla2_triton_packed, the forward as an autograd op (backward recomputed
+              through the PyTorch chunk form)
+  decode.py   the decode step
+
+Supported: any T, head dims up to 256 (D and Dv independent, any size: blocks are powers
+of two with masked loads), decay (per head), normalize, initial and final states, float16,
+bfloat16, float32 and float64 inputs. Not supported: multi-query k and v (ahla2 takes none).
+"""
+
+from mixers.hla.ahla2.triton.chunked import ahla2_triton_packed
+from mixers.hla.ahla2.triton.decode import step as ahla2_step_packed
+from mixers.hla.ahla2.triton.plan import AHLA2Plan, plan_launch, unsupported_reason
+
+__all__ = ["ahla2_triton_packed", "ahla2_step_packed", "AHLA2Plan", "plan_launch",
+           "unsupported_reason"]

@@ -1,0 +1,114 @@
+"""The ahla2 forward: one program per (value block, batch x head) walks the chunks in order,
+carrying its columns of P and E (spec §2; the chunk equations of mixers/hla/ahla2/chunk.py):
+
+    A = D * (Q K^T)                      C x C, D[s, i] = g^(s - i) for i <= s, else 0
+    U = g_in * (Q P0) + A V              rows q_s^T P_s
+    O = g_in * (Q E0) + A U
+    P' = g^n P0 + K^T (g_out * V),  E' = g^n E0 + K^T (g_out * U)
+
+g_in[s] = g^(s + 1), g_out[i] = g^(n - 1 - i), n the chunk's real tokens. Every value
+column's (P, E) and outputs depend on that column alone, so the packed width (value dim,
+plus the ones column of the denominator when normalized) is split over programs. Inputs are
+read in place from `[B, T, H, D]` tensors (last dim contiguous); rows past T and columns
+past D or Dv are masked loads of zero. The chunk loop's bound is a compile-time power of two
+(one compile per bucket of T; the Triton interpreter cannot loop to a runtime bound): steps
+past the last chunk change nothing. Arithmetic and states in the output's dtype
+(float32, float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mixers.hla.ahla2.triton.plan import AHLA2Plan
+
+
+@triton.jit
+def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, T, H, D, DV, DVP,
+                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                         stride_vb, stride_vt, stride_vh,
+                         C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                         NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
+                         HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    acc = O.dtype.element_ty
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, BD)
+    cols = pid_v * BV + tl.arange(0, BV)
+    d_ok = dk < D
+    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
+    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
+    P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
+    E = tl.load(E0 + state, mask=state_ok, other=0.0).to(acc)
+    log_g = 0.0
+    if HAS_DECAY:
+        log_g = tl.load(LOG_G + h).to(acc)
+    causal = rows[:, None] >= rows[None, :]
+    for chunk in range(NT_BOUND):  # steps past the last chunk load nothing and change nothing
+        start = chunk * C
+        t = start + rows
+        t_ok = t < T
+        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
+                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
+        if NORMALIZE:  # the denominator: a column of ones after the values
+            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_DECAY:
+            gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)
+            A = tl.where(causal, A * tl.exp(gap * log_g), 0.0).to(acc)
+            g_in = tl.exp((rows + 1).to(acc) * log_g)
+            U = tl.dot(q, P, input_precision=PRECISION) * g_in[:, None]
+            U += tl.dot(A, v, input_precision=PRECISION)
+            out = tl.dot(q, E, input_precision=PRECISION) * g_in[:, None]
+            out += tl.dot(A, U, input_precision=PRECISION)
+            n = tl.maximum(tl.minimum(T - start, C), 0)
+            g_out = tl.where(t_ok, tl.exp((n - 1 - rows).to(acc) * log_g), 0.0).to(acc)
+            g_n = tl.exp(n.to(acc) * log_g)
+            ks = k * g_out[:, None]
+            P = P * g_n + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
+            E = E * g_n + tl.dot(tl.trans(ks), U, input_precision=PRECISION)
+        else:
+            A = tl.where(causal, A, 0.0).to(acc)
+            U = tl.dot(q, P, input_precision=PRECISION) + tl.dot(A, v, input_precision=PRECISION)
+            out = tl.dot(q, E, input_precision=PRECISION) + tl.dot(A, U, input_precision=PRECISION)
+            P += tl.dot(tl.trans(k), v, input_precision=PRECISION)
+            E += tl.dot(tl.trans(k), U, input_precision=PRECISION)
+        tl.store(O + ((b * T + t[:, None]) * H + h) * DVP + cols[None, :], out.to(acc),
+                 mask=t_ok[:, None] & (cols < DVP)[None, :])
+    tl.store(P1 + state, P, mask=state_ok)
+    tl.store(E1 + state, E, mask=state_ok)
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: exact for float32 and float64 inputs, tf32 for 16-bit ones
+    (their products are no finer than tf32's mantissa)."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def forward(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan):
+    """Packed outputs `[B, T, H, Dv(+1)]` and final (P, E) `[B, H, D, Dv(+1)]`, in P0's dtype,
+    from `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states."""
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    width = Dv + normalize
+    out = torch.empty(B, T, H, width, dtype=P0.dtype, device=q.device)
+    P1, E1 = torch.empty_like(P0), torch.empty_like(E0)
+    log_g = torch.log(decay.to(P0.dtype)).contiguous() if decay is not None else P0  # unread without decay
+    grid = (triton.cdiv(width, plan.block_v), B * H)
+    ahla2_forward_kernel[grid](
+        q, k, v, log_g, P0.contiguous(), E0.contiguous(), out, P1, E1, T, H, D, Dv, width,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        C=plan.chunk, BD=plan.block_d, BV=plan.block_v,
+        NT_BOUND=triton.next_power_of_2(triton.cdiv(T, plan.chunk)), NORMALIZE=normalize,
+        HAS_DECAY=decay is not None, PRECISION=precision(q.dtype), num_warps=plan.warps)
+    return out, P1, E1

@@ -1,0 +1,64 @@
+"""What the ahla2 Triton kernels support, and how a call launches them (a frozen plan).
+
+Block sizes are powers of two of at least 16 (tl.dot's smallest); a head dim that is not
+one is padded inside the kernels by masked loads and stores, never by copying the inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def block(size: int) -> int:
+    """The smallest power of two >= size and >= 16."""
+    return max(16, 1 << (size - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class AHLA2Plan:
+    """One ahla2_triton call's launch: tokens per chunk, the padded key dim, the value
+    columns each program carries (the packed width, value dim plus the ones column of the
+    denominator, is split over programs: each column's states are independent), warps."""
+
+    chunk: int
+    block_d: int
+    block_v: int
+    warps: int
+
+
+def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> AHLA2Plan:
+    """The default plan: chunk 64 (32 at head dim 128, 16 above it or in float64), and value
+    blocks of 64, 32 or 16 columns as the key dim grows, so the two d x block_v states a
+    program carries stay at 8 K elements or fewer."""
+    block_d = block(D)
+    chunk = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
+    if dtype == torch.float64:
+        chunk = 16
+    block_v = min(block(packed_width), 64 if block_d <= 64 else 32 if block_d <= 128 else 16)
+    return AHLA2Plan(chunk=chunk, block_d=block_d, block_v=block_v,
+                     warps=4 if block_d <= 64 else 8)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot run these inputs, or None."""
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (supported: {', '.join(str(d) for d in DTYPES)})"
+    if not (q.dtype == k.dtype == v.dtype):
+        return "q, k and v of different dtypes"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
+        return f"head dims D={D}, Dv={Dv} above {MAX_HEAD_DIM}"
+    if q.device.type != "cuda" and not _interpreted():
+        return "the tensors are not on a CUDA device"
+    return None
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
