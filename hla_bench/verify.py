@@ -53,7 +53,7 @@ def cases(device: str) -> list[Case]:
     per_head = torch.tensor([0.95, 0.8], dtype=torch.float64)
     hla2_forms = ("serial", "scan", "chunk") + (("triton",) if device == "cuda" else ())
     triton = ("triton",) if device == "cuda" else ()
-    forms2, forms3 = ("serial", "scan", "chunk") + triton, ("serial", "scan", "chunk")
+    forms2 = forms3 = ("serial", "scan", "chunk") + triton
     return [
         Case("hla2", "masked", {}, hla2_forms),
         Case("hla2", "masked, normalize", {"normalize": True}, hla2_forms),

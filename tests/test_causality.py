@@ -75,6 +75,7 @@ TORCH_FORMS = {
     "hla3-serial": _op(hla3, impl="serial"),
     "hla3-scan": _op(hla3, impl="scan"),
     "hla3-chunk": _op(hla3, impl="chunk", chunk_size=16),
+    "hla3-triton-normalize": _op(hla3, impl="triton", chunk_size=16, normalize=True),
     "hla3-chunk-normalize": _op(hla3, impl="chunk", chunk_size=16, normalize=True),
     "hla3-paper-serial": _op(hla3, variant="paper", impl="serial"),
     "hla3-paper-scan": _op(hla3, variant="paper", impl="scan"),

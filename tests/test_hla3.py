@@ -127,7 +127,7 @@ def test_state_bytes_and_flops():
 def test_bad_inputs_name_the_argument():
     q, k, v = inputs()
     cases = [
-        (dict(impl="triton"), "impl"),
+        (dict(impl="trtion"), "impl"),
         (dict(variant="paper", impl="chunk"), "impl"),
         (dict(variant="masked"), "variant"),
         (dict(chunk_size=2.5), "chunk_size"),

@@ -30,9 +30,12 @@ finite inputs so large that the operators' products overflow.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from mixers.dispatch import note
 
 IMPLS = ("auto", "serial", "scan", "chunk", "triton")
 
@@ -229,3 +232,26 @@ def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_
             raise ValueError(f"{name}[{key!r}] must have shape {shape}, got {got}")
         if device is not None and x.device != device:
             raise ValueError(f"{name}[{key!r}] must be on {device}, got {x.device}")
+
+
+def resolve_impl(impl: str, fallback: str, q: torch.Tensor,
+                 triton_unsupported: Callable[[], str | None],
+                 auto_declines: str | None = None) -> str:
+    """The form a dispatcher runs, noted for whoever listens (mixers.dispatch).
+
+    impl="triton" is checked: `triton_unsupported()` names why the kernels cannot run the
+    inputs (a ValueError then). "auto" takes Triton on CUDA where the kernels support the
+    inputs and `auto_declines` names no reason to keep `fallback`; any other impl is kept."""
+    if impl == "triton":
+        reason = triton_unsupported()
+        if reason is not None:
+            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
+    elif impl == "auto":
+        why_not = ("no CUDA device" if not q.is_cuda else
+                   auto_declines if auto_declines is not None else triton_unsupported())
+        if why_not is not None:
+            note(impl=fallback, fallback=f"not triton: {why_not}")
+            return fallback
+        impl = "triton"
+    note(impl=impl)
+    return impl

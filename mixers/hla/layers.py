@@ -139,5 +139,5 @@ def hla_mixers() -> list[Mixer]:
                   "Third-order HLA: variant 'causal' (causal restriction of the tensor form) "
                   "or 'paper' (the paper's Alg. 3).",
                   {"variant": "causal", "normalize": False, "eps": 1e-6, "impl": "auto",
-                   "chunk_size": 64}, ("serial", "scan", "chunk")),
+                   "chunk_size": 64}, ("serial", "scan", "chunk", "triton")),
     ]

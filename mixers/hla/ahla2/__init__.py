@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from mixers.dispatch import note
 from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
 from mixers.hla.ahla2.scan import ahla2_scan
@@ -24,7 +23,7 @@ from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_decay,
-                               check_eps, check_flag, check_qkv, check_state)
+                               check_eps, check_flag, check_qkv, check_state, resolve_impl)
 
 __all__ = ["ahla2", "ahla2_step", "ahla2_naive", "ahla2_state_bytes", "ahla2_flops"]
 
@@ -40,23 +39,6 @@ def _triton_unsupported(q, k, v) -> str | None:
     except ImportError as error:
         return f"the Triton kernels are not available ({error})"
     return kernels.unsupported_reason(q, k, v)
-
-
-def _resolve_impl(impl: str, fallback: str, q, k, v) -> str:
-    """impl="triton" is checked (ValueError with the reason); "auto" takes Triton on CUDA
-    where the kernels support the inputs, else `fallback`. Notes the choice."""
-    if impl == "triton":
-        reason = _triton_unsupported(q, k, v)
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
-    elif impl == "auto":
-        why_not = "no CUDA device" if not q.is_cuda else _triton_unsupported(q, k, v)
-        if why_not is not None:
-            note(impl=fallback, fallback=f"not triton: {why_not}")
-            return fallback
-        impl = "triton"
-    note(impl=impl)
-    return impl
 
 
 def _state_shapes(B, H, D, Dv, normalize):
@@ -99,7 +81,7 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     if T == 0:  # no tokens: no output rows, and the start state is the final one
         final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
         return q.new_zeros(B, 0, H, Dv), final
-    impl = _resolve_impl(impl, "chunk", q, k, v)
+    impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     q_in, k_in, v_in = guard.inputs
     if impl == "triton":
@@ -128,7 +110,7 @@ def ahla2_step(q_t, k_t, v_t, state=None, *, normalize=False, eps=1e-6, decay=No
     decay = check_decay(decay, H, q_t.device)
     dtype = compute_dtype(q_t.dtype)
     P, E = _carries(state, B, H, D, Dv, normalize, dtype, q_t.device)
-    if _resolve_impl(impl, "torch", q_t, k_t, v_t) == "triton":
+    if resolve_impl(impl, "torch", q_t, lambda: _triton_unsupported(q_t, k_t, v_t)) == "triton":
         from mixers.hla.ahla2.triton import ahla2_step_packed, plan_launch
         plan = plan_launch(D, Dv + normalize, dtype)
         o, P, E = ahla2_step_packed(q_t, k_t, v_t, P, E, decay, normalize, plan)

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from mixers.dispatch import note
 from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
-                               check_decay, check_eps, check_flag, check_qkv, check_state)
+                               check_decay, check_eps, check_flag, check_qkv, check_state,
+                               resolve_impl)
 from mixers.hla.hla2.chunk import hla2_chunk
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
 from mixers.hla.hla2.scan import hla2_scan
@@ -62,25 +62,12 @@ def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | N
 
 
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
-    """impl="triton" is checked (ValueError with the reason); "auto" takes Triton on CUDA when
-    the kernels support the inputs, else `fallback`. The paper decay form's kernels walk the
-    chunks sequentially (one program per head and 32 value columns) and are not tuned, so
-    "auto" keeps the chunk form there."""
-    if impl == "triton":
-        reason = _triton_unsupported(q, k, v, **triton_args)
-        if reason is not None:
-            raise ValueError(f"impl='triton' cannot run these inputs: {reason}")
-    elif impl == "auto":
-        paper_decay = triton_args["decay"] is not None and triton_args["decay_form"] == "paper"
-        why_not = ("no CUDA device" if not q.is_cuda else
-                   "the paper decay form's kernels are not tuned" if paper_decay else
-                   _triton_unsupported(q, k, v, **triton_args))
-        if why_not is not None:
-            note(impl=fallback, fallback=f"not triton: {why_not}")
-            return fallback
-        impl = "triton"
-    note(impl=impl)
-    return impl
+    """See mixers.hla.common.resolve_impl. The paper decay form's kernels walk the chunks
+    sequentially (one program per head and 32 value columns) and are not tuned, so "auto"
+    keeps the chunk form there."""
+    paper_decay = triton_args["decay"] is not None and triton_args["decay_form"] == "paper"
+    return resolve_impl(impl, fallback, q, lambda: _triton_unsupported(q, k, v, **triton_args),
+                        "the paper decay form's kernels are not tuned" if paper_decay else None)
 
 
 def _prepare(q, k, v, state, state_name, *, masked, normalize, eps, ridge, decay, decay_form):

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from mixers.dispatch import note
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
-                               check_flag, check_qkv, check_state)
+                               check_flag, check_qkv, check_state, resolve_impl)
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.naive import hla3_naive
 from mixers.hla.hla3.scan import hla3_scan
@@ -35,7 +34,8 @@ from mixers.hla.hla3.serial import causal_recurrence, hla3_serial, paper_recurre
 __all__ = ["hla3", "hla3_step", "hla3_naive", "hla3_state_bytes", "hla3_flops"]
 
 VARIANTS = ("causal", "paper")
-HLA3_IMPLS = ("auto", "serial", "scan", "chunk")
+HLA3_IMPLS = ("auto", "serial", "scan", "chunk", "triton")
+STEP_IMPLS = ("auto", "torch", "triton")
 
 
 def _keys(variant):
@@ -72,9 +72,18 @@ def _state_dict(carries, variant, normalize):
 def _check_variant_impl(variant, impl):
     check_choice("variant", variant, VARIANTS)
     check_choice("impl", impl, HLA3_IMPLS)
-    if variant == "paper" and impl == "chunk":
-        raise ValueError("impl='chunk' is not available for variant='paper' (it has only "
+    if variant == "paper" and impl in ("chunk", "triton"):
+        raise ValueError(f"impl={impl!r} is not available for variant='paper' (it has only "
                          "'serial' and 'scan'; 'auto' picks 'scan')")
+
+
+def _triton_unsupported(q, k, v) -> str | None:
+    """Why the Triton form cannot run these inputs, or None (imports the kernels lazily)."""
+    try:
+        from mixers.hla.hla3 import triton as kernels
+    except ImportError as error:
+        return f"the Triton kernels are not available ({error})"
+    return kernels.unsupported_reason(q, k, v)
 
 
 def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", chunk_size=64,
@@ -96,13 +105,21 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
         if output_final_state:
             final = _state_dict(tuple(x.clone() for x in carries), variant, normalize)
         return q.new_zeros(B, 0, H, Dv), final
+    if variant == "causal":
+        impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
+    else:
+        impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     q_in, k_in, v_in = guard.inputs
+    if impl == "triton":
+        from mixers.hla.hla3.triton import hla3_triton_packed
+        o, *carries = hla3_triton_packed(q_in, k_in, v_in, *carries, normalize, chunk_size)
+        o = guard.outputs(read_out(o, normalize, eps, q.dtype))
+        if not output_final_state:
+            return o, None
+        return o, guard.state(_state_dict(carries, variant, normalize))
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
-    if impl == "auto":
-        impl = "chunk" if variant == "causal" else "scan"
-    note(impl=impl)
     if impl == "chunk":
         o, carries = hla3_chunk(qh, kh, vh, carries, chunk_size)
     else:
@@ -113,14 +130,25 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     return o, final
 
 
-def hla3_step(q_t, k_t, v_t, state=None, *, variant="causal", normalize=False, eps=1e-6):
-    """One decode step on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state)."""
+def hla3_step(q_t, k_t, v_t, state=None, *, variant="causal", normalize=False, eps=1e-6,
+              impl="auto"):
+    """One decode step on `[B, H, D]` q_t, k_t, `[B, H, Dv]` v_t -> (o_t, new state).
+    impl: "torch", "triton" (the fused causal step), or "auto" (Triton on CUDA, causal)."""
     B, H, D, Dv = check_token(q_t, k_t, v_t)
     check_flag("normalize", normalize)
     check_choice("variant", variant, VARIANTS)
+    check_choice("impl", impl, STEP_IMPLS)
     check_eps(eps)
+    if variant == "paper" and impl == "triton":
+        raise ValueError("impl='triton' is not available for variant='paper'")
     dtype = compute_dtype(q_t.dtype)
     carries = _carries(state, variant, B, H, D, Dv, normalize, dtype, q_t.device)
+    if variant == "causal" and resolve_impl(
+            impl, "torch", q_t, lambda: _triton_unsupported(q_t, k_t, v_t)) == "triton":
+        from mixers.hla.hla3.triton import hla3_step_packed, plan_launch
+        plan = plan_launch(D, Dv + normalize, dtype)
+        o, *carries = hla3_step_packed(q_t, k_t, v_t, *carries, normalize, plan)
+        return read_out(o, normalize, eps, q_t.dtype), _state_dict(carries, variant, normalize)
     q, k, v = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)

@@ -1,0 +1,23 @@
+"""Triton forms of causal third-order HLA (mixers/hla/hla3, variant="causal"): a
+differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`, P and F
+`[B, H, D, Dv(+1)]`, the ones column of the denominator when normalized); mixers.hla.hla3
+(hla3, hla3_step with impl="triton") checks a call, applies the non-finite rule and unpacks.
+
+  plan.py     HLA3Plan, plan_launch (what is supported: ahla2's rule)
+  forward.py  the forward: one program per (value block, batch x head) walks the chunks
+              carrying S^K and its columns of (P, F); d x d moments only, no d^3 maps
+  chunked.py  hla3_triton_packed, the forward as an autograd op (backward recomputed
+              through the PyTorch chunk form)
+  decode.py   the decode step
+
+Supported: any T, head dims up to 256 (D and Dv independent, any size), normalize, initial
+and final states, float16, bfloat16, float32 and float64 inputs. Not supported: the paper
+variant (its PyTorch forms remain).
+"""
+
+from mixers.hla.hla3.triton.chunked import hla3_triton_packed
+from mixers.hla.hla3.triton.decode import step as hla3_step_packed
+from mixers.hla.hla3.triton.plan import HLA3Plan, plan_launch, unsupported_reason
+
+__all__ = ["hla3_triton_packed", "hla3_step_packed", "HLA3Plan", "plan_launch",
+           "unsupported_reason"]

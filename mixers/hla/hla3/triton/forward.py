@@ -1,0 +1,100 @@
+"""The causal hla3 forward: one program per (value block, batch x head) walks the chunks in
+order carrying S^K (d x d) and its columns of P and F (the chunk equations of
+mixers/hla/hla3/chunk.py; A = Q K^T, L the lower triangle with its diagonal):
+
+    r  = Q P0 + (L * A) V
+    Bm = L * ((Q S0) Q^T + A (L * A)^T)
+    O  = Q F0 + Bm r
+    F' = F0 + S0 (Q^T r) + K^T ((L * A)^T r),   S' = S0 + K^T K,   P' = P0 + K^T V
+
+Value columns are independent, so the packed width (value dim, plus the ones column of the
+denominator when normalized) is split over programs; every program carries the whole S^K
+and the first writes it back. Inputs are read in place from `[B, T, H, D]` tensors; rows
+past T and columns past D or Dv are masked loads of zero, and the chunk loop runs to a
+compile-time power of two (steps past the last chunk change nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mixers.hla.ahla2.triton.forward import precision
+from mixers.hla.hla3.triton.plan import HLA3Plan
+
+
+@triton.jit
+def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, T, H, D, DV, DVP,
+                        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh,
+                        C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                        NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    acc = O.dtype.element_ty
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, BD)
+    cols = pid_v * BV + tl.arange(0, BV)
+    d_ok = dk < D
+    moment = bh * D * D + dk[:, None] * D + dk[None, :]
+    moment_ok = d_ok[:, None] & d_ok[None, :]
+    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
+    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
+    S = tl.load(S0 + moment, mask=moment_ok, other=0.0).to(acc)
+    P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
+    F = tl.load(F0 + state, mask=state_ok, other=0.0).to(acc)
+    causal = rows[:, None] >= rows[None, :]
+    for chunk in range(NT_BOUND):
+        t = chunk * C + rows
+        t_ok = t < T
+        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
+        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
+                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
+        if NORMALIZE:  # the denominator: a column of ones after the values
+            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        LA = tl.where(causal, A, 0.0).to(acc)
+        r = tl.dot(q, P, input_precision=PRECISION) + tl.dot(LA, v, input_precision=PRECISION)
+        QS = tl.dot(q, S, input_precision=PRECISION)
+        Bm = tl.dot(QS, tl.trans(q), input_precision=PRECISION)
+        Bm += tl.dot(A, tl.trans(LA), input_precision=PRECISION)
+        Bm = tl.where(causal, Bm, 0.0).to(acc)
+        out = tl.dot(q, F, input_precision=PRECISION) + tl.dot(Bm, r, input_precision=PRECISION)
+        Qr = tl.dot(tl.trans(q), r, input_precision=PRECISION)
+        LAr = tl.dot(tl.trans(LA), r, input_precision=PRECISION)
+        F += tl.dot(S, Qr, input_precision=PRECISION)
+        F += tl.dot(tl.trans(k), LAr, input_precision=PRECISION)
+        S += tl.dot(tl.trans(k), k, input_precision=PRECISION)
+        P += tl.dot(tl.trans(k), v, input_precision=PRECISION)
+        tl.store(O + ((b * T + t[:, None]) * H + h) * DVP + cols[None, :], out.to(acc),
+                 mask=t_ok[:, None] & (cols < DVP)[None, :])
+    tl.store(S1 + moment, S, mask=moment_ok & (pid_v == 0))
+    tl.store(P1 + state, P, mask=state_ok)
+    tl.store(F1 + state, F, mask=state_ok)
+
+
+def forward(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan):
+    """Packed outputs `[B, T, H, Dv(+1)]` and final (S, P, F), in P0's dtype, from
+    `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states."""
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    width = Dv + normalize
+    S0, P0, F0 = S0.contiguous(), P0.contiguous(), F0.contiguous()
+    out = torch.empty(B, T, H, width, dtype=P0.dtype, device=q.device)
+    S1, P1, F1 = torch.empty_like(S0), torch.empty_like(P0), torch.empty_like(F0)
+    grid = (triton.cdiv(width, plan.block_v), B * H)
+    hla3_forward_kernel[grid](
+        q, k, v, S0, P0, F0, out, S1, P1, F1, T, H, D, Dv, width,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        C=plan.chunk, BD=plan.block_d, BV=plan.block_v,
+        NT_BOUND=triton.next_power_of_2(triton.cdiv(T, plan.chunk)), NORMALIZE=normalize,
+        PRECISION=precision(q.dtype), num_warps=plan.warps)
+    return out, S1, P1, F1
