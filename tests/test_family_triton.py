@@ -118,5 +118,7 @@ def test_plans_and_refusals():
         with pytest.raises(ValueError, match="impl='triton' cannot run these inputs: head dims"):
             op(q, k, v, impl="triton")
         assert op(*inputs(8, 16, 16), impl="auto")[0].shape == (2, 8, H, 16)  # CPU: PyTorch
+    with pytest.raises(ValueError, match="key head dim D=192 above 128"):
+        hla3(*inputs(4, 192, 8), impl="triton")
     with pytest.raises(ValueError, match="impl='triton' is not available for variant='paper'"):
         hla3(*inputs(8, 16, 16), variant="paper", impl="triton")

@@ -32,16 +32,17 @@ class AHLA2Plan:
 
 
 def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> AHLA2Plan:
-    """The default plan: chunk 64 (32 at head dim 128, 16 above it or in float64), and value
-    blocks of 64, 32 or 16 columns as the key dim grows, so the two d x block_v states a
-    program carries stay at 8 K elements or fewer."""
+    """The default plan: chunk 64 (32 at head dim 128, 16 above it or in float64), value
+    blocks of 64, 32 or 16 columns and 4 or 8 warps as the key dim grows, so that the two
+    d x block_v states a program carries fit its registers (checked for sm_90a by
+    benchmarks/family_resources.py)."""
     block_d = block(D)
     chunk = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
     if dtype == torch.float64:
         chunk = 16
-    block_v = min(block(packed_width), 64 if block_d <= 64 else 32 if block_d <= 128 else 16)
+    block_v = min(block(packed_width), 64 if block_d <= 32 else 32 if block_d <= 128 else 16)
     return AHLA2Plan(chunk=chunk, block_d=block_d, block_v=block_v,
-                     warps=4 if block_d <= 64 else 8)
+                     warps=4 if block_d <= 32 else 8)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

@@ -10,9 +10,9 @@ differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`
               through the PyTorch chunk form)
   decode.py   the decode step
 
-Supported: any T, head dims up to 256 (D and Dv independent, any size), normalize, initial
-and final states, float16, bfloat16, float32 and float64 inputs. Not supported: the paper
-variant (its PyTorch forms remain).
+Supported: any T, key head dims up to 128 and value head dims up to 256 (any size, D and
+Dv independent), normalize, initial and final states, float16, bfloat16, float32 and
+float64 inputs. Not supported: the paper variant (its PyTorch forms remain).
 """
 
 from mixers.hla.hla3.triton.chunked import hla3_triton_packed

@@ -1,6 +1,8 @@
-"""How an hla3 Triton call launches its kernels (a frozen plan). What the kernels support is
-ahla2's rule (mixers/hla/ahla2/triton/plan.py): the same dtypes and head dims up to 256, by
-power-of-two blocks with masked loads."""
+"""What the hla3 Triton kernels support and how a call launches them (a frozen plan).
+
+The rule is ahla2's (mixers/hla/ahla2/triton/plan.py: the same dtypes, any head dim by
+power-of-two blocks with masked loads) with the key dim at most 128: every program carries
+the d x d moment S^K, which at 256 (256 KiB in float32) exceeds an SM's shared memory."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.ahla2.triton.plan import block, unsupported_reason
+from mixers.hla.ahla2.triton import plan as ahla2_plan
+from mixers.hla.ahla2.triton.plan import block
 
 __all__ = ["HLA3Plan", "plan_launch", "unsupported_reason"]
 
@@ -25,12 +28,25 @@ class HLA3Plan:
 
 
 def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> HLA3Plan:
-    """Chunk 64 (32 at head dim 128, 16 above it or in float64); value blocks of 64, 32 or
-    16 columns as the key dim grows (a program carries S^K, d x d, beside P and F)."""
+    """Chunk 64, 32 at key dim 64, 16 at 128 or in float64; value blocks of 64, 32 or 16
+    columns and 4 or 8 warps as the key dim grows (a program carries S^K, d x d, beside P and
+    F), so that a program fits an sm_90a SM (benchmarks/family_resources.py)."""
     block_d = block(D)
-    chunk = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
+    chunk = 64 if block_d <= 32 else 32 if block_d <= 64 else 16
     if dtype == torch.float64:
         chunk = 16
-    block_v = min(block(packed_width), 64 if block_d <= 32 else 32 if block_d <= 64 else 16)
+    block_v = min(block(packed_width), 64 if block_d <= 16 else 32 if block_d <= 32 else 16)
     return HLA3Plan(chunk=chunk, block_d=block_d, block_v=block_v,
-                    warps=4 if block_d <= 64 else 8)
+                    warps=4 if block_d <= 32 else 8)
+
+
+MAX_KEY_DIM = 128
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot run these inputs, or None."""
+    reason = ahla2_plan.unsupported_reason(q, k, v)
+    if reason is None and q.shape[-1] > MAX_KEY_DIM:
+        return (f"key head dim D={q.shape[-1]} above {MAX_KEY_DIM} (the d x d moment S^K of a "
+                "program would not fit an SM)")
+    return reason
