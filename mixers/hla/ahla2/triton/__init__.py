@@ -5,9 +5,11 @@ the non-finite rule and unpacks.
 
   plan.py     what the kernels support; AHLA2Plan, plan_launch, unsupported_reason
   forward.py  the forward: one program per (value block, batch x head) walks the chunks,
-              carrying its columns of (P, E)
-  chunked.py  ahla2_triton_packed, the forward as an autograd op (backward recomputed
-              through the PyTorch chunk form)
+              carrying its columns of (P, E), and keeps each chunk's start states for
+              the backward
+  backward.py the backward: the same programs walk the chunks in reverse, carrying the
+              gradients of (P, E)
+  chunked.py  ahla2_triton_packed, the two as an autograd op
   decode.py   the decode step
 
 Supported: any T, head dims up to 256 (D and Dv independent, any size: blocks are powers

@@ -1,16 +1,12 @@
-"""ahla2_triton_packed: the forward kernel as a differentiable op.
-
-The backward recomputes the outputs and final states through the PyTorch chunk form
-(mixers/hla/ahla2/chunk.py) and differentiates that: exact gradients, at the cost of a
-second forward in PyTorch. (A fused backward kernel is not written yet.)
-"""
+"""ahla2_triton_packed: the forward and backward kernels as one differentiable op. The
+forward keeps every chunk's start states when a gradient will be asked for (two
+`[B * H, NT, D, Dv(+1)]` buffers in the compute dtype); the backward reads them."""
 
 from __future__ import annotations
 
 import torch
 
-from mixers.hla.ahla2.chunk import ahla2_chunk
-from mixers.hla.ahla2.state import to_heads_first
+from mixers.hla.ahla2.triton.backward import backward as triton_backward
 from mixers.hla.ahla2.triton.forward import forward as triton_forward
 from mixers.hla.ahla2.triton.plan import AHLA2Plan, plan_launch
 
@@ -27,28 +23,21 @@ class _AHLA2Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, P0, E0, decay, normalize, chunk_size):
         plan = plan_call(q, v, normalize, q.dtype, chunk_size)
-        inputs = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
-        out, P1, E1 = triton_forward(*inputs, P0, E0, decay, normalize, plan)
-        ctx.save_for_backward(q, k, v, P0, E0, decay)
-        ctx.normalize, ctx.chunk = normalize, plan.chunk
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        keep = any(ctx.needs_input_grad[:5])
+        out, P1, E1, P_starts, E_starts = triton_forward(q, k, v, P0, E0, decay, normalize,
+                                                         plan, keep_states=keep)
+        if keep:
+            ctx.save_for_backward(q, k, v, decay, P_starts, E_starts)
+        ctx.normalize, ctx.plan = normalize, plan
         return out, P1, E1
 
     @staticmethod
     def backward(ctx, grad_out, grad_P, grad_E):
-        q, k, v, P0, E0, decay = ctx.saved_tensors
-        dtype = P0.dtype
-        leaves = [x.detach().requires_grad_(need)
-                  for x, need in zip((q, k, v, P0, E0), ctx.needs_input_grad[:5])]
-        with torch.enable_grad():
-            qh, kh = to_heads_first(leaves[0], dtype), to_heads_first(leaves[1], dtype)
-            vh = to_heads_first(leaves[2], dtype, ones_column=ctx.normalize)
-            out, (P1, E1) = ahla2_chunk(qh, kh, vh, leaves[3], leaves[4], decay, ctx.chunk)
-            pairs = [(out.transpose(1, 2), grad_out), (P1, grad_P), (E1, grad_E)]
-            outputs, grads = zip(*[(o, g) for o, g in pairs if g is not None])
-            wanted = [x for x in leaves if x.requires_grad]
-            found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
-                         if wanted else ())
-        return (*(next(found) if x.requires_grad else None for x in leaves), None, None, None)
+        q, k, v, decay, P_starts, E_starts = ctx.saved_tensors
+        dq, dk, dv, dP0, dE0 = triton_backward(q, k, v, decay, P_starts, E_starts, grad_out,
+                                               grad_P, grad_E, ctx.normalize, ctx.plan)
+        return dq, dk, dv, dP0, dE0, None, None, None
 
 
 def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int = 64):

@@ -26,12 +26,13 @@ from mixers.hla.ahla2.triton.plan import AHLA2Plan
 
 
 @triton.jit
-def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, T, H, D, DV, DVP,
+def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, PS, ES, T, H, D, DV, DVP, NT,
                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh,
                          C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                          NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
-                         HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
+                         HAS_DECAY: tl.constexpr, STORE_STATES: tl.constexpr,
+                         PRECISION: tl.constexpr):
     pid_v = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -52,6 +53,10 @@ def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, T, H, D, DV, DVP,
     for chunk in range(NT_BOUND):  # steps past the last chunk load nothing and change nothing
         start = chunk * C
         t = start + rows
+        if STORE_STATES:  # each chunk's start states, for the backward
+            at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]
+            tl.store(PS + at, P, mask=state_ok & (chunk < NT))
+            tl.store(ES + at, E, mask=state_ok & (chunk < NT))
         t_ok = t < T
         q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
@@ -94,21 +99,32 @@ def precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def forward(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan):
+def log_decay(decay, dtype):
+    """log g per head, contiguous (a float decay arrives as an expanded tensor)."""
+    return torch.log(decay.to(dtype)).contiguous() if decay is not None else None
+
+
+def forward(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan, keep_states: bool = False):
     """Packed outputs `[B, T, H, Dv(+1)]` and final (P, E) `[B, H, D, Dv(+1)]`, in P0's dtype,
-    from `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states."""
+    from `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states; with
+    `keep_states` also every chunk's start states `[B * H, NT, D, Dv(+1)]` (else None)."""
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     width = Dv + normalize
+    NT = triton.cdiv(T, plan.chunk)
     out = torch.empty(B, T, H, width, dtype=P0.dtype, device=q.device)
     P1, E1 = torch.empty_like(P0), torch.empty_like(E0)
-    log_g = torch.log(decay.to(P0.dtype)).contiguous() if decay is not None else P0  # unread without decay
+    starts = [torch.empty(B * H, NT, D, width, dtype=P0.dtype, device=q.device)
+              for _ in range(2)] if keep_states else [None, None]
+    log_g = log_decay(decay, P0.dtype)
     grid = (triton.cdiv(width, plan.block_v), B * H)
     ahla2_forward_kernel[grid](
-        q, k, v, log_g, P0.contiguous(), E0.contiguous(), out, P1, E1, T, H, D, Dv, width,
+        q, k, v, log_g if log_g is not None else P0, P0.contiguous(), E0.contiguous(), out, P1,
+        E1, starts[0] if keep_states else P1, starts[1] if keep_states else E1, T, H, D, Dv,
+        width, NT,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         C=plan.chunk, BD=plan.block_d, BV=plan.block_v,
-        NT_BOUND=triton.next_power_of_2(triton.cdiv(T, plan.chunk)), NORMALIZE=normalize,
-        HAS_DECAY=decay is not None, PRECISION=precision(q.dtype), num_warps=plan.warps)
-    return out, P1, E1
+        NT_BOUND=triton.next_power_of_2(NT), NORMALIZE=normalize, HAS_DECAY=decay is not None,
+        STORE_STATES=keep_states, PRECISION=precision(q.dtype), num_warps=plan.warps)
+    return out, P1, E1, starts[0], starts[1]

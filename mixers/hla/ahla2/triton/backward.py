@@ -1,0 +1,139 @@
+"""The ahla2 backward: one program per (value block, batch x head) walks the chunks in
+reverse, carrying the gradients dP and dE of the chunk's end states, and reads each chunk's
+start states (P0, E0) kept by the forward. With the forward's U = g_in (Q P0) + A V and
+A = D * (Q K^T) (D the causal decay weights), per chunk:
+
+    dU = A^T dO + g_out (K dE)          dV = A^T dU + g_out (K dP)
+    dA = dO U^T + dU V^T,   dS = D * dA
+    dQ = g_in (dO E0^T + dU P0^T) + dS K
+    dK = dS^T Q + g_out (V dP^T + U dE^T)
+    dE <- g^n dE + Q^T (g_in dO),   dP <- g^n dP + Q^T (g_in dU)
+
+dV's columns belong to one program; dQ and dK sum over value columns, so each program
+writes its part to a buffer of its own and the parts are added after. The carried dP and
+dE after the first chunk are the start states' gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mixers.hla.ahla2.triton.forward import log_decay, precision
+from mixers.hla.ahla2.triton.plan import AHLA2Plan
+
+
+@triton.jit
+def ahla2_backward_kernel(Q, K, V, LOG_G, PS, ES, DO, DP1, DE1, DQ, DK, DVAL, DP0, DE0,
+                          B, T, H, D, DV, DVP, NT,
+                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                          stride_vb, stride_vt, stride_vh,
+                          C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                          NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
+                          HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    acc = PS.dtype.element_ty
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, BD)
+    cols = pid_v * BV + tl.arange(0, BV)
+    d_ok = dk < D
+    c_ok = cols < DVP
+    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
+    state_ok = d_ok[:, None] & c_ok[None, :]
+    dP = tl.load(DP1 + state, mask=state_ok, other=0.0).to(acc)
+    dE = tl.load(DE1 + state, mask=state_ok, other=0.0).to(acc)
+    log_g = 0.0
+    if HAS_DECAY:
+        log_g = tl.load(LOG_G + h).to(acc)
+    causal = rows[:, None] >= rows[None, :]
+    for step in range(NT_BOUND):  # chunks past the last load nothing and change nothing
+        chunk = NT_BOUND - 1 - step
+        start = chunk * C
+        t = start + rows
+        t_ok = t < T
+        qk_ok = t_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
+                    mask=qk_ok, other=0.0).to(acc)
+        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
+                    mask=qk_ok, other=0.0).to(acc)
+        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
+                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
+        if NORMALIZE:
+            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        out_at = ((b * T + t[:, None]) * H + h) * DVP + cols[None, :]
+        dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
+        at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]
+        P0 = tl.load(PS + at, mask=state_ok & (chunk < NT), other=0.0).to(acc)
+        E0 = tl.load(ES + at, mask=state_ok & (chunk < NT), other=0.0).to(acc)
+        A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_DECAY:
+            gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)
+            weights = tl.where(causal, tl.exp(gap * log_g), 0.0).to(acc)
+            n = tl.maximum(tl.minimum(T - start, C), 0)
+            g_in = tl.exp((rows + 1).to(acc) * log_g)
+            g_out = tl.where(t_ok, tl.exp((n - 1 - rows).to(acc) * log_g), 0.0).to(acc)
+            g_n = tl.exp(n.to(acc) * log_g)
+        else:
+            weights = tl.where(causal, 1.0, 0.0).to(acc)
+            g_in = tl.full([C], 1.0, acc)
+            g_out = tl.where(t_ok, 1.0, 0.0).to(acc)
+            g_n = 1.0
+        A = A * weights
+        U = tl.dot(q, P0, input_precision=PRECISION) * g_in[:, None]
+        U += tl.dot(A, v, input_precision=PRECISION)
+        dU = tl.dot(tl.trans(A), dO, input_precision=PRECISION)
+        dU += tl.dot(k, dE, input_precision=PRECISION) * g_out[:, None]
+        dV = tl.dot(tl.trans(A), dU, input_precision=PRECISION)
+        dV += tl.dot(k, dP, input_precision=PRECISION) * g_out[:, None]
+        dS = tl.dot(dO, tl.trans(U), input_precision=PRECISION)
+        dS += tl.dot(dU, tl.trans(v), input_precision=PRECISION)
+        dS = dS * weights
+        dQ = tl.dot(dO, tl.trans(E0), input_precision=PRECISION)
+        dQ += tl.dot(dU, tl.trans(P0), input_precision=PRECISION)
+        dQ = dQ * g_in[:, None] + tl.dot(dS, k, input_precision=PRECISION)
+        dK = tl.dot(v, tl.trans(dP), input_precision=PRECISION)
+        dK += tl.dot(U, tl.trans(dE), input_precision=PRECISION)
+        dK = dK * g_out[:, None] + tl.dot(tl.trans(dS), q, input_precision=PRECISION)
+        part = (((pid_v * B + b) * T + t[:, None]) * H + h) * D + dk[None, :]
+        tl.store(DQ + part, dQ, mask=qk_ok)
+        tl.store(DK + part, dK, mask=qk_ok)
+        tl.store(DVAL + ((b * T + t[:, None]) * H + h) * DV + cols[None, :], dV,
+                 mask=t_ok[:, None] & (cols < DV)[None, :])
+        dE = dE * g_n + tl.dot(tl.trans(q), dO * g_in[:, None], input_precision=PRECISION)
+        dP = dP * g_n + tl.dot(tl.trans(q), dU * g_in[:, None], input_precision=PRECISION)
+    tl.store(DP0 + state, dP, mask=state_ok)
+    tl.store(DE0 + state, dE, mask=state_ok)
+
+
+def backward(q, k, v, decay, P_starts, E_starts, grad_out, grad_P, grad_E, normalize: bool,
+             plan: AHLA2Plan):
+    """(dq, dk, dv, dP0, dE0) of ahla2's packed forward: dq, dk, dv in the inputs' dtypes,
+    the start states' gradients in the states' dtype. grad_P / grad_E may be None (zeros)."""
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    width = Dv + normalize
+    dtype = P_starts.dtype
+    NT = P_starts.shape[1]
+    blocks = triton.cdiv(width, plan.block_v)
+    zeros = torch.zeros(B, H, D, width, dtype=dtype, device=q.device)
+    grad_P = zeros if grad_P is None else grad_P.to(dtype).contiguous()
+    grad_E = zeros if grad_E is None else grad_E.to(dtype).contiguous()
+    grad_out = grad_out.to(dtype).contiguous()
+    dq_parts = torch.empty(blocks, B, T, H, D, dtype=dtype, device=q.device)
+    dk_parts = torch.empty_like(dq_parts)
+    dv = torch.empty(B, T, H, Dv, dtype=dtype, device=q.device)
+    dP0, dE0 = torch.empty_like(zeros), torch.empty_like(zeros)
+    log_g = log_decay(decay, dtype)
+    ahla2_backward_kernel[(blocks, B * H)](
+        q, k, v, log_g if log_g is not None else zeros, P_starts, E_starts, grad_out, grad_P,
+        grad_E, dq_parts, dk_parts, dv, dP0, dE0, B, T, H, D, Dv, width, NT,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        C=plan.chunk, BD=plan.block_d, BV=plan.block_v, NT_BOUND=triton.next_power_of_2(NT),
+        NORMALIZE=normalize, HAS_DECAY=decay is not None, PRECISION=precision(q.dtype),
+        num_warps=plan.warps)
+    return (dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype), dv.to(v.dtype), dP0, dE0)
