@@ -3,9 +3,10 @@ without a GPU (the method of hla2_resources.py, whose compile and read-out it us
 
     python benchmarks/family_resources.py [--head-dims 64,128,256] [--yaml out.yaml]
 
-Each kernel launch of one bf16 forward (T = 4096, normalized; ahla2's with its backward)
-and one decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a (hla3 up to 128); an H100 / H200 SM has 65,536
-registers and 228 KiB of shared memory (227 KiB for one program).
+Each kernel launch of one bf16 forward (T = 4096, normalized) with its backward and one
+decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a
+(hla3 up to 128); an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
+(227 KiB for one program).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from mixers.hla.ahla2.triton import backward as ahla2_backward
 from mixers.hla.ahla2.triton import decode as ahla2_decode
 from mixers.hla.ahla2.triton import forward as ahla2_forward
 from mixers.hla.hla3 import hla3, hla3_step
+from mixers.hla.hla3.triton import backward as hla3_backward
 from mixers.hla.hla3.triton import decode as hla3_decode
 from mixers.hla.hla3.triton import forward as hla3_forward
 
 # (module, kernel name): every kernel of the family
 KERNELS = [(ahla2_forward, "ahla2_forward_kernel"), (ahla2_backward, "ahla2_backward_kernel"),
            (ahla2_decode, "ahla2_step_kernel"),
-           (hla3_forward, "hla3_forward_kernel"), (hla3_decode, "hla3_step_kernel")]
+           (hla3_forward, "hla3_forward_kernel"), (hla3_backward, "hla3_backward_kernel"),
+           (hla3_decode, "hla3_step_kernel")]
 
 
 def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
@@ -51,9 +54,10 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
     try:
         q, k, v = (torch.randn(1, T, H, D, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        ahla2(q, k, v, impl="triton", normalize=True)[0].sum().backward()
-        q, k, v = (x.detach() for x in (q, k, v))
         # hla3's kernels take key dims up to 128 (mixers/hla/hla3/triton/plan.py)
+        for op in (ahla2, hla3)[:1 if D > 128 else 2]:
+            op(q, k, v, impl="triton", normalize=True)[0].sum().backward()
+        q, k, v = (x.detach() for x in (q, k, v))
         for op, step in ((ahla2, ahla2_step), (hla3, hla3_step))[:1 if D > 128 else 2]:
             op(q, k, v, impl="triton", normalize=True)
             step(q[:, 0], k[:, 0], v[:, 0], None, impl="triton", normalize=True)

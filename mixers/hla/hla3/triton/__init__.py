@@ -5,9 +5,12 @@ differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`
 
   plan.py     HLA3Plan, plan_launch (what is supported: ahla2's rule)
   forward.py  the forward: one program per (value block, batch x head) walks the chunks
-              carrying S^K and its columns of (P, F); d x d moments only, no d^3 maps
-  chunked.py  hla3_triton_packed, the forward as an autograd op (backward recomputed
-              through the PyTorch chunk form)
+              carrying S^K and its columns of (P, F); d x d moments only, no d^3 maps;
+              keeps each chunk's start states for the backward
+  backward.py the backward: the same programs walk the chunks in reverse carrying the
+              gradients of (S^K, P, F) (key dims up to 64)
+  chunked.py  hla3_triton_packed, the two as an autograd op (above key dim 64 the
+              backward recomputes through the PyTorch chunk form)
   decode.py   the decode step
 
 Supported: any T, key head dims up to 128 and value head dims up to 256 (any size, D and

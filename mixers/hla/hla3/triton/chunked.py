@@ -1,9 +1,10 @@
-"""hla3_triton_packed: the causal forward kernel as a differentiable op.
-
-The backward recomputes the outputs and final states through the PyTorch chunk form
-(mixers/hla/hla3/chunk.py) and differentiates that: exact gradients, at the cost of a
-second forward in PyTorch. (A fused backward kernel is not written yet.)
-"""
+"""hla3_triton_packed: the causal forward and backward kernels as one differentiable op.
+The forward keeps every chunk's start states when a gradient will be asked for
+(`[B * H, NT, D, D]` for S^K, `[B * H, NT, D, Dv(+1)]` for P and F, in the compute dtype);
+the backward kernel reads them. Above key dim 64 (FUSED_BACKWARD_MAX_KEY_DIM) a backward
+program would need more than an SM's 227 KiB of shared memory on sm_90a (it holds S0 and
+dS, d x d, with the chunk's products), so there the backward recomputes the forward through
+the PyTorch chunk form and differentiates it (exact, at the cost of a second forward)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import torch
 
 from mixers.hla.ahla2.state import to_heads_first
 from mixers.hla.hla3.chunk import hla3_chunk
+from mixers.hla.hla3.triton.backward import backward as triton_backward
 from mixers.hla.hla3.triton.forward import forward as triton_forward
 from mixers.hla.hla3.triton.plan import HLA3Plan, plan_launch
+
+
+FUSED_BACKWARD_MAX_KEY_DIM = 64
 
 
 def plan_call(q, v, normalize: bool, dtype: torch.dtype, chunk_size: int) -> HLA3Plan:
@@ -27,28 +32,42 @@ class _HLA3Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, S0, P0, F0, normalize, chunk_size):
         plan = plan_call(q, v, normalize, q.dtype, chunk_size)
-        inputs = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
-        results = triton_forward(*inputs, S0, P0, F0, normalize, plan)
-        ctx.save_for_backward(q, k, v, S0, P0, F0)
-        ctx.normalize, ctx.chunk = normalize, plan.chunk
-        return results
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        ctx.fused = q.shape[-1] <= FUSED_BACKWARD_MAX_KEY_DIM
+        keep = any(ctx.needs_input_grad[:6]) and ctx.fused
+        out, S1, P1, F1, *starts = triton_forward(q, k, v, S0, P0, F0, normalize, plan,
+                                                  keep_states=keep)
+        if keep:
+            ctx.save_for_backward(q, k, v, *starts)
+        elif any(ctx.needs_input_grad[:6]):
+            ctx.save_for_backward(q, k, v, S0, P0, F0)
+        ctx.normalize, ctx.plan = normalize, plan
+        return out, S1, P1, F1
 
     @staticmethod
     def backward(ctx, grad_out, grad_S, grad_P, grad_F):
-        saved = ctx.saved_tensors
-        dtype = saved[4].dtype
-        leaves = [x.detach().requires_grad_(need)
-                  for x, need in zip(saved, ctx.needs_input_grad[:6])]
-        with torch.enable_grad():
-            qh, kh = to_heads_first(leaves[0], dtype), to_heads_first(leaves[1], dtype)
-            vh = to_heads_first(leaves[2], dtype, ones_column=ctx.normalize)
-            out, finals = hla3_chunk(qh, kh, vh, tuple(leaves[3:]), ctx.chunk)
-            pairs = zip((out.transpose(1, 2), *finals), (grad_out, grad_S, grad_P, grad_F))
-            outputs, grads = zip(*[(o, g) for o, g in pairs if g is not None])
-            wanted = [x for x in leaves if x.requires_grad]
-            found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
-                         if wanted else ())
-        return (*(next(found) if x.requires_grad else None for x in leaves), None, None)
+        grads = (grad_out, grad_S, grad_P, grad_F)
+        if ctx.fused:
+            q, k, v, *starts = ctx.saved_tensors
+            return (*triton_backward(q, k, v, starts, grads, ctx.normalize, ctx.plan),
+                    None, None)
+        return (*_recomputed_backward(ctx, grads), None, None)
+
+
+def _recomputed_backward(ctx, grads) -> tuple:
+    """Gradients of the saved inputs through the PyTorch chunk form of the same forward."""
+    saved = ctx.saved_tensors
+    dtype = saved[4].dtype
+    leaves = [x.detach().requires_grad_(need) for x, need in zip(saved, ctx.needs_input_grad)]
+    with torch.enable_grad():
+        qh, kh = to_heads_first(leaves[0], dtype), to_heads_first(leaves[1], dtype)
+        vh = to_heads_first(leaves[2], dtype, ones_column=ctx.normalize)
+        out, finals = hla3_chunk(qh, kh, vh, tuple(leaves[3:]), ctx.plan.chunk)
+        pairs = [(o, g) for o, g in zip((out.transpose(1, 2), *finals), grads) if g is not None]
+        wanted = [x for x in leaves if x.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                         allow_unused=True))
+    return tuple(next(found) if x.requires_grad else None for x in leaves)
 
 
 def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64):

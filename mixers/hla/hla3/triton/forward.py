@@ -25,12 +25,13 @@ from mixers.hla.hla3.triton.plan import HLA3Plan
 
 
 @triton.jit
-def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, T, H, D, DV, DVP,
+def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D, DV, DVP,
+                        NT,
                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_vb, stride_vt, stride_vh,
                         C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                         NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        STORE_STATES: tl.constexpr, PRECISION: tl.constexpr):
     pid_v = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -51,6 +52,12 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, T, H, D, DV, DVP,
     for chunk in range(NT_BOUND):
         t = chunk * C + rows
         t_ok = t < T
+        if STORE_STATES:  # each chunk's start states, for the backward
+            at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]
+            tl.store(PS + at, P, mask=state_ok & (chunk < NT))
+            tl.store(FS + at, F, mask=state_ok & (chunk < NT))
+            tl.store(SS + (bh * NT + chunk) * D * D + dk[:, None] * D + dk[None, :], S,
+                     mask=moment_ok & (chunk < NT) & (pid_v == 0))
         q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
         k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
@@ -80,21 +87,29 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, T, H, D, DV, DVP,
     tl.store(F1 + state, F, mask=state_ok)
 
 
-def forward(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan):
+def forward(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan, keep_states: bool = False):
     """Packed outputs `[B, T, H, Dv(+1)]` and final (S, P, F), in P0's dtype, from
-    `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states."""
+    `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states; with `keep_states`
+    also every chunk's start states `[B * H, NT, D, D | Dv(+1)]` (else None)."""
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     width = Dv + normalize
+    NT = triton.cdiv(T, plan.chunk)
     S0, P0, F0 = S0.contiguous(), P0.contiguous(), F0.contiguous()
     out = torch.empty(B, T, H, width, dtype=P0.dtype, device=q.device)
     S1, P1, F1 = torch.empty_like(S0), torch.empty_like(P0), torch.empty_like(F0)
+    starts = [None] * 3
+    if keep_states:
+        starts = [torch.empty(B * H, NT, D, n, dtype=P0.dtype, device=q.device)
+                  for n in (D, width, width)]
     grid = (triton.cdiv(width, plan.block_v), B * H)
     hla3_forward_kernel[grid](
-        q, k, v, S0, P0, F0, out, S1, P1, F1, T, H, D, Dv, width,
+        q, k, v, S0, P0, F0, out, S1, P1, F1,
+        *(start if keep_states else final for start, final in zip(starts, (S1, P1, F1))),
+        T, H, D, Dv, width, NT,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        C=plan.chunk, BD=plan.block_d, BV=plan.block_v,
-        NT_BOUND=triton.next_power_of_2(triton.cdiv(T, plan.chunk)), NORMALIZE=normalize,
-        PRECISION=precision(q.dtype), num_warps=plan.warps)
-    return out, S1, P1, F1
+        C=plan.chunk, BD=plan.block_d, BV=plan.block_v, NT_BOUND=triton.next_power_of_2(NT),
+        NORMALIZE=normalize, STORE_STATES=keep_states, PRECISION=precision(q.dtype),
+        num_warps=plan.warps)
+    return (out, S1, P1, F1, *starts)
