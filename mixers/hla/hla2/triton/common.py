@@ -21,8 +21,6 @@ Normalize (NORMALIZE) is the same form on a ones value column (E V = e): its X, 
 columns are [D] vectors carried next to the matrices in the same kernels, and the output
 kernel divides by it. Its matrix-vector products are fp32 sums, not dots on 16 equal
 columns: Triton 3.6 compiles such dots into out-of-bounds shared-memory reads on Hopper.
-The output kernel sums den's rows of the mixing matrix in fp32 before rounding the matrix
-to the input dtype (den's terms cancel).
 
 Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16

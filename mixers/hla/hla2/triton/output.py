@@ -81,14 +81,12 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
                             0.0).to(dt)
             b_mp = tl.dot(b_qs, tl.trans(b_qp), input_precision=PREC)
             b_mp += tl.dot(b_xd, tl.trans(b_wp), input_precision=PREC)
-            b_mp = b_mp * dm_p
-            if NORMALIZE:  # fp32 row sums: the terms of den cancel
-                b_den += tl.sum(b_mp, axis=1)
-            b_o += tl.dot(b_mp.to(dt), b_vp, input_precision=PREC)
-    b_m = tl.where(causal, b_m * dm, 0.0)
-    if NORMALIZE:  # fp32 row sums: the terms of den cancel
-        b_den += tl.sum(b_m, axis=1)
-    b_o += tl.dot(b_m.to(dt), b_v, input_precision=PREC)
+            b_mp = (b_mp * dm_p).to(dt)
+            b_o += tl.dot(b_mp, b_vp, input_precision=PREC)
+            if NORMALIZE:
+                b_den += tl.sum(b_mp.to(tl.float32), axis=1)
+    b_m = tl.where(causal, b_m * dm, 0.0).to(dt)
+    b_o += tl.dot(b_m, b_v, input_precision=PREC)
     if LATE_STATES:
         b_a = tl.load(a_buf + base * D * DV + _mat_offsets(rd, rv, DV)).to(dt)
         b_o += tl.dot(b_q, b_a, input_precision=PREC) * (b * b)[:, None]
@@ -96,6 +94,7 @@ def chunk_output_kernel(q, k, v, log2g, s_buf, a_buf, an_buf, o, den, eps, T, NT
     if NORMALIZE:  # the same form on a ones column, with a0
         b_an = tl.load(an_buf + base * D + rd)
         b_den += tl.sum(b_q.to(tl.float32) * b_an[None, :], axis=1) * (b * b)
+        b_den += tl.sum(b_m.to(tl.float32), axis=1)
         b_o = b_o / (b_den + eps)[:, None]
         if i_v == 0:
             tl.store(den + ((i_b * T + t).to(tl.int64) * H + i_h), b_den, mask=t < T)
