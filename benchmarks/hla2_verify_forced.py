@@ -14,6 +14,12 @@ plan that takes those paths from --from-chunk tokens per chunk on, at verify's h
 scan). Natively in bf16 the output kernel with late state loads makes an illegal memory
 access there, which is why the default plan keeps the paths at head dim 128. Exit code 1
 when a check fails.
+
+    python benchmarks/hla2_verify_forced.py --normalize-precision [--yaml out.yaml]
+
+checks instead normalize's outputs on the default plan in bf16 at T up to 65,536 and head
+dims 16 to 128 (verify's positive features, one batch row, two heads): the max-abs error
+against the PyTorch chunk form in float64 on the same rounded inputs must stay within 1e-2.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import yaml
 
 from hla_bench import registry, verify
 from mixers.hla.common import check_decay
+from mixers.hla.hla2 import hla2
 from mixers.hla.hla2.triton import hla2_triton, plan_call
 from mixers.reference import relative_error
 
@@ -78,6 +85,33 @@ def run_case(case, *, from_chunk, chunk_size, seed, seq_len, dtype_name, device)
     return rows
 
 
+PRECISION_LENGTHS = (1100, 4096, 16384, 65536)
+PRECISION_DIMS = (16, 32, 64, 128)
+PRECISION_TOLERANCE = 1e-2
+
+
+def normalize_precision_rows(device, seed):
+    """Rows (option, pair, error, tolerance, status) of normalize's max-abs error in bf16."""
+    rows = []
+    for D in PRECISION_DIMS:
+        for T in PRECISION_LENGTHS:
+            gen = torch.Generator().manual_seed(seed)
+            q, k = (torch.randn(1, T, 2, D, generator=gen).abs() / D ** 0.5 for _ in "qk")
+            v = torch.randn(1, T, 2, D, generator=gen)
+            q, k, v = (x.to(device, torch.bfloat16) for x in (q, k, v))
+            with torch.no_grad():
+                o, _ = hla2_triton(q, k, v, normalize=True, eps=1e-6)
+                want, _ = hla2(*(x.double() for x in (q, k, v)), normalize=True, eps=1e-6,
+                               impl="chunk")
+            error = (o.double() - want).abs().max().item()
+            rows.append({"option": f"normalize D={D} T={T}", "pair": "bf16 max-abs vs float64",
+                         "error": error, "tolerance": PRECISION_TOLERANCE,
+                         "status": "pass" if error <= PRECISION_TOLERANCE else "FAIL"})
+            print(f"{rows[-1]['option']:40s} {rows[-1]['pair']:34s} {error:9.2e} "
+                  f"{rows[-1]['status']}")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--from-chunk", type=int, default=16,
@@ -88,19 +122,27 @@ def main():
                         help="cpu: under TRITON_INTERPRET=1 (bfloat16 is not interpreted)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--normalize-precision", action="store_true",
+                        help="check normalize's bf16 max-abs error up to T = 65536 instead")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here (--device cpu runs under TRITON_INTERPRET=1)")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--device cpu needs TRITON_INTERPRET=1")
-    masked = [case for case in verify.cases("cuda") if case.mixer == "hla2"
-              and "triton" in case.forms and not case.options.get("ridge")
-              and case.options.get("decay_form", "masked") == "masked"]
-    rows = [row for case in masked
-            for row in run_case(case, from_chunk=args.from_chunk, chunk_size=args.chunk_size,
-                                seed=args.seed, seq_len=args.seq_len, dtype_name=args.dtype,
-                                device=args.device)]
+    if args.normalize_precision and args.device == "cpu":
+        parser.error("--normalize-precision runs in bf16, which is not interpreted")
+    if args.normalize_precision:
+        rows = normalize_precision_rows(args.device, args.seed)
+    else:
+        masked = [case for case in verify.cases("cuda") if case.mixer == "hla2"
+                  and "triton" in case.forms and not case.options.get("ridge")
+                  and case.options.get("decay_form", "masked") == "masked"]
+        rows = [row for case in masked
+                for row in run_case(case, from_chunk=args.from_chunk,
+                                    chunk_size=args.chunk_size, seed=args.seed,
+                                    seq_len=args.seq_len, dtype_name=args.dtype,
+                                    device=args.device)]
     if args.yaml:
         with open(args.yaml, "w") as f:
             yaml.safe_dump({"command": " ".join(sys.argv[1:]), "rows": rows}, f,
