@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.ahla2.triton.forward import log_decay, precision
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
 
@@ -32,18 +33,10 @@ def ahla2_backward_kernel(Q, K, V, LOG_G, PS, ES, DO, DP1, DE1, DQ, DK, DVAL, DP
                           C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                           NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
                           HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    acc = PS.dtype.element_ty
+    acc: tl.constexpr = PS.dtype.element_ty
     rows = tl.arange(0, C)
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
-    d_ok = dk < D
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     c_ok = cols < DVP
-    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
-    state_ok = d_ok[:, None] & c_ok[None, :]
     dP = tl.load(DP1 + state, mask=state_ok, other=0.0).to(acc)
     dE = tl.load(DE1 + state, mask=state_ok, other=0.0).to(acc)
     log_g = 0.0
@@ -56,14 +49,10 @@ def ahla2_backward_kernel(Q, K, V, LOG_G, PS, ES, DO, DP1, DE1, DQ, DK, DVAL, DP
         t = start + rows
         t_ok = t < T
         qk_ok = t_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
-                    mask=qk_ok, other=0.0).to(acc)
-        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                    mask=qk_ok, other=0.0).to(acc)
-        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
-                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
-        if NORMALIZE:
-            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
+        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
+                        acc)
         out_at = ((b * T + t[:, None]) * H + h) * DVP + cols[None, :]
         dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
         at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]

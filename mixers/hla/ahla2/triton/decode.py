@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
 
 
@@ -18,16 +19,8 @@ def ahla2_step_kernel(Q, K, V, G, P0, E0, O, P1, E1, H, D, DV, DVP,
                       stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                       BD: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr,
                       HAS_DECAY: tl.constexpr):
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    acc = O.dtype.element_ty
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
-    d_ok = dk < D
-    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
-    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
+    acc: tl.constexpr = O.dtype.element_ty
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     q = tl.load(Q + b * stride_qb + h * stride_qh + dk, mask=d_ok, other=0.0).to(acc)
     k = tl.load(K + b * stride_kb + h * stride_kh + dk, mask=d_ok, other=0.0).to(acc)
     v = tl.load(V + b * stride_vb + h * stride_vh + cols, mask=cols < DV, other=0.0).to(acc)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
 
 
@@ -33,17 +34,9 @@ def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, PS, ES, T, H, D, DV,
                          NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
                          HAS_DECAY: tl.constexpr, STORE_STATES: tl.constexpr,
                          PRECISION: tl.constexpr):
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    acc = O.dtype.element_ty
+    acc: tl.constexpr = O.dtype.element_ty
     rows = tl.arange(0, C)
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
-    d_ok = dk < D
-    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
-    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
     E = tl.load(E0 + state, mask=state_ok, other=0.0).to(acc)
     log_g = 0.0
@@ -58,14 +51,10 @@ def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, PS, ES, T, H, D, DV,
             tl.store(PS + at, P, mask=state_ok & (chunk < NT))
             tl.store(ES + at, E, mask=state_ok & (chunk < NT))
         t_ok = t < T
-        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
-                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
-        if NORMALIZE:  # the denominator: a column of ones after the values
-            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, t_ok[:, None] & d_ok[None, :], acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, t_ok[:, None] & d_ok[None, :], acc)
+        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
+                        acc)
         A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if HAS_DECAY:
             gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)

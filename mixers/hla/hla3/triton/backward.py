@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.ahla2.triton.forward import precision
 from mixers.hla.hla3.triton.plan import HLA3Plan
 
@@ -34,20 +35,12 @@ def hla3_backward_kernel(Q, K, V, SS, PS, FS, DO, DS1, DP1, DF1, DQ, DK, DVAL, D
                          C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                          NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
                          PRECISION: tl.constexpr):
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    acc = PS.dtype.element_ty
+    acc: tl.constexpr = PS.dtype.element_ty
     rows = tl.arange(0, C)
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
-    d_ok = dk < D
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     c_ok = cols < DVP
     moment = bh * D * D + dk[:, None] * D + dk[None, :]
     moment_ok = d_ok[:, None] & d_ok[None, :]
-    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
-    state_ok = d_ok[:, None] & c_ok[None, :]
     dS = tl.load(DS1 + moment, mask=moment_ok & (pid_v == 0), other=0.0).to(acc)
     dP = tl.load(DP1 + state, mask=state_ok, other=0.0).to(acc)
     dF = tl.load(DF1 + state, mask=state_ok, other=0.0).to(acc)
@@ -57,14 +50,10 @@ def hla3_backward_kernel(Q, K, V, SS, PS, FS, DO, DS1, DP1, DF1, DQ, DK, DVAL, D
         t = chunk * C + rows
         t_ok = t < T
         qk_ok = t_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
-                    mask=qk_ok, other=0.0).to(acc)
-        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                    mask=qk_ok, other=0.0).to(acc)
-        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
-                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
-        if NORMALIZE:
-            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
+        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
+                        acc)
         dO = tl.load(DO + ((b * T + t[:, None]) * H + h) * DVP + cols[None, :],
                      mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
         at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.hla3.triton.plan import HLA3Plan
 
 
@@ -15,18 +16,10 @@ from mixers.hla.hla3.triton.plan import HLA3Plan
 def hla3_step_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, H, D, DV, DVP,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      BD: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    acc = O.dtype.element_ty
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
-    d_ok = dk < D
+    acc: tl.constexpr = O.dtype.element_ty
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     moment = bh * D * D + dk[:, None] * D + dk[None, :]
     moment_ok = d_ok[:, None] & d_ok[None, :]
-    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
-    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
     q = tl.load(Q + b * stride_qb + h * stride_qh + dk, mask=d_ok, other=0.0).to(acc)
     k = tl.load(K + b * stride_kb + h * stride_kh + dk, mask=d_ok, other=0.0).to(acc)
     v = tl.load(V + b * stride_vb + h * stride_vh + cols, mask=cols < DV, other=0.0).to(acc)

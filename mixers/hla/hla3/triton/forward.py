@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.ahla2.triton.forward import precision
 from mixers.hla.hla3.triton.plan import HLA3Plan
 
@@ -32,19 +33,11 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D,
                         C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                         NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
                         STORE_STATES: tl.constexpr, PRECISION: tl.constexpr):
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    acc = O.dtype.element_ty
+    acc: tl.constexpr = O.dtype.element_ty
     rows = tl.arange(0, C)
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
-    d_ok = dk < D
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     moment = bh * D * D + dk[:, None] * D + dk[None, :]
     moment_ok = d_ok[:, None] & d_ok[None, :]
-    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
-    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
     S = tl.load(S0 + moment, mask=moment_ok, other=0.0).to(acc)
     P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
     F = tl.load(F0 + state, mask=state_ok, other=0.0).to(acc)
@@ -58,14 +51,10 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D,
             tl.store(FS + at, F, mask=state_ok & (chunk < NT))
             tl.store(SS + (bh * NT + chunk) * D * D + dk[:, None] * D + dk[None, :], S,
                      mask=moment_ok & (chunk < NT) & (pid_v == 0))
-        q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h * stride_qh + dk[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-        k = tl.load(K + b * stride_kb + t[:, None] * stride_kt + h * stride_kh + dk[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(acc)
-        v = tl.load(V + b * stride_vb + t[:, None] * stride_vt + h * stride_vh + cols[None, :],
-                    mask=t_ok[:, None] & (cols < DV)[None, :], other=0.0).to(acc)
-        if NORMALIZE:  # the denominator: a column of ones after the values
-            v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, t_ok[:, None] & d_ok[None, :], acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, t_ok[:, None] & d_ok[None, :], acc)
+        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
+                        acc)
         A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         LA = tl.where(causal, A, 0.0).to(acc)
         r = tl.dot(q, P, input_precision=PRECISION) + tl.dot(LA, v, input_precision=PRECISION)

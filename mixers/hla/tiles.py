@@ -1,0 +1,42 @@
+"""Tiles the ahla2 and hla3 Triton kernels share: a program's block of value columns and
+the masked loads of token rows. A program is (value block, batch x head): grid axis 0 the
+block of BV packed value columns, axis 1 the batch row times heads plus head."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def value_block(H, D, DVP, BD: tl.constexpr, BV: tl.constexpr):
+    """(value block, b, h, b x H + h, key index, value columns, key index < D, offsets of
+    this program's columns of a `[B, H, D, DVP]` state, their mask)."""
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    dk = tl.arange(0, BD)
+    cols = pid_v * BV + tl.arange(0, BV)
+    d_ok = dk < D
+    state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
+    state_ok = d_ok[:, None] & (cols < DVP)[None, :]
+    return pid_v, bh // H, bh % H, bh, dk, cols, d_ok, state, state_ok
+
+
+@triton.jit
+def load_rows(X, b, t, h, stride_b, stride_t, stride_h, index, mask, acc: tl.constexpr):
+    """Rows t of head h of a `[B, T, H, X]` tensor (last dim contiguous) at columns `index`,
+    zero where masked, in `acc`."""
+    at = b * stride_b + t[:, None] * stride_t + h * stride_h + index[None, :]
+    return tl.load(X + at, mask=mask, other=0.0).to(acc)
+
+
+@triton.jit
+def load_values(V, b, t, h, stride_b, stride_t, stride_h, cols, t_ok, DV,
+                NORMALIZE: tl.constexpr, acc: tl.constexpr):
+    """Packed value rows: the values at columns < DV and, when normalized, the column of
+    ones of the denominator at DV (zero on rows past T)."""
+    v = load_rows(V, b, t, h, stride_b, stride_t, stride_h, cols,
+                  t_ok[:, None] & (cols < DV)[None, :], acc)
+    if NORMALIZE:
+        v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
+    return v
