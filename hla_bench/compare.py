@@ -39,8 +39,8 @@ import numpy as np
 from rich.table import Table
 
 from hla_bench.engine.config import format_seq_len
-from hla_bench.plots import pyplot_for, save_figure
-from hla_bench.report import STATUS_LABELS, _format_value, seq_len_axis
+from hla_bench.plots import pyplot_for, save_figure, seq_len_axis
+from hla_bench.tables import STATUS_LABELS, format_value
 
 ALPHA = 0.01
 BOOTSTRAP_DRAWS = 2000
@@ -313,7 +313,7 @@ def _verdict(row: dict[str, Any]) -> str:
 def _cells(row: dict[str, Any]) -> list[str]:
     """The comparison row as the table shows it, in COLUMNS order."""
     def time(ms: float | None, status: str) -> str:
-        return _format_value("time", ms) if ms is not None else STATUS_LABELS.get(status, status)
+        return format_value("time", ms) if ms is not None else STATUS_LABELS.get(status, status)
 
     sweep = row["sweep"] if row["sweep"] == row["old_sweep"] else f"{row['old_sweep']}->{row['sweep']}"
     mixer = row["mixer"] if row["mixer"] == row["old_mixer"] else f"{row['old_mixer']}->{row['mixer']}"

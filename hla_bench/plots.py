@@ -1,9 +1,12 @@
-"""What every plot of the report shares: the formats, a headless pyplot, saving a figure."""
+"""What every plot of the report shares: the formats, a headless pyplot, the sequence-length
+axis, saving a figure."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+from hla_bench.engine.config import format_seq_len
 
 PLOT_FORMATS = ("png", "svg", "pdf")
 
@@ -31,3 +34,13 @@ def pyplot_for(out_dir: str | Path, fmt: str) -> tuple[Any, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return plt, out_dir
+
+
+def seq_len_axis(ax: Any, seq_lens: Iterable[int]) -> None:
+    """A log2 x axis ticked at each sequence length, labelled as configs write them."""
+    import matplotlib.ticker
+
+    seq_lens = sorted(seq_lens)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())

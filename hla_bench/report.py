@@ -22,9 +22,9 @@ from rich.table import Table
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
-from hla_bench.plots import PLOT_FORMATS, pyplot_for, save_figure
+from hla_bench.plots import PLOT_FORMATS, pyplot_for, save_figure, seq_len_axis
 from hla_bench.recall_report import render_recall
-from hla_bench.tables import fit, pack, print_table, wrap
+from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
@@ -33,28 +33,9 @@ METRICS = {
     "tflops": ("tflops", "TFLOP/s", True),
     "state": ("state_bytes", "state held (KV cache or fixed state)", False),
 }
-STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsupported": "—",
-                 "timeout": "timeout"}
-
-
 def _format_ratio(ratio: float) -> str:
     """Two decimals, or two significant digits below 0.1 (a 200x gap is not `0.00x`)."""
     return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
-
-
-def _format_value(metric: str, value: float) -> str:
-    if metric in ("memory", "state"):
-        return format_bytes(value)
-    if metric == "tflops":
-        return f"{value:.3g}"
-    return f"{value:.3f}" if value < 10 else f"{value:,.1f}"
-
-
-def format_bytes(value: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if value >= size:
-            return f"{value / size:.1f} {unit}"
-    return f"{value:.0f} B"
 
 
 SPREAD_LIMIT = 0.10  # a time whose spread exceeds this share of its median is flagged
@@ -141,7 +122,7 @@ def bench_cells(points: list[dict[str, Any]], metric: str = "time",
             elif value is None:
                 cells.append(STATUS_LABELS.get(point["status"], point["status"]))
             else:
-                text = _format_value(metric, value)
+                text = format_value(metric, value)
                 if base and label != baseline:
                     text += f" ({_format_ratio(value / base)})"
                 wide = spread(point)[0] if metric == "time" else None
@@ -306,16 +287,6 @@ def _batch_label(points: list[dict[str, Any]]) -> str:
     return "sequence length T (batch per T in the tables)"
 
 
-
-
-def seq_len_axis(ax: Any, seq_lens: Iterable[int]) -> None:
-    """A log2 x axis ticked at each sequence length, labelled as configs write them."""
-    import matplotlib.ticker
-
-    seq_lens = sorted(seq_lens)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(seq_lens, [format_seq_len(t) for t in seq_lens])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
 
 
 def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> list[Path]:

@@ -1,4 +1,5 @@
-"""Terminal tables that never cut an identifier, at any width, piped or not.
+"""Terminal tables that never cut an identifier, at any width, piped or not, and the cell
+values (times, bytes, statuses) the report's tables and comparisons show.
 
 A rich table squeezed into fewer columns than it needs breaks or ellipsizes its cells.
 `fit` sizes a table's columns so that it fits the console width while every column keeps
@@ -120,3 +121,26 @@ def pack(items: list[str], width: int, sep: str = "  ", indent: str = "",
         line = f"{line}{sep}{item}" if line else (indent if not lines else indent + hang) + item
     lines.append(line)
     return lines
+
+
+# ---------------------------------------------------------------- cell values
+
+STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsupported": "—",
+                 "timeout": "timeout"}
+
+
+def format_value(metric: str, value: float) -> str:
+    """A time (ms), byte count or TFLOP/s figure as the tables show it."""
+    if metric in ("memory", "state"):
+        return format_bytes(value)
+    if metric == "tflops":
+        return f"{value:.3g}"
+    return f"{value:.3f}" if value < 10 else f"{value:,.1f}"
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in the largest binary unit that keeps the value at least 1."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"

@@ -7,7 +7,7 @@ import yaml
 from click.testing import CliRunner
 from rich.console import Console
 
-from hla_bench import report, results
+from hla_bench import report, results, tables
 from hla_bench.engine.runner import run_sweeps
 from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
 
@@ -97,7 +97,7 @@ def test_report_markdown_command(synthetic, tmp_path):
 
 
 def test_format_bytes():
-    assert [report.format_bytes(v) for v in (512, 2048, 3 * 2 ** 20, 1.5 * 2 ** 30)] == \
+    assert [tables.format_bytes(v) for v in (512, 2048, 3 * 2 ** 20, 1.5 * 2 ** 30)] == \
         ["512 B", "2.0 KiB", "3.0 MiB", "1.5 GiB"]
 
 
