@@ -8,21 +8,14 @@ import torch
 
 from mixers.hla.ahla2.triton.backward import backward as triton_backward
 from mixers.hla.ahla2.triton.forward import forward as triton_forward
-from mixers.hla.ahla2.triton.plan import AHLA2Plan, plan_launch
-
-
-def plan_call(q, v, normalize: bool, dtype: torch.dtype, chunk_size: int) -> AHLA2Plan:
-    """The default plan, at `chunk_size` where that is a power of two in [16, plan's chunk]."""
-    plan = plan_launch(q.shape[-1], v.shape[-1] + normalize, dtype)
-    if chunk_size in (16, 32, 64, 128) and chunk_size < plan.chunk:
-        plan = AHLA2Plan(chunk_size, plan.block_d, plan.block_v, plan.warps)
-    return plan
+from mixers.hla.ahla2.triton.plan import at_requested_chunk, plan_launch
 
 
 class _AHLA2Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, P0, E0, decay, normalize, chunk_size):
-        plan = plan_call(q, v, normalize, q.dtype, chunk_size)
+        plan = at_requested_chunk(plan_launch(q.shape[-1], v.shape[-1] + normalize, q.dtype),
+                                  chunk_size)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         keep = any(ctx.needs_input_grad[:5])
         out, P1, E1, P_starts, E_starts = triton_forward(q, k, v, P0, E0, decay, normalize,

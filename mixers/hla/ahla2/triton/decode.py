@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values, value_block
+from mixers.hla.tiles import value_block
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
 
 
@@ -52,7 +52,8 @@ def step(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan):
     P1, E1 = torch.empty_like(P0), torch.empty_like(E0)
     grid = (triton.cdiv(width, plan.block_v), B * H)
     ahla2_step_kernel[grid](
-        q, k, v, decay.contiguous() if decay is not None else P0, P0, E0, out, P1, E1, H, D, Dv, width,
+        q, k, v, decay.contiguous() if decay is not None else P0, P0, E0, out, P1, E1, H, D, Dv,
+        width,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         BD=plan.block_d, BV=plan.block_v, NORMALIZE=normalize, HAS_DECAY=decay is not None,
         num_warps=plan.warps)

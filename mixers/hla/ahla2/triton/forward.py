@@ -51,8 +51,9 @@ def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, PS, ES, T, H, D, DV,
             tl.store(PS + at, P, mask=state_ok & (chunk < NT))
             tl.store(ES + at, E, mask=state_ok & (chunk < NT))
         t_ok = t < T
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, t_ok[:, None] & d_ok[None, :], acc)
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, t_ok[:, None] & d_ok[None, :], acc)
+        qk_ok = t_ok[:, None] & d_ok[None, :]
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
         v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
                         acc)
         A = tl.dot(q, tl.trans(k), input_precision=PRECISION)

@@ -6,7 +6,7 @@ one is padded inside the kernels by masked loads and stores, never by copying th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,15 @@ def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> AHLA2Plan:
     block_v = min(block(packed_width), 64 if block_d <= 32 else 32 if block_d <= 128 else 16)
     return AHLA2Plan(chunk=chunk, block_d=block_d, block_v=block_v,
                      warps=4 if block_d <= 32 else 8)
+
+
+def at_requested_chunk(plan, chunk_size: int):
+    """`plan` (an AHLA2Plan or HLA3Plan) at the chunk a call asked for, where that is a
+    power of two in [16, 128] below the plan's own (the result does not depend on it, up to
+    rounding; a larger chunk than the plan's would not fit its programs)."""
+    if chunk_size in (16, 32, 64, 128) and chunk_size < plan.chunk:
+        return replace(plan, chunk=chunk_size)
+    return plan
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:

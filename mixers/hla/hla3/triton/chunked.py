@@ -11,27 +11,21 @@ from __future__ import annotations
 import torch
 
 from mixers.hla.ahla2.state import to_heads_first
+from mixers.hla.ahla2.triton.plan import at_requested_chunk
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.triton.backward import backward as triton_backward
 from mixers.hla.hla3.triton.forward import forward as triton_forward
-from mixers.hla.hla3.triton.plan import HLA3Plan, plan_launch
+from mixers.hla.hla3.triton.plan import plan_launch
 
 
 FUSED_BACKWARD_MAX_KEY_DIM = 64
 
 
-def plan_call(q, v, normalize: bool, dtype: torch.dtype, chunk_size: int) -> HLA3Plan:
-    """The default plan, at `chunk_size` where that is a power of two in [16, plan's chunk]."""
-    plan = plan_launch(q.shape[-1], v.shape[-1] + normalize, dtype)
-    if chunk_size in (16, 32, 64, 128) and chunk_size < plan.chunk:
-        plan = HLA3Plan(chunk_size, plan.block_d, plan.block_v, plan.warps)
-    return plan
-
-
 class _HLA3Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, S0, P0, F0, normalize, chunk_size):
-        plan = plan_call(q, v, normalize, q.dtype, chunk_size)
+        plan = at_requested_chunk(plan_launch(q.shape[-1], v.shape[-1] + normalize, q.dtype),
+                                  chunk_size)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         ctx.fused = q.shape[-1] <= FUSED_BACKWARD_MAX_KEY_DIM
         keep = any(ctx.needs_input_grad[:6]) and ctx.fused

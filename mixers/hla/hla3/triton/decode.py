@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values, value_block
+from mixers.hla.tiles import value_block
 from mixers.hla.hla3.triton.plan import HLA3Plan
 
 

@@ -51,8 +51,9 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D,
             tl.store(FS + at, F, mask=state_ok & (chunk < NT))
             tl.store(SS + (bh * NT + chunk) * D * D + dk[:, None] * D + dk[None, :], S,
                      mask=moment_ok & (chunk < NT) & (pid_v == 0))
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, t_ok[:, None] & d_ok[None, :], acc)
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, t_ok[:, None] & d_ok[None, :], acc)
+        qk_ok = t_ok[:, None] & d_ok[None, :]
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
         v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
                         acc)
         A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
