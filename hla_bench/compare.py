@@ -14,7 +14,9 @@ Per matched point (docs/comparing.md states the method):
 - p: two-sided Mann-Whitney U of the two sets of samples (exact without ties for small
   sizes, else the normal approximation with tie and continuity corrections), adjusted over
   the tested points by Benjamini-Hochberg;
-- significant: adjusted p below alpha and the interval excluding 1;
+- significant: adjusted p below alpha and the whole interval beyond a smallest change that
+  counts (min_change, default 2%: above the noise floor measured by running one sweep twice,
+  docs/comparing.md), so that hundreds of samples do not make a 0.5% drift "significant";
 - a point without samples on either side (files written before `samples_ms`) shows its
   median ratio, marked not tested, and is never significant;
 - memory: the ratio of peak_memory_bytes, listed when it moves by more than a tolerance;
@@ -46,6 +48,9 @@ ALPHA = 0.01
 BOOTSTRAP_DRAWS = 2000
 BOOTSTRAP_SEED = 0
 MEMORY_TOLERANCE = 0.05
+# The smallest time change a comparison calls significant (a fraction): the interval of the
+# ratio must lie wholly above 1 + MIN_CHANGE or below 1 - MIN_CHANGE.
+MIN_CHANGE = 0.02
 # Exact Mann-Whitney distribution (no ties) up to this many (old x new) sample pairs.
 EXACT_PAIRS = 2500
 SHAPE = ("seq_len", "batch", "heads", "head_dim", "value_dim", "dtype", "device")
@@ -191,11 +196,12 @@ def _time(point: dict[str, Any]) -> float | None:
 
 def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
             control: str | None = None, pattern: str | None = None,
-            memory_tolerance: float = MEMORY_TOLERANCE) -> dict[str, Any]:
+            memory_tolerance: float = MEMORY_TOLERANCE,
+            min_change: float = MIN_CHANGE) -> dict[str, Any]:
     """The comparison of two bench documents: {"rows": a dict per matched point (below),
     "only_old", "only_new", "by_sweep" (see `match`), "untested": rows without samples,
     "missing_control": rows whose control was not measured (ok in both files) at their
-    shape, "alpha", "control", "memory_tolerance"}.
+    shape, "alpha", "control", "memory_tolerance", "min_change"}.
 
     A row: sweep, old_sweep, mixer, old_mixer, mode, seq_len, batch, old_ms, new_ms,
     old_status, new_status, ratio (new / old median, over the control's ratio with
@@ -257,12 +263,13 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
     for row, q in zip(tested, adjust([row["p"] for row in tested])):
         row["q"] = q
         low, high = row["ci"]
-        row["significant"] = q < alpha and (low > 1 or high < 1)
+        row["significant"] = q < alpha and (low > 1 + min_change or high < 1 - min_change)
     untested = [row for row in rows
                 if not row["tested"] and row["ratio"] is not None and not row["is_control"]]
     return {"rows": rows, "only_old": matched["only_old"], "only_new": matched["only_new"],
             "by_sweep": matched["by_sweep"], "untested": untested, "missing_control": missing,
-            "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance}
+            "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance,
+            "min_change": min_change}
 
 
 def why(row: dict[str, Any]) -> str:
@@ -343,8 +350,8 @@ def caption(result: dict[str, Any]) -> str:
     return (f"ratio = new / old median time{versus} (above 1: slower); CI: {level:.0%} "
             f"bootstrap interval; p: Mann-Whitney U, Benjamini-Hochberg adjusted over "
             f"{sum(r['tested'] for r in result['rows'])} tested points; significant: "
-            f"p < {alpha:g} and CI excluding 1; memory: new / old peak, changed beyond "
-            f"±{result['memory_tolerance']:.0%}")
+            f"p < {alpha:g} and CI beyond ±{result['min_change']:.1%}; memory: new / old "
+            f"peak, changed beyond ±{result['memory_tolerance']:.0%}")
 
 
 def comparison_table(result: dict[str, Any], old_name: str, new_name: str) -> Table:

@@ -392,6 +392,10 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
 @click.option("--memory-tolerance", "memory_percent", type=float, metavar="PCT", default=5.0,
               show_default=True, callback=_percent,
               help="With --compare: peak memory changes within PCT percent are not listed.")
+@click.option("--min-change", "min_change_percent", type=float, metavar="PCT", default=2.0,
+              show_default=True, callback=_percent,
+              help="With --compare: a time change is significant only when its whole "
+                   "interval lies beyond ±PCT percent (above the method's noise floor).")
 @click.option("-k", "pattern", metavar="PATTERN",
               help="With --compare: only points whose mixer label, mixer name, sweep or mode "
                    "matches PATTERN (a glob; a plain word matches as a substring).")
@@ -404,8 +408,9 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
                    "takes no FILE.")
 def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_format: str,
            metric: str, baseline: str | None, control: str | None, alpha: float,
-           fail_percent: float | None, memory_percent: float, pattern: str | None,
-           markdown: bool, only: tuple[str, ...], index_dir: str | None) -> None:
+           fail_percent: float | None, memory_percent: float, min_change_percent: float,
+           pattern: str | None, markdown: bool, only: tuple[str, ...],
+           index_dir: str | None) -> None:
     """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots).
 
     With --index DIR, write the index of a results folder instead. Exit status: 0, 2 for
@@ -446,7 +451,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         failed = render_comparison(loaded, console, alpha=alpha, control=control,
                                    pattern=pattern, memory_tolerance=memory_percent / 100,
                                    fail_percent=fail_percent, markdown=markdown, plots=plots,
-                                   plot_format=plot_format)
+                                   plot_format=plot_format,
+                                   min_change=min_change_percent / 100)
         if failed:
             click.get_current_context().exit(1)
         return
@@ -474,7 +480,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
 def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Console,
                       alpha: float, control: str | None, pattern: str | None,
                       memory_tolerance: float, fail_percent: float | None, markdown: bool,
-                      plots: str | None, plot_format: str) -> bool:
+                      plots: str | None, plot_format: str,
+                      min_change: float) -> bool:
     """`report --compare`: the comparison of two loaded bench files (`hla_bench.compare`)
     as a table (plain lines where it does not fit; markdown with `markdown`), its summary,
     and its plots; True when `fail_percent` is given and some point fails it."""
@@ -484,7 +491,7 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
     names = Path(old_path).name, Path(new_path).name
     if names[0] == names[1]:
         names = old_path, new_path
-    result = compare.compare(old, new, alpha, control, pattern, memory_tolerance)
+    result = compare.compare(old, new, alpha, control, pattern, memory_tolerance, min_change)
     plain = {"markup": False, "highlight": False, "soft_wrap": True}
     if not result["rows"]:
         console.print("no points in common" + (f" matching -k {pattern}" if pattern else ""),

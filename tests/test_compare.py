@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +84,28 @@ def test_a_20_percent_slowdown_is_significant_and_the_same_distribution_is_not()
         assert same["ci"][0] < 1 < same["ci"][1]
     assert compare.regressions(result, 10) == [rows["a", 1024], rows["a", 4096]]
     assert compare.regressions(result, 30) == []
+
+
+def test_a_drift_below_the_smallest_change_is_not_significant():
+    """Hundreds of samples make a 1% drift statistically detectable; it is significant only
+    once the smallest change that counts (default 2%) is lowered below it."""
+    pair = _pair({"a": 1.0}, {"a": 1.01}, count=500, sigma=0.01)
+    drifted = _rows(compare.compare(*pair))["a", 1024]
+    assert drifted["q"] < 1e-6 and drifted["ci"][0] > 1 and not drifted["significant"]
+    assert _rows(compare.compare(*pair, min_change=0.0))["a", 1024]["significant"]
+    slowed = _pair({"a": 1.0}, {"a": 1.05}, count=500, sigma=0.01)
+    assert _rows(compare.compare(*slowed))["a", 1024]["significant"]
+
+
+def test_the_committed_runs_of_one_sweep_twice_differ_in_no_point():
+    """The noise floor docs/comparing.md quotes: the same H200 sweep run twice, compared
+    with its control, has no significant change at the default smallest change."""
+    folder = Path(__file__).parent.parent / "results" / "h200-2026-12-04"
+    old, new = (results.load(folder / name) for name in ("h200-a.yaml", "h200-b.yaml"))
+    result = compare.compare(old, new, control="fla-linear-attn")
+    tested = [row for row in result["rows"] if row["tested"]]
+    assert len(tested) >= 30 and not any(row["significant"] for row in tested)
+    assert max(abs(row["ratio"] - 1) for row in tested) < compare.MIN_CHANGE
 
 
 def test_false_positive_rate_stays_near_the_nominal_level():
@@ -227,6 +250,7 @@ def test_fail_on_regression_exit_codes(slowed):
     (["--fail-on-regression", "ten"], "is not a valid float"),
     (["--control", "nosuch"], "--control 'nosuch' is not a mixer label of"),
     (["--alpha", "1.5"], "--alpha"),
+    (["--min-change", "-1"], "expected a percentage of at least 0"),
 ])
 def test_usage_errors_exit_2(slowed, args, message):
     result = _invoke(*slowed, "--compare", *args)

@@ -240,12 +240,23 @@ def test_time_calls_with_fake_clock():
 def test_a_time_budget_sets_the_warm_up_and_the_number_of_samples():
     clock = _FakeClock([0.01])  # 10 ms a call
     times = time_calls(clock.fn, warmup=1, repeats=3, device="cpu", clock=clock, min_time_s=1.0)
-    # the warm-up runs a quarter of the budget (25 calls), the samples fill it (100)
-    assert len(times) == 100 and clock.calls == 125
+    # the warm-up runs a first call, then a quarter of the budget (25 calls); the samples
+    # fill the budget (100)
+    assert len(times) == 100 and clock.calls == 126
     assert Sampling(repeats=3, min_time_s=1.0).count(1e-6) == MAX_SAMPLES  # capped
     assert Sampling(repeats=30, min_time_s=1.0).count(0.5) == 30          # at least repeats
     assert Sampling(repeats=7).count(1e-6) == 7                           # no budget
     assert warm_up(lambda: None, Sampling(warmup=0), cuda=False) is None
+
+
+def test_a_first_call_that_compiles_counts_in_neither_the_budget_nor_the_estimate():
+    clock = _FakeClock([30.0, 0.01])  # 30 s of compilation, then 10 ms a call
+    estimate = warm_up(clock.fn, Sampling(warmup=2, min_time_s=1.0), cuda=False, clock=clock)
+    assert estimate == pytest.approx(0.01)
+    assert clock.calls == 1 + 25  # the first call, then a quarter second of calls
+    assert Sampling(repeats=3, min_time_s=1.0).count(estimate) == 100
+    clock = _FakeClock([30.0, 0.01])
+    assert warm_up(clock.fn, Sampling(warmup=1), cuda=False, clock=clock) == 30.0  # alone
 
 
 class _FakeEvent:

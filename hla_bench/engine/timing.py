@@ -2,8 +2,9 @@
 
 Timing (one method for `hla-bench bench` and the scripts in benchmarks/):
 - Warm-up: `warmup` untimed calls, and with a time budget (`min_time_s`) more of them until
-  a quarter of the budget has passed (clocks, caches and autotuners settle). The last
-  warm-up calls, each synchronised, estimate the time of one call.
+  a quarter of the budget has passed after the first call (clocks, caches and autotuners
+  settle; the first call, which compiles and autotunes, counts in neither). The last warm-up
+  calls after the first, each synchronised, estimate the time of one call.
 - Samples: `repeats` at least; with `min_time_s`, as many more as the estimate says fill the
   budget, at most MAX_SAMPLES. Each sample times one call.
 - On CUDA each sample is a pair of CUDA events around the call, every pair queued with no
@@ -97,19 +98,33 @@ class Sampling:
 def warm_up(fn: Callable[[], Any], sampling: Sampling, cuda: bool,
             clock: Callable[[], float] = time.perf_counter) -> float | None:
     """The warm-up calls of `sampling`; returns the median seconds of the last
-    ESTIMATE_CALLS of them, each synchronised (None when there were none)."""
+    ESTIMATE_CALLS of them, each synchronised (None when there were none).
+
+    The first call (where kernels compile and autotuners try their configs, seconds to
+    minutes) is neither part of the estimate nor of the budget: the budget's quarter starts
+    after it, and with a budget at least ESTIMATE_CALLS more calls follow it, so a point
+    whose first call compiles is sampled as many times as its later calls' time asks for."""
     budget = None if sampling.min_time_s is None else sampling.min_time_s / 4
-    least = max(sampling.warmup, 1 if budget is not None else 0)
-    started, seconds = clock(), []
-    while len(seconds) < least or (budget is not None and clock() - started < budget):
+    least = max(sampling.warmup, 1 + ESTIMATE_CALLS if budget is not None else 0)
+    if least == 0:
+        return None
+    seconds: list[float] = []
+    calls, started = 0, None
+    while calls < least or (budget is not None and clock() - started < budget):
         if cuda:
             torch.cuda.synchronize()
         begin = clock()
         fn()
         if cuda:
             torch.cuda.synchronize()
-        seconds = (seconds + [clock() - begin])[-ESTIMATE_CALLS:]
-    return percentile(seconds, 50) if seconds else None
+        end = clock()
+        calls += 1
+        if calls == 1:
+            started = end
+            if least > 1:
+                continue  # the first call only estimates when it is the only one
+        seconds = (seconds + [end - begin])[-ESTIMATE_CALLS:]
+    return percentile(seconds, 50)
 
 
 class CacheFlusher:
