@@ -123,3 +123,25 @@ def test_plans_and_refusals():
         hla3(*inputs(4, 192, 8), impl="triton")
     with pytest.raises(ValueError, match="impl='triton' is not available for variant='paper'"):
         hla3(*inputs(8, 16, 16), variant="paper", impl="triton")
+
+
+@pytest.mark.parametrize("decay", [None, PER_HEAD], ids=["plain", "decay-per-head"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_ahla2_staged_forward_equals_the_walk(decay, normalize):
+    """The three chunk-parallel stages (key dims up to 128) and the one-kernel walk (above)
+    compute the same outputs, final states and chunk start states, partial last chunk
+    included."""
+    from dataclasses import replace
+
+    from mixers.hla.ahla2.triton.forward import forward
+
+    q, k, v = inputs(41, 24, 20, positive=normalize)
+    width = 20 + normalize
+    P0, E0 = (torch.randn(2, H, 24, width, dtype=torch.float64) for _ in range(2))
+    plan = replace(plan_launch(24, width, torch.float64), chunk=16)
+    assert not plan.walk and plan_launch(160, width, torch.bfloat16).walk
+    staged = forward(q, k, v, P0, E0, decay, normalize, plan, keep_states=True)
+    walked = forward(q, k, v, P0, E0, decay, normalize, replace(plan, walk=True),
+                     keep_states=True)
+    for name, a, b in zip(("output", "P", "E", "P starts", "E starts"), staged, walked):
+        assert relative_error(a, b) < 1e-12, name

@@ -4,9 +4,13 @@ normalized); mixers.hla.ahla2 (ahla2, ahla2_step with impl="triton") checks a ca
 the non-finite rule and unpacks.
 
   plan.py     what the kernels support; AHLA2Plan, plan_launch, unsupported_reason
-  forward.py  the forward: one program per (value block, batch x head) walks the chunks,
-              carrying its columns of (P, E), and keeps each chunk's start states for
-              the backward
+  forward.py  the forward: up to key dim 128 three chunk-parallel stages,
+                increments.py  each chunk's increments of (P, E) at once
+                scan.py        the start states of the chunks in order, over the increments
+                output.py      each chunk's outputs at once from its start states
+              above it one program per (value block, batch x head) walks the chunks,
+              carrying its columns of (P, E); both keep each chunk's start states for the
+              backward
   backward.py the backward: the same programs walk the chunks in reverse, carrying the
               gradients of (P, E)
   chunked.py  ahla2_triton_packed, the two as an autograd op

@@ -23,7 +23,10 @@ import triton
 import triton.language as tl
 
 from mixers.hla.tiles import load_rows, load_values, value_block
+from mixers.hla.ahla2.triton.increments import ahla2_increments_kernel
+from mixers.hla.ahla2.triton.output import ahla2_output_kernel
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
+from mixers.hla.ahla2.triton.scan import ahla2_scan_kernel
 
 
 @triton.jit
@@ -97,7 +100,11 @@ def log_decay(decay, dtype):
 def forward(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan, keep_states: bool = False):
     """Packed outputs `[B, T, H, Dv(+1)]` and final (P, E) `[B, H, D, Dv(+1)]`, in P0's dtype,
     from `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states; with
-    `keep_states` also every chunk's start states `[B * H, NT, D, Dv(+1)]` (else None)."""
+    `keep_states` also every chunk's start states `[B * H, NT, D, Dv(+1)]` (else None).
+    plan.walk: the one-kernel walk over the chunks (below), else the three chunk-parallel
+    stages (increments.py, scan.py, output.py)."""
+    if not plan.walk:
+        return _staged(q, k, v, P0, E0, decay, normalize, plan, keep_states)
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     width = Dv + normalize
@@ -118,3 +125,38 @@ def forward(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan, keep_state
         NT_BOUND=triton.next_power_of_2(NT), NORMALIZE=normalize, HAS_DECAY=decay is not None,
         STORE_STATES=keep_states, PRECISION=precision(q.dtype), num_warps=plan.warps)
     return out, P1, E1, starts[0], starts[1]
+
+
+def _staged(q, k, v, P0, E0, decay, normalize, plan, keep_states):
+    """forward() in three chunk-parallel stages: the increments of every chunk, the scan
+    that turns them into the chunks' start states in place, the outputs of every chunk.
+    The start states are kept for the backward at no extra cost."""
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    width = Dv + normalize
+    NT = triton.cdiv(T, plan.chunk)
+    dtype = P0.dtype
+    XP, XE = (torch.empty(B * H, NT, D, width, dtype=dtype, device=q.device) for _ in range(2))
+    MS = torch.empty(B * H, NT, D, D, dtype=dtype, device=q.device)
+    out = torch.empty(B, T, H, width, dtype=dtype, device=q.device)
+    P1, E1 = torch.empty_like(P0), torch.empty_like(E0)
+    log_g = log_decay(decay, dtype)
+    log_g = log_g if log_g is not None else P0
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    blocks = triton.cdiv(width, plan.block_v)
+    common = dict(C=plan.chunk, BD=plan.block_d, BV=plan.block_v, HAS_DECAY=decay is not None,
+                  PRECISION=precision(q.dtype), num_warps=plan.warps)
+    ahla2_increments_kernel[(NT, blocks, B * H)](
+        q, k, v, log_g, XP, XE, MS, T, H, D, Dv, width, NT, *strides, NORMALIZE=normalize,
+        **common)
+    ahla2_scan_kernel[(blocks, B * H)](
+        log_g, P0.contiguous(), E0.contiguous(), P1, E1, XP, XE, MS, T, H, D, width, NT,
+        NT_BOUND=triton.next_power_of_2(NT), **common)
+    del MS
+    ahla2_output_kernel[(NT, blocks, B * H)](
+        q, k, v, log_g, XP, XE, out, T, H, D, Dv, width, NT, *strides, NORMALIZE=normalize,
+        **common)
+    if not keep_states:
+        return out, P1, E1, None, None
+    return out, P1, E1, XP, XE

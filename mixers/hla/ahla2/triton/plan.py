@@ -12,6 +12,7 @@ import torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
+MAX_STAGED_HEAD_DIM = 128
 
 
 def block(size: int) -> int:
@@ -23,12 +24,16 @@ def block(size: int) -> int:
 class AHLA2Plan:
     """One ahla2_triton call's launch: tokens per chunk, the padded key dim, the value
     columns each program carries (the packed width, value dim plus the ones column of the
-    denominator, is split over programs: each column's states are independent), warps."""
+    denominator, is split over programs: each column's states are independent), warps, and
+    whether the forward walks the chunks in one kernel (`walk`) or runs three chunk-parallel
+    stages (increments, scan, output: its scan multiplies a d x d matrix per chunk, which a
+    program holds up to a padded key dim of MAX_STAGED_HEAD_DIM)."""
 
     chunk: int
     block_d: int
     block_v: int
     warps: int
+    walk: bool = False
 
 
 def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> AHLA2Plan:
@@ -42,7 +47,7 @@ def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> AHLA2Plan:
         chunk = 16
     block_v = min(block(packed_width), 64 if block_d <= 32 else 32 if block_d <= 128 else 16)
     return AHLA2Plan(chunk=chunk, block_d=block_d, block_v=block_v,
-                     warps=4 if block_d <= 32 else 8)
+                     warps=4 if block_d <= 32 else 8, walk=block_d > MAX_STAGED_HEAD_DIM)
 
 
 def at_requested_chunk(plan, chunk_size: int):

@@ -1,0 +1,41 @@
+"""The ahla2 forward's third stage: every chunk's outputs at once from its start states
+(scan.py), one program per (chunk, value block, batch x head):
+
+    U = g_in (Q P0) + A V,    O = g_in (Q E0) + A U
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mixers.hla.ahla2.triton.increments import chunk_terms
+
+
+@triton.jit
+def ahla2_output_kernel(Q, K, V, LOG_G, PS, ES, O, T, H, D, DV, DVP, NT,
+                        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh,
+                        C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                        NORMALIZE: tl.constexpr, HAS_DECAY: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    acc: tl.constexpr = O.dtype.element_ty
+    chunk = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    b, h = bh // H, bh % H
+    dk = tl.arange(0, BD)
+    cols = pid_v * BV + tl.arange(0, BV)
+    q, k, v, A, g_in, g_out, t, t_ok = chunk_terms(
+        Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
+        HAS_DECAY, PRECISION, acc)
+    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+    ok = (dk < D)[:, None] & (cols < DVP)[None, :]
+    P = tl.load(PS + at, mask=ok, other=0.0).to(acc)
+    E = tl.load(ES + at, mask=ok, other=0.0).to(acc)
+    qg = q * g_in[:, None]
+    U = tl.dot(qg, P, input_precision=PRECISION) + tl.dot(A, v, input_precision=PRECISION)
+    out = tl.dot(qg, E, input_precision=PRECISION) + tl.dot(A, U, input_precision=PRECISION)
+    tl.store(O + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],
+             out.to(acc), mask=t_ok[:, None] & (cols < DVP)[None, :])

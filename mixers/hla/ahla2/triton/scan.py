@@ -1,0 +1,50 @@
+"""The ahla2 forward's second stage: the states over the chunks, one program per (value
+block, batch x head) in chunk order. It reads each chunk's increments (increments.py),
+writes the chunk's start states (P, E) over them, in place, and applies
+
+    P <- g^n P + dP,    E <- g^n E + M P + N      (E with the P before the update)
+
+Start states are what the output stage (output.py) and the backward read. Per chunk a
+program moves one d x d M and two d x block_v tiles, and multiplies once: the heavy
+products stay in the chunk-parallel stages.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mixers.hla.tiles import value_block
+
+
+@triton.jit
+def ahla2_scan_kernel(LOG_G, P0, E0, P1, E1, XP, XE, MS, T, H, D, DVP, NT,
+                      C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                      NT_BOUND: tl.constexpr, HAS_DECAY: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    acc: tl.constexpr = XP.dtype.element_ty
+    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
+    P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
+    E = tl.load(E0 + state, mask=state_ok, other=0.0).to(acc)
+    log_g = 0.0
+    if HAS_DECAY:
+        log_g = tl.load(LOG_G + h).to(acc)
+    m_ok = d_ok[:, None] & d_ok[None, :]
+    for chunk in range(NT_BOUND):  # steps past the last chunk load zeros and change nothing
+        real = chunk < NT
+        at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+        dP = tl.load(XP + at, mask=state_ok & real, other=0.0)
+        N = tl.load(XE + at, mask=state_ok & real, other=0.0)
+        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
+        M = tl.load(MS + at_m, mask=m_ok & real, other=0.0)
+        tl.store(XP + at, P, mask=state_ok & real)  # the chunk's start states, in place
+        tl.store(XE + at, E, mask=state_ok & real)
+        if HAS_DECAY:
+            g_n = tl.exp(tl.maximum(tl.minimum(T - chunk * C, C), 0).to(acc) * log_g)
+            E = E * g_n + tl.dot(M, P, input_precision=PRECISION) + N
+            P = P * g_n + dP
+        else:
+            E += tl.dot(M, P, input_precision=PRECISION) + N
+            P += dP
+    tl.store(P1 + state, P, mask=state_ok)
+    tl.store(E1 + state, E, mask=state_ok)
