@@ -32,7 +32,8 @@ from mixers.hla.hla3.triton import forward as hla3_forward
 # (module, kernel name): every kernel of the family
 KERNELS = [(ahla2_forward, "ahla2_forward_kernel"), (ahla2_forward, "ahla2_increments_kernel"),
            (ahla2_forward, "ahla2_scan_kernel"), (ahla2_forward, "ahla2_output_kernel"),
-           (ahla2_backward, "ahla2_backward_kernel"),
+           (ahla2_backward, "ahla2_backward_kernel"), (ahla2_backward, "ahla2_grad_terms_kernel"),
+           (ahla2_backward, "ahla2_grad_scan_kernel"), (ahla2_backward, "ahla2_grad_chunks_kernel"),
            (ahla2_decode, "ahla2_step_kernel"),
            (hla3_forward, "hla3_forward_kernel"), (hla3_backward, "hla3_backward_kernel"),
            (hla3_decode, "hla3_step_kernel")]

@@ -127,12 +127,13 @@ def test_plans_and_refusals():
 
 @pytest.mark.parametrize("decay", [None, PER_HEAD], ids=["plain", "decay-per-head"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_ahla2_staged_forward_equals_the_walk(decay, normalize):
-    """The three chunk-parallel stages (key dims up to 128) and the one-kernel walk (above)
-    compute the same outputs, final states and chunk start states, partial last chunk
-    included."""
+def test_ahla2_staged_kernels_equal_the_walks(decay, normalize):
+    """The three chunk-parallel stages (key dims up to 128) and the one-kernel walks (above)
+    compute the same outputs, final states and chunk start states, and the same gradients,
+    partial last chunk included."""
     from dataclasses import replace
 
+    from mixers.hla.ahla2.triton.backward import backward
     from mixers.hla.ahla2.triton.forward import forward
 
     q, k, v = inputs(41, 24, 20, positive=normalize)
@@ -144,4 +145,11 @@ def test_ahla2_staged_forward_equals_the_walk(decay, normalize):
     walked = forward(q, k, v, P0, E0, decay, normalize, replace(plan, walk=True),
                      keep_states=True)
     for name, a, b in zip(("output", "P", "E", "P starts", "E starts"), staged, walked):
+        assert relative_error(a, b) < 1e-12, name
+    grads = [torch.randn(shape, dtype=torch.float64) for shape in
+             ((2, 41, H, width), P0.shape, E0.shape)]
+    staged = backward(q, k, v, decay, staged[3], staged[4], *grads, normalize, plan)
+    walked = backward(q, k, v, decay, walked[3], walked[4], *grads, normalize,
+                      replace(plan, walk=True))
+    for name, a, b in zip(("dq", "dk", "dv", "dP0", "dE0"), staged, walked):
         assert relative_error(a, b) < 1e-12, name

@@ -20,9 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values, value_block
+from mixers.hla.tiles import value_block
 from mixers.hla.ahla2.triton.forward import log_decay, precision
+from mixers.hla.ahla2.triton.grad_chunks import ahla2_grad_chunks_kernel
+from mixers.hla.ahla2.triton.grad_scan import ahla2_grad_scan_kernel
+from mixers.hla.ahla2.triton.grad_terms import ahla2_grad_terms_kernel
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
+from mixers.hla.ahla2.triton.terms import chunk_grads, chunk_terms
 
 
 @triton.jit
@@ -34,59 +38,24 @@ def ahla2_backward_kernel(Q, K, V, LOG_G, PS, ES, DO, DP1, DE1, DQ, DK, DVAL, DP
                           NT_BOUND: tl.constexpr, NORMALIZE: tl.constexpr,
                           HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = PS.dtype.element_ty
-    rows = tl.arange(0, C)
     pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     c_ok = cols < DVP
     dP = tl.load(DP1 + state, mask=state_ok, other=0.0).to(acc)
     dE = tl.load(DE1 + state, mask=state_ok, other=0.0).to(acc)
-    log_g = 0.0
-    if HAS_DECAY:
-        log_g = tl.load(LOG_G + h).to(acc)
-    causal = rows[:, None] >= rows[None, :]
     for step in range(NT_BOUND):  # chunks past the last load nothing and change nothing
         chunk = NT_BOUND - 1 - step
-        start = chunk * C
-        t = start + rows
-        t_ok = t < T
-        qk_ok = t_ok[:, None] & d_ok[None, :]
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                        acc)
+        q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
+            Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
+            HAS_DECAY, PRECISION, acc)
         out_at = ((b * T + t[:, None]) * H + h) * DVP + cols[None, :]
         dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
         at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]
         P0 = tl.load(PS + at, mask=state_ok & (chunk < NT), other=0.0).to(acc)
         E0 = tl.load(ES + at, mask=state_ok & (chunk < NT), other=0.0).to(acc)
-        A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if HAS_DECAY:
-            gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)
-            weights = tl.where(causal, tl.exp(gap * log_g), 0.0).to(acc)
-            n = tl.maximum(tl.minimum(T - start, C), 0)
-            g_in = tl.exp((rows + 1).to(acc) * log_g)
-            g_out = tl.where(t_ok, tl.exp((n - 1 - rows).to(acc) * log_g), 0.0).to(acc)
-            g_n = tl.exp(n.to(acc) * log_g)
-        else:
-            weights = tl.where(causal, 1.0, 0.0).to(acc)
-            g_in = tl.full([C], 1.0, acc)
-            g_out = tl.where(t_ok, 1.0, 0.0).to(acc)
-            g_n = 1.0
-        A = A * weights
-        U = tl.dot(q, P0, input_precision=PRECISION) * g_in[:, None]
-        U += tl.dot(A, v, input_precision=PRECISION)
-        dU = tl.dot(tl.trans(A), dO, input_precision=PRECISION)
-        dU += tl.dot(k, dE, input_precision=PRECISION) * g_out[:, None]
-        dV = tl.dot(tl.trans(A), dU, input_precision=PRECISION)
-        dV += tl.dot(k, dP, input_precision=PRECISION) * g_out[:, None]
-        dS = tl.dot(dO, tl.trans(U), input_precision=PRECISION)
-        dS += tl.dot(dU, tl.trans(v), input_precision=PRECISION)
-        dS = dS * weights
-        dQ = tl.dot(dO, tl.trans(E0), input_precision=PRECISION)
-        dQ += tl.dot(dU, tl.trans(P0), input_precision=PRECISION)
-        dQ = dQ * g_in[:, None] + tl.dot(dS, k, input_precision=PRECISION)
-        dK = tl.dot(v, tl.trans(dP), input_precision=PRECISION)
-        dK += tl.dot(U, tl.trans(dE), input_precision=PRECISION)
-        dK = dK * g_out[:, None] + tl.dot(tl.trans(dS), q, input_precision=PRECISION)
+        dQ, dK, dV, dU = chunk_grads(q, k, v, A, weights, g_in, g_out, dO, P0, E0, dP, dE,
+                                     PRECISION)
+        qk_ok = t_ok[:, None] & d_ok[None, :]
         part = (((pid_v * B + b) * T + t[:, None]) * H + h) * D + dk[None, :]
         tl.store(DQ + part, dQ, mask=qk_ok)
         tl.store(DK + part, dK, mask=qk_ok)
@@ -117,6 +86,12 @@ def backward(q, k, v, decay, P_starts, E_starts, grad_out, grad_P, grad_E, norma
     dv = torch.empty(B, T, H, Dv, dtype=dtype, device=q.device)
     dP0, dE0 = torch.empty_like(zeros), torch.empty_like(zeros)
     log_g = log_decay(decay, dtype)
+    if not plan.walk:
+        _staged(q, k, v, log_g if log_g is not None else zeros, decay is not None, P_starts,
+                E_starts, grad_out, grad_P, grad_E, dq_parts, dk_parts, dv, dP0, dE0,
+                normalize, plan)
+        return (dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype), dv.to(v.dtype),
+                dP0, dE0)
     ahla2_backward_kernel[(blocks, B * H)](
         q, k, v, log_g if log_g is not None else zeros, P_starts, E_starts, grad_out, grad_P,
         grad_E, dq_parts, dk_parts, dv, dP0, dE0, B, T, H, D, Dv, width, NT,
@@ -126,3 +101,30 @@ def backward(q, k, v, decay, P_starts, E_starts, grad_out, grad_P, grad_E, norma
         NORMALIZE=normalize, HAS_DECAY=decay is not None, PRECISION=precision(q.dtype),
         num_warps=plan.warps)
     return (dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype), dv.to(v.dtype), dP0, dE0)
+
+
+def _staged(q, k, v, log_g, has_decay, P_starts, E_starts, grad_out, grad_P, grad_E,
+            dq_parts, dk_parts, dv, dP0, dE0, normalize, plan):
+    """backward() in three chunk-parallel stages (grad_terms.py, grad_scan.py,
+    grad_chunks.py), writing into the given gradient buffers."""
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    width = Dv + normalize
+    NT = P_starts.shape[1]
+    blocks = triton.cdiv(width, plan.block_v)
+    XS, XR = torch.empty_like(P_starts), torch.empty_like(P_starts)
+    MS = torch.empty(B * H, NT, D, D, dtype=P_starts.dtype, device=q.device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    common = dict(C=plan.chunk, BD=plan.block_d, BV=plan.block_v, HAS_DECAY=has_decay,
+                  PRECISION=precision(q.dtype), num_warps=plan.warps)
+    ahla2_grad_terms_kernel[(NT, blocks, B * H)](
+        q, k, v, log_g, grad_out, XS, XR, MS, T, H, D, Dv, width, NT, *strides,
+        NORMALIZE=normalize, **common)
+    ahla2_grad_scan_kernel[(blocks, B * H)](
+        log_g, grad_P, grad_E, dP0, dE0, XS, XR, MS, T, H, D, width, NT,
+        NT_BOUND=triton.next_power_of_2(NT), **common)
+    del MS
+    ahla2_grad_chunks_kernel[(NT, blocks, B * H)](
+        q, k, v, log_g, P_starts, E_starts, XS, XR, grad_out, dq_parts, dk_parts, dv,
+        B, T, H, D, Dv, width, NT, *strides, NORMALIZE=normalize, **common)

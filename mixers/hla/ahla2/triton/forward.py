@@ -22,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values, value_block
+from mixers.hla.tiles import value_block
 from mixers.hla.ahla2.triton.increments import ahla2_increments_kernel
 from mixers.hla.ahla2.triton.output import ahla2_output_kernel
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
 from mixers.hla.ahla2.triton.scan import ahla2_scan_kernel
+from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
 @triton.jit
@@ -38,48 +39,24 @@ def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, PS, ES, T, H, D, DV,
                          HAS_DECAY: tl.constexpr, STORE_STATES: tl.constexpr,
                          PRECISION: tl.constexpr):
     acc: tl.constexpr = O.dtype.element_ty
-    rows = tl.arange(0, C)
     pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
     P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
     E = tl.load(E0 + state, mask=state_ok, other=0.0).to(acc)
-    log_g = 0.0
-    if HAS_DECAY:
-        log_g = tl.load(LOG_G + h).to(acc)
-    causal = rows[:, None] >= rows[None, :]
     for chunk in range(NT_BOUND):  # steps past the last chunk load nothing and change nothing
-        start = chunk * C
-        t = start + rows
         if STORE_STATES:  # each chunk's start states, for the backward
             at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]
             tl.store(PS + at, P, mask=state_ok & (chunk < NT))
             tl.store(ES + at, E, mask=state_ok & (chunk < NT))
-        t_ok = t < T
-        qk_ok = t_ok[:, None] & d_ok[None, :]
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                        acc)
-        A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if HAS_DECAY:
-            gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)
-            A = tl.where(causal, A * tl.exp(gap * log_g), 0.0).to(acc)
-            g_in = tl.exp((rows + 1).to(acc) * log_g)
-            U = tl.dot(q, P, input_precision=PRECISION) * g_in[:, None]
-            U += tl.dot(A, v, input_precision=PRECISION)
-            out = tl.dot(q, E, input_precision=PRECISION) * g_in[:, None]
-            out += tl.dot(A, U, input_precision=PRECISION)
-            n = tl.maximum(tl.minimum(T - start, C), 0)
-            g_out = tl.where(t_ok, tl.exp((n - 1 - rows).to(acc) * log_g), 0.0).to(acc)
-            g_n = tl.exp(n.to(acc) * log_g)
-            ks = k * g_out[:, None]
-            P = P * g_n + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
-            E = E * g_n + tl.dot(tl.trans(ks), U, input_precision=PRECISION)
-        else:
-            A = tl.where(causal, A, 0.0).to(acc)
-            U = tl.dot(q, P, input_precision=PRECISION) + tl.dot(A, v, input_precision=PRECISION)
-            out = tl.dot(q, E, input_precision=PRECISION) + tl.dot(A, U, input_precision=PRECISION)
-            P += tl.dot(tl.trans(k), v, input_precision=PRECISION)
-            E += tl.dot(tl.trans(k), U, input_precision=PRECISION)
+        q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
+            Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
+            HAS_DECAY, PRECISION, acc)
+        qg = q * g_in[:, None]
+        U = tl.dot(qg, P, input_precision=PRECISION) + tl.dot(A, v, input_precision=PRECISION)
+        out = tl.dot(qg, E, input_precision=PRECISION) + tl.dot(A, U, input_precision=PRECISION)
+        ks = tl.trans(k * g_out[:, None])
+        P = P * g_n + tl.dot(ks, v, input_precision=PRECISION)
+        E = E * g_n + tl.dot(ks, U, input_precision=PRECISION)
         tl.store(O + ((b * T + t[:, None]) * H + h) * DVP + cols[None, :], out.to(acc),
                  mask=t_ok[:, None] & (cols < DVP)[None, :])
     tl.store(P1 + state, P, mask=state_ok)

@@ -16,39 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values
-
-
-@triton.jit
-def chunk_terms(Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols,
-                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh,
-                C: tl.constexpr, NORMALIZE: tl.constexpr, HAS_DECAY: tl.constexpr,
-                PRECISION: tl.constexpr, acc: tl.constexpr):
-    """(q, k, v, A, g_in, g_out, t, t_ok) of one chunk: its rows (zero past T and past the
-    head dims), the decayed causal scores and the decay vectors (ones without decay)."""
-    rows = tl.arange(0, C)
-    t = chunk * C + rows
-    t_ok = t < T
-    qk_ok = t_ok[:, None] & (dk < D)[None, :]
-    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                    acc)
-    A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    causal = rows[:, None] >= rows[None, :]
-    if HAS_DECAY:
-        log_g = tl.load(LOG_G + h).to(acc)
-        gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)
-        A = tl.where(causal, A * tl.exp(gap * log_g), 0.0).to(acc)
-        n = tl.maximum(tl.minimum(T - chunk * C, C), 0)
-        g_in = tl.exp((rows + 1).to(acc) * log_g)
-        g_out = tl.where(t_ok, tl.exp((n - 1 - rows).to(acc) * log_g), 0.0).to(acc)
-    else:
-        A = tl.where(causal, A, 0.0).to(acc)
-        g_in = tl.full([C], 1.0, acc)
-        g_out = tl.full([C], 1.0, acc)
-    return q, k, v, A, g_in, g_out, t, t_ok
+from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
 @triton.jit
@@ -65,7 +33,7 @@ def ahla2_increments_kernel(Q, K, V, LOG_G, DPS, NS, MS, T, H, D, DV, DVP, NT,
     b, h = bh // H, bh % H
     dk = tl.arange(0, BD)
     cols = pid_v * BV + tl.arange(0, BV)
-    q, k, v, A, g_in, g_out, t, t_ok = chunk_terms(
+    q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
         Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
         HAS_DECAY, PRECISION, acc)

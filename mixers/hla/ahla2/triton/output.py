@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.ahla2.triton.increments import chunk_terms
+from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def ahla2_output_kernel(Q, K, V, LOG_G, PS, ES, O, T, H, D, DV, DVP, NT,
     b, h = bh // H, bh % H
     dk = tl.arange(0, BD)
     cols = pid_v * BV + tl.arange(0, BV)
-    q, k, v, A, g_in, g_out, t, t_ok = chunk_terms(
+    q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
         Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
         HAS_DECAY, PRECISION, acc)
