@@ -153,3 +153,26 @@ def test_ahla2_staged_kernels_equal_the_walks(decay, normalize):
                       replace(plan, walk=True))
     for name, a, b in zip(("dq", "dk", "dv", "dP0", "dE0"), staged, walked):
         assert relative_error(a, b) < 1e-12, name
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_hla3_staged_forward_equals_the_walk(normalize):
+    """hla3's three chunk-parallel stages (key dims up to 64) and its one-kernel walk
+    (above) compute the same outputs, final states and chunk start states."""
+    from dataclasses import replace
+
+    from mixers.hla.hla3.triton import plan_launch as hla3_plan
+    from mixers.hla.hla3.triton.forward import forward
+
+    q, k, v = inputs(41, 24, 20, positive=normalize)
+    width = 20 + normalize
+    S0 = torch.randn(2, H, 24, 24, dtype=torch.float64)
+    P0, F0 = (torch.randn(2, H, 24, width, dtype=torch.float64) for _ in range(2))
+    plan = hla3_plan(24, width, torch.float64)
+    assert not plan.walk and hla3_plan(96, width, torch.bfloat16).walk
+    staged = forward(q, k, v, S0, P0, F0, normalize, plan, keep_states=True)
+    walked = forward(q, k, v, S0, P0, F0, normalize, replace(plan, walk=True),
+                     keep_states=True)
+    names = ("output", "S", "P", "F", "S starts", "P starts", "F starts")
+    for name, a, b in zip(names, staged, walked):
+        assert relative_error(a, b) < 1e-12, name

@@ -4,9 +4,14 @@ differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`
 (hla3, hla3_step with impl="triton") checks a call, applies the non-finite rule and unpacks.
 
   plan.py     HLA3Plan, plan_launch (what is supported: ahla2's rule)
-  forward.py  the forward: one program per (value block, batch x head) walks the chunks
-              carrying S^K and its columns of (P, F); d x d moments only, no d^3 maps;
-              keeps each chunk's start states for the backward
+  forward.py  the forward, d x d moments only, no d^3 maps; up to key dim 64 three
+              chunk-parallel stages,
+                increments.py  each chunk's terms of (S^K, P, F) at once
+                scan.py        the start states of the chunks in order
+                output.py      each chunk's outputs at once from its start states
+              above it one program per (value block, batch x head) walks the chunks
+              carrying S^K and its columns of (P, F); both keep each chunk's start states
+              for the backward
   backward.py the backward: the same programs walk the chunks in reverse carrying the
               gradients of (S^K, P, F) (key dims up to 64)
   chunked.py  hla3_triton_packed, the two as an autograd op (above key dim 64 the

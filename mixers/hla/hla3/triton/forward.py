@@ -22,7 +22,10 @@ import triton.language as tl
 
 from mixers.hla.tiles import load_rows, load_values, value_block
 from mixers.hla.ahla2.triton.forward import precision
+from mixers.hla.hla3.triton.increments import hla3_increments_kernel
+from mixers.hla.hla3.triton.output import hla3_output_kernel
 from mixers.hla.hla3.triton.plan import HLA3Plan
+from mixers.hla.hla3.triton.scan import hla3_scan_kernel
 
 
 @triton.jit
@@ -80,7 +83,11 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D,
 def forward(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan, keep_states: bool = False):
     """Packed outputs `[B, T, H, Dv(+1)]` and final (S, P, F), in P0's dtype, from
     `[B, T, H, *]` q, k, v (last dim contiguous) and packed start states; with `keep_states`
-    also every chunk's start states `[B * H, NT, D, D | Dv(+1)]` (else None)."""
+    also every chunk's start states `[B * H, NT, D, D | Dv(+1)]` (else None). plan.walk:
+    the one-kernel walk (above), else the three chunk-parallel stages (increments.py,
+    scan.py, output.py)."""
+    if not plan.walk:
+        return _staged(q, k, v, S0, P0, F0, normalize, plan, keep_states)
     B, T, H, D = q.shape
     Dv = v.shape[-1]
     width = Dv + normalize
@@ -102,4 +109,38 @@ def forward(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan, keep_states: b
         C=plan.chunk, BD=plan.block_d, BV=plan.block_v, NT_BOUND=triton.next_power_of_2(NT),
         NORMALIZE=normalize, STORE_STATES=keep_states, PRECISION=precision(q.dtype),
         num_warps=plan.warps)
+    return (out, S1, P1, F1, *starts)
+
+
+def _staged(q, k, v, S0, P0, F0, normalize, plan, keep_states):
+    """forward() in three chunk-parallel stages: every chunk's terms, the scan of the start
+    states over them, every chunk's outputs; the start states are kept at no extra cost."""
+    B, T, H, D = q.shape
+    Dv = v.shape[-1]
+    width = Dv + normalize
+    NT = triton.cdiv(T, plan.chunk)
+    dtype = P0.dtype
+    S0, P0, F0 = S0.contiguous(), P0.contiguous(), F0.contiguous()
+    square = [torch.empty(B * H, NT, D, D, dtype=dtype, device=q.device) for _ in range(4)]
+    XS, XG, XJ, SS = square
+    XP, XH, XL = (torch.empty(B * H, NT, D, width, dtype=dtype, device=q.device)
+                  for _ in range(3))
+    out = torch.empty(B, T, H, width, dtype=dtype, device=q.device)
+    S1, P1, F1 = torch.empty_like(S0), torch.empty_like(P0), torch.empty_like(F0)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    blocks = triton.cdiv(width, plan.block_v)
+    common = dict(BD=plan.block_d, BV=plan.block_v, PRECISION=precision(q.dtype),
+                  num_warps=plan.warps)
+    hla3_increments_kernel[(NT, blocks, B * H)](
+        q, k, v, XS, XG, XJ, XP, XH, XL, T, H, D, Dv, width, NT, *strides, C=plan.chunk,
+        NORMALIZE=normalize, **common)
+    hla3_scan_kernel[(blocks, B * H)](
+        S0, P0, F0, S1, P1, F1, SS, XS, XG, XJ, XP, XH, XL, H, D, width, NT,
+        NT_BOUND=triton.next_power_of_2(NT), **common)
+    del XS, XG, XJ, XL
+    hla3_output_kernel[(NT, blocks, B * H)](
+        q, k, v, SS, XP, XH, out, T, H, D, Dv, width, NT, *strides, C=plan.chunk,
+        NORMALIZE=normalize, **common)
+    starts = (SS, XP, XH) if keep_states else (None, None, None)
     return (out, S1, P1, F1, *starts)

@@ -19,12 +19,16 @@ __all__ = ["HLA3Plan", "plan_launch", "unsupported_reason"]
 @dataclass(frozen=True)
 class HLA3Plan:
     """Tokens per chunk, the padded key dim, the value columns each program carries (the
-    d x d moment S^K is carried whole by every program), warps."""
+    d x d moment S^K is carried whole by every program), warps, and whether the forward
+    walks the chunks in one kernel (`walk`) or runs three chunk-parallel stages (their scan
+    reads three d x d matrices per chunk beside S^K: up to a padded key dim of
+    MAX_STAGED_KEY_DIM)."""
 
     chunk: int
     block_d: int
     block_v: int
     warps: int
+    walk: bool = False
 
 
 def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> HLA3Plan:
@@ -37,10 +41,11 @@ def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> HLA3Plan:
         chunk = 16
     block_v = min(block(packed_width), 64 if block_d <= 16 else 32 if block_d <= 32 else 16)
     return HLA3Plan(chunk=chunk, block_d=block_d, block_v=block_v,
-                    warps=4 if block_d <= 32 else 8)
+                    warps=4 if block_d <= 32 else 8, walk=block_d > MAX_STAGED_KEY_DIM)
 
 
 MAX_KEY_DIM = 128
+MAX_STAGED_KEY_DIM = 64
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
