@@ -36,7 +36,9 @@ KERNELS = [(ahla2_forward, "ahla2_forward_kernel"), (ahla2_forward, "ahla2_incre
            (ahla2_backward, "ahla2_grad_scan_kernel"), (ahla2_backward, "ahla2_grad_chunks_kernel"),
            (ahla2_decode, "ahla2_step_kernel"),
            (hla3_forward, "hla3_forward_kernel"), (hla3_forward, "hla3_increments_kernel"),
-           (hla3_forward, "hla3_scan_kernel"), (hla3_forward, "hla3_output_kernel"), (hla3_backward, "hla3_backward_kernel"),
+           (hla3_forward, "hla3_scan_kernel"), (hla3_forward, "hla3_output_kernel"),
+           (hla3_backward, "hla3_grad_terms_kernel"), (hla3_backward, "hla3_grad_scan_kernel"),
+           (hla3_backward, "hla3_grad_chunks_kernel"),
            (hla3_decode, "hla3_step_kernel")]
 
 

@@ -12,8 +12,10 @@ differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`
               above it one program per (value block, batch x head) walks the chunks
               carrying S^K and its columns of (P, F); both keep each chunk's start states
               for the backward
-  backward.py the backward: the same programs walk the chunks in reverse carrying the
-              gradients of (S^K, P, F) (key dims up to 64)
+  backward.py the backward (key dims up to 64) in three chunk-parallel stages,
+                grad_terms.py   each chunk's terms of the start states' gradients
+                grad_scan.py    the end-state gradients of the chunks, last to first
+                grad_chunks.py  dq, dk, dv of every chunk (grads.py: its equations)
   chunked.py  hla3_triton_packed, the two as an autograd op (above key dim 64 the
               backward recomputes through the PyTorch chunk form)
   decode.py   the decode step

@@ -1,0 +1,55 @@
+"""The causal hla3 backward's third stage: dq, dk and dv of every chunk at once, one program
+per (chunk, value block, batch x head), from the chunk's start states (kept by the forward)
+and the gradients of its end states (grad_scan.py), by hla3_chunk_grads (grads.py). dq and
+dk sum over value columns: each value block writes a part of its own."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mixers.hla.hla3.triton.grads import hla3_chunk_grads
+from mixers.hla.hla3.triton.increments import hla3_chunk_rows
+
+
+@triton.jit
+def hla3_grad_chunks_kernel(Q, K, V, SS, PS, FS, GS, GP, GF, DO, DQ, DK, DVAL,
+                            B, T, H, D, DV, DVP, NT, BLOCKS,
+                            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                            stride_vb, stride_vt, stride_vh,
+                            C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+                            NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
+    acc: tl.constexpr = PS.dtype.element_ty
+    chunk = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    b, h = bh // H, bh % H
+    dk = tl.arange(0, BD)
+    cols = pid_v * BV + tl.arange(0, BV)
+    q, k, v, A, LA, t, t_ok = hla3_chunk_rows(
+        Q, K, V, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh, stride_kb,
+        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE, PRECISION, acc)
+    d_ok = dk < D
+    c_ok = cols < DVP
+    ok = d_ok[:, None] & c_ok[None, :]
+    m_ok = d_ok[:, None] & d_ok[None, :]
+    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+    at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
+    at_y = ((bh * NT + chunk) * BLOCKS + pid_v).to(tl.int64) * D * D + dk[:, None] * D \
+        + dk[None, :]
+    S0 = tl.load(SS + at_m, mask=m_ok, other=0.0).to(acc)
+    P0 = tl.load(PS + at, mask=ok, other=0.0).to(acc)
+    F0 = tl.load(FS + at, mask=ok, other=0.0).to(acc)
+    dS = tl.load(GS + at_y, mask=m_ok, other=0.0).to(acc)
+    dP = tl.load(GP + at, mask=ok, other=0.0).to(acc)
+    dF = tl.load(GF + at, mask=ok, other=0.0).to(acc)
+    dO = tl.load(DO + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],
+                 mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
+    dQ, dK, dV, dBm, dr, r = hla3_chunk_grads(q, k, v, A, LA, dO, S0, P0, F0, dS, dP, dF, C,
+                                              PRECISION, acc)
+    qk_ok = t_ok[:, None] & d_ok[None, :]
+    part = (((pid_v * B + b) * T + t[:, None]).to(tl.int64) * H + h) * D + dk[None, :]
+    tl.store(DQ + part, dQ, mask=qk_ok)
+    tl.store(DK + part, dK, mask=qk_ok)
+    tl.store(DVAL + ((b * T + t[:, None]).to(tl.int64) * H + h) * DV + cols[None, :], dV,
+             mask=t_ok[:, None] & (cols < DV)[None, :])
