@@ -98,6 +98,13 @@ def check(name, shape, dtype, normalize, device):
             "ok": not failed, "failed": failed}
 
 
+def write_rows(path: str, device: str, rows: list[dict]) -> None:
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    with open(path, "w") as fh:
+        yaml.safe_dump({"device": name, "torch": str(torch.__version__), "rows": rows}, fh,
+                       sort_keys=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--yaml", help="also write the rows to this YAML file")
@@ -123,11 +130,8 @@ def main() -> int:
                     print(("ok  " if row["ok"] else "FAIL"), row["op"], row["dtype"],
                           "T=%d D=%d Dv=%d" % shape, "normalize" if normalize else "",
                           row.get("errors", row["failed"]), flush=True)
-    if args.yaml:
-        with open(args.yaml, "w") as fh:
-            device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-            yaml.safe_dump({"device": device, "torch": torch.__version__,
-                            "rows": rows}, fh, sort_keys=False)
+                    if args.yaml:  # rewritten after every row: a run cut short keeps its rows
+                        write_rows(args.yaml, args.device, rows)
     failed = sum(not row["ok"] for row in rows)
     print(f"{len(rows) - failed}/{len(rows)} ok")
     return 1 if failed else 0
