@@ -1,6 +1,8 @@
-"""Tiles the ahla2 and hla3 Triton kernels share: a program's block of value columns and
-the masked loads of token rows. A program is (value block, batch x head): grid axis 0 the
-block of BV packed value columns, axis 1 the batch row times heads plus head."""
+"""Tiles the ahla2 and hla3 Triton kernels share: a program's block of value columns, the
+masked loads of token rows, and the offsets of per-chunk state buffers. A program of a
+walk or scan is (value block, batch x head): grid axis 0 the block of BV packed value
+columns, axis 1 the batch row times heads plus head; a program of a chunk-parallel kernel
+is (chunk, value block, batch x head)."""
 
 from __future__ import annotations
 
@@ -40,3 +42,23 @@ def load_values(V, b, t, h, stride_b, stride_t, stride_h, cols, t_ok, DV,
     if NORMALIZE:
         v = tl.where(t_ok[:, None] & (cols == DV)[None, :], 1.0, v).to(acc)
     return v
+
+
+@triton.jit
+def chunk_block(H, BD: tl.constexpr, BV: tl.constexpr):
+    """(chunk, value block, b, h, b x H + h, key index, value columns) of a program of a
+    chunk-parallel kernel: grid axis 0 the chunk, 1 the block of BV packed value columns,
+    2 the batch row times heads plus head."""
+    chunk = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    bh = tl.program_id(2)
+    return chunk, pid_v, bh // H, bh % H, bh, tl.arange(0, BD), pid_v * BV + tl.arange(0, BV)
+
+
+@triton.jit
+def chunk_offsets(bh, NT, chunk, D, DVP, dk, cols):
+    """Offsets of one chunk's [D, DVP] tile (at this program's columns) and of its [D, D]
+    tile in per-chunk buffers `[B * H, NT, D, DVP]` and `[B * H, NT, D, D]`."""
+    base = (bh * NT + chunk).to(tl.int64) * D
+    return (base * DVP + dk[:, None] * DVP + cols[None, :],
+            base * D + dk[:, None] * D + dk[None, :])

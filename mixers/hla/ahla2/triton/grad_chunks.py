@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import chunk_block, chunk_offsets
 from mixers.hla.ahla2.triton.terms import chunk_grads, chunk_terms
 
 
@@ -20,12 +21,7 @@ def ahla2_grad_chunks_kernel(Q, K, V, LOG_G, PS, ES, GP, GE, DO, DQ, DK, DVAL,
                              NORMALIZE: tl.constexpr, HAS_DECAY: tl.constexpr,
                              PRECISION: tl.constexpr):
     acc: tl.constexpr = PS.dtype.element_ty
-    chunk = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    b, h = bh // H, bh % H
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
+    chunk, pid_v, b, h, bh, dk, cols = chunk_block(H, BD, BV)
     q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
         Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
@@ -34,7 +30,7 @@ def ahla2_grad_chunks_kernel(Q, K, V, LOG_G, PS, ES, GP, GE, DO, DQ, DK, DVAL,
     d_ok = dk < D
     out_at = ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]
     dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
-    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+    at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     ok = d_ok[:, None] & c_ok[None, :]
     P0 = tl.load(PS + at, mask=ok, other=0.0).to(acc)
     E0 = tl.load(ES + at, mask=ok, other=0.0).to(acc)

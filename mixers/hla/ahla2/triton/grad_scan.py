@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
+from mixers.hla.tiles import chunk_offsets, value_block
 
 
 @triton.jit
@@ -32,10 +32,9 @@ def ahla2_grad_scan_kernel(LOG_G, DP1, DE1, DP0, DE0, XS, XR, MS, T, H, D, DVP, 
     for step in range(NT_BOUND):  # chunks past the last load zeros and change nothing
         chunk = NT_BOUND - 1 - step
         real = chunk < NT
-        at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+        at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
         S = tl.load(XS + at, mask=state_ok & real, other=0.0)
         R = tl.load(XR + at, mask=state_ok & real, other=0.0)
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
         M = tl.load(MS + at_m, mask=m_ok & real, other=0.0)
         tl.store(XS + at, dP, mask=state_ok & real)  # the chunk's end-state gradients
         tl.store(XR + at, dE, mask=state_ok & real)

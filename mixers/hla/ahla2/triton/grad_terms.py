@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import chunk_block, chunk_offsets
 from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
@@ -26,12 +27,7 @@ def ahla2_grad_terms_kernel(Q, K, V, LOG_G, DO, XS, XR, MS, T, H, D, DV, DVP, NT
                             NORMALIZE: tl.constexpr, HAS_DECAY: tl.constexpr,
                             PRECISION: tl.constexpr):
     acc: tl.constexpr = XS.dtype.element_ty
-    chunk = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    b, h = bh // H, bh % H
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
+    chunk, pid_v, b, h, bh, dk, cols = chunk_block(H, BD, BV)
     q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
         Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
@@ -44,11 +40,10 @@ def ahla2_grad_terms_kernel(Q, K, V, LOG_G, DO, XS, XR, MS, T, H, D, DV, DVP, NT
     R = tl.dot(qg, tl.dot(tl.trans(A), dO, input_precision=PRECISION),
                input_precision=PRECISION)
     d_ok = dk < D
-    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+    at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     ok = d_ok[:, None] & c_ok[None, :]
     tl.store(XS + at, S, mask=ok)
     tl.store(XR + at, R, mask=ok)
     if pid_v == 0:
         M = tl.dot(tl.trans(k * g_out[:, None]), q * g_in[:, None], input_precision=PRECISION)
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
         tl.store(MS + at_m, M, mask=d_ok[:, None] & d_ok[None, :])

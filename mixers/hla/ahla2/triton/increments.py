@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import chunk_block, chunk_offsets
 from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
@@ -27,12 +28,7 @@ def ahla2_increments_kernel(Q, K, V, LOG_G, DPS, NS, MS, T, H, D, DV, DVP, NT,
                             NORMALIZE: tl.constexpr, HAS_DECAY: tl.constexpr,
                             PRECISION: tl.constexpr):
     acc: tl.constexpr = DPS.dtype.element_ty
-    chunk = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    b, h = bh // H, bh % H
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
+    chunk, pid_v, b, h, bh, dk, cols = chunk_block(H, BD, BV)
     q, k, v, A, weights, g_in, g_out, g_n, t, t_ok = chunk_terms(
         Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
@@ -41,11 +37,10 @@ def ahla2_increments_kernel(Q, K, V, LOG_G, DPS, NS, MS, T, H, D, DV, DVP, NT,
     dP = tl.dot(ks, v, input_precision=PRECISION)
     N = tl.dot(ks, tl.dot(A, v, input_precision=PRECISION), input_precision=PRECISION)
     d_ok = dk < D
-    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+    at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     ok = d_ok[:, None] & (cols < DVP)[None, :]
     tl.store(DPS + at, dP, mask=ok)
     tl.store(NS + at, N, mask=ok)
     if pid_v == 0:  # M does not depend on the values: the first value block writes it
         M = tl.dot(ks, q * g_in[:, None], input_precision=PRECISION)
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
         tl.store(MS + at_m, M, mask=d_ok[:, None] & d_ok[None, :])

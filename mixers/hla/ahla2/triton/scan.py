@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
+from mixers.hla.tiles import chunk_offsets, value_block
 
 
 @triton.jit
@@ -32,10 +32,9 @@ def ahla2_scan_kernel(LOG_G, P0, E0, P1, E1, XP, XE, MS, T, H, D, DVP, NT,
     m_ok = d_ok[:, None] & d_ok[None, :]
     for chunk in range(NT_BOUND):  # steps past the last chunk load zeros and change nothing
         real = chunk < NT
-        at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+        at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
         dP = tl.load(XP + at, mask=state_ok & real, other=0.0)
         N = tl.load(XE + at, mask=state_ok & real, other=0.0)
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
         M = tl.load(MS + at_m, mask=m_ok & real, other=0.0)
         tl.store(XP + at, P, mask=state_ok & real)  # the chunk's start states, in place
         tl.store(XE + at, E, mask=state_ok & real)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
+from mixers.hla.tiles import chunk_offsets, value_block
 
 
 @triton.jit
@@ -30,8 +30,7 @@ def hla3_grad_scan_kernel(DS1, DP1, DF1, DS0, DP0, DF0, XF, XP, XZ, XY, XM, B, H
     for step in range(NT_BOUND):  # chunks past the last load zeros and change nothing
         chunk = NT_BOUND - 1 - step
         real = chunk < NT
-        at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
+        at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
         at_y = ((bh * NT + chunk) * BLOCKS + pid_v).to(tl.int64) * D * D \
             + dk[:, None] * D + dk[None, :]
         XFc = tl.load(XF + at, mask=state_ok & real, other=0.0)

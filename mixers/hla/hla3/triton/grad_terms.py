@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import chunk_block, chunk_offsets
 from mixers.hla.hla3.triton.increments import hla3_chunk_rows
 
 
@@ -26,12 +27,7 @@ def hla3_grad_terms_kernel(Q, K, V, SS, PS, DO, XF, XP, XZ, XY, XM, T, H, D, DV,
                            C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                            NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = XP.dtype.element_ty
-    chunk = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    b, h = bh // H, bh % H
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
+    chunk, pid_v, b, h, bh, dk, cols = chunk_block(H, BD, BV)
     q, k, v, A, LA, t, t_ok = hla3_chunk_rows(
         Q, K, V, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh, stride_kb,
         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE, PRECISION, acc)
@@ -41,8 +37,7 @@ def hla3_grad_terms_kernel(Q, K, V, SS, PS, DO, XF, XP, XZ, XY, XM, T, H, D, DV,
     c_ok = cols < DVP
     ok = d_ok[:, None] & c_ok[None, :]
     m_ok = d_ok[:, None] & d_ok[None, :]
-    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
-    at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
+    at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     P0 = tl.load(PS + at, mask=ok, other=0.0).to(acc)
     S0 = tl.load(SS + at_m, mask=m_ok, other=0.0).to(acc)
     dO = tl.load(DO + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values
+from mixers.hla.tiles import chunk_block, chunk_offsets, load_rows, load_values
 
 
 @triton.jit
@@ -46,26 +46,20 @@ def hla3_increments_kernel(Q, K, V, XS, XG, XJ, XP, XH, XL, T, H, D, DV, DVP, NT
                            C: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
                            NORMALIZE: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = XP.dtype.element_ty
-    chunk = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    b, h = bh // H, bh % H
-    dk = tl.arange(0, BD)
-    cols = pid_v * BV + tl.arange(0, BV)
+    chunk, pid_v, b, h, bh, dk, cols = chunk_block(H, BD, BV)
     q, k, v, A, LA, t, t_ok = hla3_chunk_rows(
         Q, K, V, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh, stride_kb,
         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE, PRECISION, acc)
     kt = tl.trans(k)
     LAV = tl.dot(LA, v, input_precision=PRECISION)
     d_ok = dk < D
-    at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
+    at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     ok = d_ok[:, None] & (cols < DVP)[None, :]
     tl.store(XP + at, tl.dot(kt, v, input_precision=PRECISION), mask=ok)
     tl.store(XH + at, tl.dot(tl.trans(q), LAV, input_precision=PRECISION), mask=ok)
     KLA = tl.dot(kt, tl.trans(LA), input_precision=PRECISION)  # K^T LA^T, d x C
     tl.store(XL + at, tl.dot(KLA, LAV, input_precision=PRECISION), mask=ok)
     if pid_v == 0:
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
         m_ok = d_ok[:, None] & d_ok[None, :]
         tl.store(XS + at_m, tl.dot(kt, k, input_precision=PRECISION), mask=m_ok)
         tl.store(XG + at_m, tl.dot(tl.trans(q), q, input_precision=PRECISION), mask=m_ok)

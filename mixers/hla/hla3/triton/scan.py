@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
+from mixers.hla.tiles import chunk_offsets, value_block
 
 
 @triton.jit
@@ -29,8 +29,7 @@ def hla3_scan_kernel(S0, P0, F0, S1, P1, F1, SS, XS, XG, XJ, XP, XH, XL, H, D, D
     F = tl.load(F0 + state, mask=state_ok, other=0.0).to(acc)
     for chunk in range(NT_BOUND):  # steps past the last chunk load zeros and change nothing
         real = chunk < NT
-        at = (bh * NT + chunk).to(tl.int64) * D * DVP + dk[:, None] * DVP + cols[None, :]
-        at_m = (bh * NT + chunk).to(tl.int64) * D * D + dk[:, None] * D + dk[None, :]
+        at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
         dS = tl.load(XS + at_m, mask=m_ok & real, other=0.0)
         G = tl.load(XG + at_m, mask=m_ok & real, other=0.0)
         J = tl.load(XJ + at_m, mask=m_ok & real, other=0.0)
