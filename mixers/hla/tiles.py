@@ -62,3 +62,10 @@ def chunk_offsets(bh, NT, chunk, D, DVP, dk, cols):
     base = (bh * NT + chunk).to(tl.int64) * D
     return (base * DVP + dk[:, None] * DVP + cols[None, :],
             base * D + dk[:, None] * D + dk[None, :])
+
+
+@triton.jit
+def packed_offsets(b, t, h, T, H, DVP, cols):
+    """Offsets of rows t, columns `cols` of head h of batch row b in a packed
+    `[B, T, H, DVP]` tensor (the outputs and their gradients)."""
+    return ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]

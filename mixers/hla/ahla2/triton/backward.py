@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
-from mixers.hla.ahla2.triton.forward import log_decay, precision
+from mixers.hla.tiles import packed_offsets, value_block
+from mixers.hla.ahla2.triton.forward import log_decay, precision, token_strides
 from mixers.hla.ahla2.triton.grad_chunks import ahla2_grad_chunks_kernel
 from mixers.hla.ahla2.triton.grad_scan import ahla2_grad_scan_kernel
 from mixers.hla.ahla2.triton.grad_terms import ahla2_grad_terms_kernel
@@ -48,7 +48,7 @@ def ahla2_backward_kernel(Q, K, V, LOG_G, PS, ES, DO, DP1, DE1, DQ, DK, DVAL, DP
             Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols, stride_qb, stride_qt, stride_qh,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
             HAS_DECAY, PRECISION, acc)
-        out_at = ((b * T + t[:, None]) * H + h) * DVP + cols[None, :]
+        out_at = packed_offsets(b, t, h, T, H, DVP, cols)
         dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
         at = (bh * NT + chunk) * D * DVP + dk[:, None] * DVP + cols[None, :]
         P0 = tl.load(PS + at, mask=state_ok & (chunk < NT), other=0.0).to(acc)
@@ -95,8 +95,7 @@ def backward(q, k, v, decay, P_starts, E_starts, grad_out, grad_P, grad_E, norma
     ahla2_backward_kernel[(blocks, B * H)](
         q, k, v, log_g if log_g is not None else zeros, P_starts, E_starts, grad_out, grad_P,
         grad_E, dq_parts, dk_parts, dv, dP0, dE0, B, T, H, D, Dv, width, NT,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        *token_strides(q, k, v),
         C=plan.chunk, BD=plan.block_d, BV=plan.block_v, NT_BOUND=triton.next_power_of_2(NT),
         NORMALIZE=normalize, HAS_DECAY=decay is not None, PRECISION=precision(q.dtype),
         num_warps=plan.warps)
@@ -114,8 +113,7 @@ def _staged(q, k, v, log_g, has_decay, P_starts, E_starts, grad_out, grad_P, gra
     blocks = triton.cdiv(width, plan.block_v)
     XS, XR = torch.empty_like(P_starts), torch.empty_like(P_starts)
     MS = torch.empty(B * H, NT, D, D, dtype=P_starts.dtype, device=q.device)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
+    strides = token_strides(q, k, v)
     common = dict(C=plan.chunk, BD=plan.block_d, BV=plan.block_v, HAS_DECAY=has_decay,
                   PRECISION=precision(q.dtype), num_warps=plan.warps)
     ahla2_grad_terms_kernel[(NT, blocks, B * H)](

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
+from mixers.hla.tiles import packed_offsets, value_block
 from mixers.hla.ahla2.triton.increments import ahla2_increments_kernel
 from mixers.hla.ahla2.triton.output import ahla2_output_kernel
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
@@ -57,7 +57,7 @@ def ahla2_forward_kernel(Q, K, V, LOG_G, P0, E0, O, P1, E1, PS, ES, T, H, D, DV,
         ks = tl.trans(k * g_out[:, None])
         P = P * g_n + tl.dot(ks, v, input_precision=PRECISION)
         E = E * g_n + tl.dot(ks, U, input_precision=PRECISION)
-        tl.store(O + ((b * T + t[:, None]) * H + h) * DVP + cols[None, :], out.to(acc),
+        tl.store(O + packed_offsets(b, t, h, T, H, DVP, cols), out.to(acc),
                  mask=t_ok[:, None] & (cols < DVP)[None, :])
     tl.store(P1 + state, P, mask=state_ok)
     tl.store(E1 + state, E, mask=state_ok)
@@ -67,6 +67,11 @@ def precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: exact for float32 and float64 inputs, tf32 for 16-bit ones
     (their products are no finer than tf32's mantissa)."""
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def token_strides(q, k, v) -> tuple[int, ...]:
+    """The batch, token and head strides of q, k and v, in the order the kernels take them."""
+    return tuple(x.stride(i) for x in (q, k, v) for i in range(3))
 
 
 def log_decay(decay, dtype):
@@ -95,9 +100,7 @@ def forward(q, k, v, P0, E0, decay, normalize: bool, plan: AHLA2Plan, keep_state
     ahla2_forward_kernel[grid](
         q, k, v, log_g if log_g is not None else P0, P0.contiguous(), E0.contiguous(), out, P1,
         E1, starts[0] if keep_states else P1, starts[1] if keep_states else E1, T, H, D, Dv,
-        width, NT,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        width, NT, *token_strides(q, k, v),
         C=plan.chunk, BD=plan.block_d, BV=plan.block_v,
         NT_BOUND=triton.next_power_of_2(NT), NORMALIZE=normalize, HAS_DECAY=decay is not None,
         STORE_STATES=keep_states, PRECISION=precision(q.dtype), num_warps=plan.warps)
@@ -119,8 +122,7 @@ def _staged(q, k, v, P0, E0, decay, normalize, plan, keep_states):
     P1, E1 = torch.empty_like(P0), torch.empty_like(E0)
     log_g = log_decay(decay, dtype)
     log_g = log_g if log_g is not None else P0
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
+    strides = token_strides(q, k, v)
     blocks = triton.cdiv(width, plan.block_v)
     common = dict(C=plan.chunk, BD=plan.block_d, BV=plan.block_v, HAS_DECAY=decay is not None,
                   PRECISION=precision(q.dtype), num_warps=plan.warps)

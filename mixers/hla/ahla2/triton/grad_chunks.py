@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets
+from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
 from mixers.hla.ahla2.triton.terms import chunk_grads, chunk_terms
 
 
@@ -28,7 +28,7 @@ def ahla2_grad_chunks_kernel(Q, K, V, LOG_G, PS, ES, GP, GE, DO, DQ, DK, DVAL,
         HAS_DECAY, PRECISION, acc)
     c_ok = cols < DVP
     d_ok = dk < D
-    out_at = ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]
+    out_at = packed_offsets(b, t, h, T, H, DVP, cols)
     dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
     at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     ok = d_ok[:, None] & c_ok[None, :]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets
+from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
 from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
@@ -33,7 +33,7 @@ def ahla2_grad_terms_kernel(Q, K, V, LOG_G, DO, XS, XR, MS, T, H, D, DV, DVP, NT
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, C, NORMALIZE,
         HAS_DECAY, PRECISION, acc)
     c_ok = cols < DVP
-    out_at = ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]
+    out_at = packed_offsets(b, t, h, T, H, DVP, cols)
     dO = tl.load(DO + out_at, mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
     qg = tl.trans(q * g_in[:, None])
     S = tl.dot(qg, dO, input_precision=PRECISION)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets
+from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
 from mixers.hla.ahla2.triton.terms import chunk_terms
 
 
@@ -33,5 +33,5 @@ def ahla2_output_kernel(Q, K, V, LOG_G, PS, ES, O, T, H, D, DV, DVP, NT,
     qg = q * g_in[:, None]
     U = tl.dot(qg, P, input_precision=PRECISION) + tl.dot(A, v, input_precision=PRECISION)
     out = tl.dot(qg, E, input_precision=PRECISION) + tl.dot(A, U, input_precision=PRECISION)
-    tl.store(O + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],
+    tl.store(O + packed_offsets(b, t, h, T, H, DVP, cols),
              out.to(acc), mask=t_ok[:, None] & (cols < DVP)[None, :])

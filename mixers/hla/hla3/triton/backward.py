@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mixers.hla.ahla2.triton.forward import precision
+from mixers.hla.ahla2.triton.forward import precision, token_strides
 from mixers.hla.hla3.triton.grad_chunks import hla3_grad_chunks_kernel
 from mixers.hla.hla3.triton.grad_scan import hla3_grad_scan_kernel
 from mixers.hla.hla3.triton.grad_terms import hla3_grad_terms_kernel
@@ -42,8 +42,7 @@ def backward(q, k, v, starts, grads, normalize: bool, plan: HLA3Plan):
     XF, XP, XZ = (torch.empty_like(P_starts) for _ in range(3))
     XY = torch.empty(B * H, NT, blocks, D, D, dtype=dtype, device=q.device)
     XM = torch.empty_like(S_starts)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
+    strides = token_strides(q, k, v)
     common = dict(BD=plan.block_d, BV=plan.block_v, PRECISION=precision(q.dtype),
                   num_warps=plan.warps)
     hla3_grad_terms_kernel[(NT, blocks, B * H)](

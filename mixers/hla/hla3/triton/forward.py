@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values, value_block
-from mixers.hla.ahla2.triton.forward import precision
+from mixers.hla.tiles import load_rows, load_values, packed_offsets, value_block
+from mixers.hla.ahla2.triton.forward import precision, token_strides
 from mixers.hla.hla3.triton.increments import hla3_increments_kernel
 from mixers.hla.hla3.triton.output import hla3_output_kernel
 from mixers.hla.hla3.triton.plan import HLA3Plan
@@ -73,7 +73,7 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D,
         F += tl.dot(tl.trans(k), LAr, input_precision=PRECISION)
         S += tl.dot(tl.trans(k), k, input_precision=PRECISION)
         P += tl.dot(tl.trans(k), v, input_precision=PRECISION)
-        tl.store(O + ((b * T + t[:, None]) * H + h) * DVP + cols[None, :], out.to(acc),
+        tl.store(O + packed_offsets(b, t, h, T, H, DVP, cols), out.to(acc),
                  mask=t_ok[:, None] & (cols < DVP)[None, :])
     tl.store(S1 + moment, S, mask=moment_ok & (pid_v == 0))
     tl.store(P1 + state, P, mask=state_ok)
@@ -104,8 +104,7 @@ def forward(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan, keep_states: b
         q, k, v, S0, P0, F0, out, S1, P1, F1,
         *(start if keep_states else final for start, final in zip(starts, (S1, P1, F1))),
         T, H, D, Dv, width, NT,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        *token_strides(q, k, v),
         C=plan.chunk, BD=plan.block_d, BV=plan.block_v, NT_BOUND=triton.next_power_of_2(NT),
         NORMALIZE=normalize, STORE_STATES=keep_states, PRECISION=precision(q.dtype),
         num_warps=plan.warps)
@@ -127,8 +126,7 @@ def _staged(q, k, v, S0, P0, F0, normalize, plan, keep_states):
                   for _ in range(3))
     out = torch.empty(B, T, H, width, dtype=dtype, device=q.device)
     S1, P1, F1 = torch.empty_like(S0), torch.empty_like(P0), torch.empty_like(F0)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
+    strides = token_strides(q, k, v)
     blocks = triton.cdiv(width, plan.block_v)
     common = dict(BD=plan.block_d, BV=plan.block_v, PRECISION=precision(q.dtype),
                   num_warps=plan.warps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets
+from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
 from mixers.hla.hla3.triton.grads import hla3_chunk_grads
 from mixers.hla.hla3.triton.increments import hla3_chunk_rows
 
@@ -38,7 +38,7 @@ def hla3_grad_chunks_kernel(Q, K, V, SS, PS, FS, GS, GP, GF, DO, DQ, DK, DVAL,
     dS = tl.load(GS + at_y, mask=m_ok, other=0.0).to(acc)
     dP = tl.load(GP + at, mask=ok, other=0.0).to(acc)
     dF = tl.load(GF + at, mask=ok, other=0.0).to(acc)
-    dO = tl.load(DO + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],
+    dO = tl.load(DO + packed_offsets(b, t, h, T, H, DVP, cols),
                  mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
     dQ, dK, dV, dBm, dr, r = hla3_chunk_grads(q, k, v, A, LA, dO, S0, P0, F0, dS, dP, dF, C,
                                               PRECISION, acc)

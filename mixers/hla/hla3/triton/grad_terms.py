@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets
+from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
 from mixers.hla.hla3.triton.increments import hla3_chunk_rows
 
 
@@ -40,7 +40,7 @@ def hla3_grad_terms_kernel(Q, K, V, SS, PS, DO, XF, XP, XZ, XY, XM, T, H, D, DV,
     at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
     P0 = tl.load(PS + at, mask=ok, other=0.0).to(acc)
     S0 = tl.load(SS + at_m, mask=m_ok, other=0.0).to(acc)
-    dO = tl.load(DO + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],
+    dO = tl.load(DO + packed_offsets(b, t, h, T, H, DVP, cols),
                  mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
     r = tl.dot(q, P0, input_precision=PRECISION) + tl.dot(LA, v, input_precision=PRECISION)
     QS = tl.dot(q, S0, input_precision=PRECISION)

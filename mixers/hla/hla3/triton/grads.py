@@ -1,6 +1,7 @@
-"""The gradients of one causal hla3 chunk (the backward's third stage, grad_chunks.py). From the chunk's rows, its start states (S0, P0,
-F0) and the gradients of its end states (dS, this value block's part; dP, dF), with
-r = Q P0 + LA V, Bm = L * ((Q S0) Q^T + A LA^T) and Y = LA^T r (S0 and so S^K symmetric):
+"""The gradients of one causal hla3 chunk (the backward's third stage, grad_chunks.py).
+From the chunk's rows, its start states (S0, P0, F0) and the gradients of its end states
+(dS, this value block's part; dP, dF), with r = Q P0 + LA V,
+Bm = L * ((Q S0) Q^T + A LA^T) and Y = LA^T r (S0 and so S^K symmetric):
 
     dr  = Bm^T dO + (Q S0) dF + LA (K dF)          dBm = L * (dO r^T)
     dLA = dr V^T + dBm^T A + r (K dF)^T            dA  = dBm LA + L * dLA

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets
+from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
 from mixers.hla.hla3.triton.increments import hla3_chunk_rows
 
 
@@ -37,5 +37,5 @@ def hla3_output_kernel(Q, K, V, SS, PS, FS, O, T, H, D, DV, DVP, NT,
     Bm += tl.dot(A, tl.trans(LA), input_precision=PRECISION)
     Bm = tl.where(rows[:, None] >= rows[None, :], Bm, 0.0).to(acc)
     out = tl.dot(q, F, input_precision=PRECISION) + tl.dot(Bm, r, input_precision=PRECISION)
-    tl.store(O + ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :],
+    tl.store(O + packed_offsets(b, t, h, T, H, DVP, cols),
              out.to(acc), mask=t_ok[:, None] & (cols < DVP)[None, :])
