@@ -7,6 +7,11 @@ Stacked form: `forward_stacked(params, x)` runs N independent copies of a layer 
 the copies' parameters stacked on a leading dimension (`params[name]` is `[N, *shape]` for
 each of the layer's parameter names) and x `[N, B, T, d_model]`. The N copies share the op,
 whose batch rows are independent, so they go through one op call with N * B rows.
+
+Under `torch.compile` a layer whose class sets `TRACEABLE_STACKED` compiles around its op:
+the projections, convolution, norms and casts fuse, and the op itself (Triton launchers,
+autotuners, fla and mamba kernels that the compiler cannot trace) runs through `opaque`, a
+graph break.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
         x = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))
         return self.conv(x).transpose(1, 2)
+
+
+@torch.compiler.disable
+def opaque(function: Callable, *args, **kwargs):
+    """`function(*args, **kwargs)`, never traced by torch.compile (eager as ever otherwise)."""
+    return function(*args, **kwargs)
 
 
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -75,6 +86,8 @@ class MixerLayer(nn.Module):
     The q/k/v projection's output is laid out [q of every head, k of every head, v of every
     head]; `tasks.stacked` relies on that layout and on the attribute names.
     """
+
+    TRACEABLE_STACKED = True  # forward_stacked runs its op through `opaque`
 
     def __init__(self, d_model: int, n_heads: int, op: Callable, *, qk_norm: str = "l2",
                  short_conv: int = 0, output_norm: bool = False, head_dim: int | None = None,
@@ -135,7 +148,7 @@ class MixerLayer(nn.Module):
             q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
         elif self.qk_norm == "scale":
             q = q * self.key_dim ** -0.5
-        o, _ = self.op(q, k, v, **self.op_kwargs())
+        o, _ = opaque(self.op, q, k, v, **self.op_kwargs())
         o = o.reshape(N, B * T, self.n_heads, self.head_dim)
         if self.out_norm is not None:
             o = F.rms_norm(o, (self.head_dim,), eps=self.out_norm.eps)

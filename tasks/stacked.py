@@ -168,10 +168,11 @@ class StackedLM:
             single = {name: value[0] for name, value in params.items()}
             return functional_call(block.mixer, single, (x[0],)).unsqueeze(0)
         forward = block.mixer.forward_stacked
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and not getattr(block.mixer, "TRACEABLE_STACKED", False):
             # Mixers run their own kernels (Triton launchers, autotuners, fla and mamba ops)
-            # that torch.compile cannot trace: under compilation the mixer layer stays eager,
-            # and the embedding, norms, residuals, head and loss around it are compiled.
+            # that torch.compile cannot trace. A layer that marks itself TRACEABLE_STACKED
+            # keeps its op out of the trace itself (mixers.layer.opaque) and compiles around
+            # it; any other mixer layer stays eager as a whole.
             forward = torch.compiler.disable(forward)
         return forward(params, x)
 
