@@ -197,7 +197,14 @@ class FiniteInputs:
         return x + nan.view(*mask.shape, *(1,) * (x.dim() - mask.dim()))
 
     def outputs(self, o: torch.Tensor) -> torch.Tensor:
-        seen = self._bad_tokens(o.shape[2]).cumsum(1) > 0  # from the first bad token on
+        bad = self._bad_tokens(o.shape[2])                       # [B, T, H]
+        # from the first bad token on: the first True along T by argmax (a reduction; a
+        # cumulative sum along T, a strided scan, costs a multiple of the op at long T)
+        T = bad.shape[1]
+        if T == 0:
+            return o
+        first = torch.where(bad.any(1), bad.to(torch.uint8).argmax(1), T)  # [B, H]
+        seen = torch.arange(T, device=bad.device)[None, :, None] >= first[:, None, :]
         return self._poison(o, seen)
 
     def state(self, state):
