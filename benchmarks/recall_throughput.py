@@ -28,18 +28,6 @@ import yaml
 WARMUP_STEPS = 5
 
 
-def mps_active() -> bool:
-    """Whether a CUDA MPS control daemon runs on this host: with it, the processes of a
-    sweep run their kernels on the GPU at the same time instead of in turns."""
-    for status in Path("/proc").glob("[0-9]*/comm"):
-        try:
-            if status.read_text().strip() == "nvidia-cuda-mps":
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def _init(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -174,6 +162,7 @@ def main() -> None:
         parser.error(f"--modes takes stacked, alone and profile, got {args.modes!r}")
 
     from hla_bench import configs, registry
+    from hla_bench.processes import cuda_mps_active
     from hla_bench.recall import load_config, plan_runs
     from hla_bench.training import plan_groups
 
@@ -186,7 +175,7 @@ def main() -> None:
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
-              "mps": mps_active(), "compile": args.compile, "cells": []}
+              "mps": cuda_mps_active(), "compile": args.compile, "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
         runs = [{**s, "num_train": args.num_train,

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 
 def exit_with_parent(parent: int) -> None:
@@ -36,3 +37,16 @@ def how_it_ended(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def cuda_mps_active(proc: str | Path = "/proc") -> bool:
+    """Whether a CUDA MPS control daemon runs on this host. Without one, the processes that
+    share a GPU take turns on it; with one, their kernels run side by side, which is what
+    several recall workers per GPU need to fill it."""
+    for comm in Path(proc).glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip().startswith("nvidia-cuda-mps"):
+                return True
+        except OSError:
+            continue
+    return False

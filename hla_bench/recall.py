@@ -30,6 +30,7 @@ from rich.text import Text
 
 import tasks
 from hla_bench import configs, registry
+from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.tables import print_table
@@ -626,6 +627,12 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                             g[0]["params"])["seq_len"])
         console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({len(runnable)} to train in "
                       f"{len(groups)} groups) on {device}, {workers} worker(s)")
+        gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+        if gpus and min(workers, len(groups)) > gpus and not cuda_mps_active():
+            console.print(f"[yellow]note[/]: {min(workers, len(groups))} workers share "
+                          f"{gpus} GPU(s) without CUDA MPS, so they take turns on it; with "
+                          "MPS (`nvidia-cuda-mps-control -d`) their kernels run side by side "
+                          "(docs/method.md)")
         if finished:
             console.print(f"resuming: {len(finished)} finished run(s) kept from "
                           f"{escape(str(store.path))}")

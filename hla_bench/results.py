@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hla_bench import __version__
+from hla_bench.processes import cuda_mps_active
 from hla_bench import store
 from hla_bench.engine import records
 from hla_bench.engine.config import SweepConfig
@@ -115,6 +116,7 @@ def capture_environment(device: str) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name()
         env["gpu_count"] = torch.cuda.device_count()
         env["cudnn"] = torch.backends.cudnn.version()
+        env["cuda_mps"] = cuda_mps_active()
         try:
             env["driver"] = subprocess.run(
                 ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

@@ -98,3 +98,17 @@ def test_workers_die_with_their_sweep(tmp_path):
     while time.monotonic() < deadline and any(alive(pid) for pid in everyone):
         time.sleep(0.2)
     assert not [pid for pid in everyone if alive(pid)], "processes outlived the sweep"
+
+
+def test_cuda_mps_is_seen_by_its_daemon_process(tmp_path):
+    """A recall sweep notes when its GPU workers take turns without MPS: the daemon is found
+    by its process name (truncated to 15 characters, as /proc shows it)."""
+    from hla_bench.processes import cuda_mps_active
+
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "comm").write_text("python3\n")
+    (tmp_path / "self").mkdir()
+    assert not cuda_mps_active(tmp_path)
+    (tmp_path / "345").mkdir()
+    (tmp_path / "345" / "comm").write_text("nvidia-cuda-mps\n")
+    assert cuda_mps_active(tmp_path)
