@@ -152,6 +152,9 @@ def main() -> None:
     parser.add_argument("--modes", default="stacked,alone",
                         help="comma-separated: stacked, alone (the two rates and their ratio), "
                              "profile (each group alone: graph step time, ops by GPU time)")
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="stacked mode: at most this many groups train at once (0: all "
+                             "of a cell's groups; wide models may need fewer to fit the GPU)")
     parser.add_argument("--compile", action="store_true",
                         help="stacked and profile modes: compile each group's step "
                              "(torch.compile) before it is captured")
@@ -160,6 +163,8 @@ def main() -> None:
     modes = set(args.modes.split(","))
     if not modes or modes - {"stacked", "alone", "profile"}:
         parser.error(f"--modes takes stacked, alone and profile, got {args.modes!r}")
+    if args.concurrency < 0:
+        parser.error(f"--concurrency must be >= 0, got {args.concurrency}")
 
     from hla_bench import configs, registry
     from hla_bench.processes import cuda_mps_active
@@ -188,7 +193,9 @@ def main() -> None:
                  "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
         try:
             if "stacked" in modes:
-                entry["stacked"] = _rate(stacked := _pool(_stacked, groups, len(groups), args.steps,
+                at_once = min(len(groups), args.concurrency or len(groups))
+                entry["concurrency"] = at_once
+                entry["stacked"] = _rate(stacked := _pool(_stacked, groups, at_once, args.steps,
                                                        args.compile))
                 entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
                                                   if r["graph_failure"]})
