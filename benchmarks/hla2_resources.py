@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the hla2 Triton kernels on Hopper, without a GPU.
 
-    python benchmarks/hla2_resources.py [--head-dim 128] [--seq-len 4096] [--batch 1]
+    python benchmarks/hla2_resources.py [--head-dim 128] [--value-dim D] [--seq-len 4096]
+                                        [--batch 1]
                                         [--heads 2] [--backward] [--normalize] [--decay]
                                         [--yaml out.yaml]
 
@@ -49,9 +50,10 @@ KERNELS = {"chunk_increments_kernel": increments, "state_scan_kernel": scans,
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
-def capture_launches(B, T, H, D, backward, normalize, decay):
+def capture_launches(B, T, H, D, backward, normalize, decay, DV=None):
     """[(kernel name, JITFunction, args, kwargs)] of one hla2_triton call (and its backward)
-    on [B, T, H, D] bf16 CPU tensors, with the kernels replaced by recorders."""
+    on [B, T, H, D] bf16 CPU tensors (v [B, T, H, DV], DV = D by default), with the kernels
+    replaced by recorders."""
     launches = []
 
     class Recorder:
@@ -67,8 +69,8 @@ def capture_launches(B, T, H, D, backward, normalize, decay):
         setattr(module, name, Recorder(name))
     os.environ["TRITON_INTERPRET"] = "1"  # the dispatcher's device check; nothing runs
     try:
-        q, k, v = (torch.randn(B, T, H, D, dtype=torch.bfloat16, requires_grad=backward)
-                   for _ in range(3))
+        q, k, v = (torch.randn(B, T, H, dim, dtype=torch.bfloat16, requires_grad=backward)
+                   for dim in (D, D, DV or D))
         g = torch.full((H,), 0.99) if decay else None
         o, _ = hla2_triton(q, k, v, normalize=normalize, decay=g)
         if backward:
@@ -115,7 +117,9 @@ def resource_usage(compiled):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="any of 1 to 256 (not a power of two: padded inside the kernels)")
+    parser.add_argument("--value-dim", type=int, help="Dv (default: the head dim)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=2,
@@ -127,10 +131,11 @@ def main():
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     launches = capture_launches(args.batch, args.seq_len, args.heads, args.head_dim,
-                                args.backward, args.normalize, args.decay)
+                                args.backward, args.normalize, args.decay, args.value_dim)
     rows, seen = [], set()
     for name, fn, call_args, kwargs in launches:
-        shown = {k: v for k, v in kwargs.items() if k in ("D", "DV", "C", "BR", "BT", "BV", "BD",
+        shown = {k: v for k, v in kwargs.items() if k in ("D", "DV", "PD", "PDV", "C", "BR",
+                                                          "BT", "BV", "BD", "BC",
                                                           "SEG", "CL", "WANT_Q", "WANT_K",
                                                           "WANT_V", "SUMMARY")}
         for warps in TUNED_WARPS.get(name, (kwargs.get("num_warps", 4),)):

@@ -18,8 +18,9 @@ when a check fails.
     python benchmarks/hla2_verify_forced.py --normalize-precision [--yaml out.yaml]
 
 checks instead normalize's outputs on the default plan in bf16 at T up to 65,536 and head
-dims 16 to 128 (verify's positive features, one batch row, two heads): the max-abs error
-against the PyTorch chunk form in float64 on the same rounded inputs must stay within 1e-2.
+dims 16 to 192 (80 and 192 are not powers of two; verify's positive features, one batch
+row, two heads): the max-abs error against the PyTorch chunk form in float64 on the same
+rounded inputs must stay within 1e-2.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def run_case(case, *, from_chunk, chunk_size, seed, seq_len, dtype_name, device)
 
 
 PRECISION_LENGTHS = (1100, 4096, 16384, 65536)
-PRECISION_DIMS = (16, 32, 64, 128)
+PRECISION_DIMS = (16, 32, 64, 80, 128, 192)  # 80 and 192: held in padded blocks
 PRECISION_TOLERANCE = 1e-2
 
 

@@ -708,7 +708,17 @@ def test_unsupported_reasons():
     assert "masked" in triton_unsupported_reason(q, k, v, **{**kw, "masked": False})
     assert "ridge" in triton_unsupported_reason(q, k, v, **{**kw, "ridge": 0.1})
     q24 = torch.zeros(1, 8, 2, 24, device=DEVICE)
-    assert "head dims" in triton_unsupported_reason(q24, q24, v, **kw)
+    assert triton_unsupported_reason(q24, q24, v, **kw) is None  # any head dim up to 256
+    q257 = torch.zeros(1, 8, 2, 257, device=DEVICE)
+    assert "head dims from 1 to 256" in triton_unsupported_reason(q257, q257, v, **kw)
+    assert "head dims" in triton_unsupported_reason(q, k, q257, **kw)
+    q136 = torch.zeros(1, 8, 2, 136, device=DEVICE)  # fp32 above 128: the chunked op only
+    assert "bf16 inputs only" in triton_unsupported_reason(q, k, q136, **kw)
+    assert "bf16 inputs only" in triton_unsupported_reason(*(x.half() for x in (q, k, q136)),
+                                                           **kw)
+    assert triton_unsupported_reason(q136, q136, v, **kw, step=True) is None
+    assert triton_unsupported_reason(q136.bfloat16(), q136.bfloat16(), v.bfloat16(),
+                                     **kw) is None
     assert "float" in triton_unsupported_reason(q.double(), k.double(), v.double(), **kw)
     g = torch.tensor([0.9, 0.9], device=DEVICE)
     assert triton_unsupported_reason(q, k, v, **{**kw, "decay": g}) is None
@@ -1070,3 +1080,149 @@ def test_bf16_normalize_max_abs_error(bf16_dots):
         o, _ = hla2_triton(q, k, v, normalize=True, eps=1e-6, chunk_size=64)
     want = hla2_naive(q.double(), k.double(), v.double(), normalize=True, eps=1e-6)
     assert (o.double() - want).abs().max() < 1e-2
+
+
+# ---- head dims that are not powers of two, and above 128 ----------------------------------
+# The kernels hold a head dim in a block of the next power of two from 16 and mask their
+# loads and stores by the true dim. q, k, v and the states are contiguous with their true
+# dims and two heads, so a load past a row's end would read the next head's or token's
+# entries and a store there would overwrite them: unmasked padding changes the results.
+
+@pytest.mark.parametrize("D, Dv, T, chunk_size, normalize, decay, with_state", [
+    (24, 40, 37, 16, False, (0.9, 0.75), True),
+    (48, 16, 50, 32, True, None, True),
+    (80, 96, 40, 32, True, (0.95, 0.8), False)])
+def test_odd_head_dims_match_reference(D, Dv, T, chunk_size, normalize, decay, with_state):
+    """Outputs, final states and the gradients of q, k, v and the initial state against
+    float64 at head dims that are not powers of two (Dv != D)."""
+    q, k, v = make_inputs(1, T, 2, D, Dv, torch.float32, seed=40)
+    if normalize:  # nonnegative features keep the denominator away from zero
+        with torch.no_grad():
+            q.abs_(), k.abs_()
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    state = random_state(1, 2, D, Dv, normalize, seed=41) if with_state else None
+    check_against_reference(q, k, v, chunk_size=chunk_size, normalize=normalize, eps=1e-3,
+                            decay=g, initial_state=state)
+
+
+def test_head_dim_above_128_matches_reference(bf16_dots):
+    """D = 136 is held in a block of 256: the plan's tiles for blocks above 128 (chunks of at
+    most 32, 32-row increments and gradient terms, 16-row scans), with normalize, decay and
+    an initial state, against float64. In bf16: fp16 and fp32 inputs are refused there (their
+    fp32 chunk states' [D, D] tiles do not fit an SM's shared memory), except in the decode
+    step."""
+    q, k, v = make_inputs(1, 37, 2, 136, 24, torch.bfloat16, seed=42)
+    with torch.no_grad():
+        q.abs_(), k.abs_()
+    plan = plan_call(q, k, v, normalize=True, chunk_size=64)
+    assert (plan.chunk, plan.increments_rows, plan.state_scan.rows) == (32, 32, 16)
+    check_against_reference(q, k, v, chunk_size=64, normalize=True, eps=1e-3,
+                            decay=torch.tensor([0.95, 0.9], device=DEVICE),
+                            initial_state=random_state(1, 2, 136, 24, True, seed=43))
+
+
+def test_scans_split_columns(launches):
+    """At head dims whose X tile would exceed 128 x 128 entries (D = Dv = 256, say) the state
+    scan splits A's value columns and the gradient scan gS's key columns over programs, the
+    states going to buffers of their own (the other column blocks still read the
+    increments); forced here in 16-column blocks at D = 24, Dv = 40 over two-level scans, with
+    normalize, decay and an initial state."""
+    q, k, v = make_inputs(1, 40, 2, 24, 40, torch.float32, seed=44)
+    with torch.no_grad():
+        q.abs_(), k.abs_()
+
+    def split(plan):
+        plan = two_level_scans(plan)
+        return replace(plan, states_out_of_place=True,
+                       state_scan=replace(plan.state_scan, cols=16),
+                       grad_scan=replace(plan.grad_scan, cols=16))
+
+    check_against_reference(q, k, v, chunk_size=16, normalize=True, eps=1e-3,
+                            decay=torch.tensor([0.9, 0.8], device=DEVICE),
+                            initial_state=random_state(1, 2, 24, 40, True, seed=45),
+                            variant=split)
+    grids = [(name, grid[0], kw["BC"]) for name in ("state_scan_kernel", "grad_scan_kernel")
+             for grid, kw in launched(launches, name)]
+    # 2 row blocks of 16 (D = 24 in a block of 32) x 4 (Dv = 40 in 64) or 2 (D) column blocks
+    assert grids == [("state_scan_kernel", 8, 16)] * 3 + [("grad_scan_kernel", 4, 16)] * 3
+    plan = plan_launch((1, 64, 2, 256, 256), torch.bfloat16, "cpu", True)
+    assert plan.state_scan.cols == plan.grad_scan.cols == 64 and plan.states_out_of_place
+    with pytest.raises(ValueError, match="needs states_out_of_place"):
+        hla2_triton(q, k, v, chunk_size=16, plan=replace(
+            split(plan_call(q, k, v, chunk_size=16)), states_out_of_place=False))
+
+
+@pytest.mark.parametrize("D, Dv, normalize, decay, shared_kv", [
+    (24, 40, True, (0.9, 0.75), False), (40, 24, False, (0.8, 0.8), True),
+    (200, 72, False, None, False)])
+def test_odd_head_dims_decode_step(D, Dv, normalize, decay, shared_kv):
+    B, T, H = 2, 2, 2
+    q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=46))
+    if shared_kv:
+        k, v = k[:, :, :1], v[:, :, :1]
+    q, k = q.abs(), k.abs()
+    g = None if decay is None else torch.tensor(decay, device=DEVICE)
+    state = {key: x.detach().clone() for key, x in random_state(B, H, D, Dv, normalize).items()}
+    if shared_kv:
+        state["S"] = state["S"][:, :1].contiguous()
+    kh, vh = k.expand(B, T, H, D), v.expand(B, T, H, Dv)
+    ref_o, ref_state = reference(q, kh, vh, {**state, "S": state["S"].expand(B, H, D, D)},
+                                 decay=g, normalize=normalize, eps=1e-3)
+    outs = []
+    for t in range(T):
+        o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, normalize=normalize,
+                                      eps=1e-3, decay=g, decay_form="masked")
+        outs.append(o_t)
+    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
+    if shared_kv:
+        ref_state["S"] = ref_state["S"][:, :1]
+    for key in ref_state:
+        assert frobenius_error(state[key], ref_state[key]) < 1e-4, key
+
+
+def test_odd_head_dims_continue_and_multi_query():
+    """Multi-query k, v (one head) at D = 24, Dv = 40: a prefill's final state continues the
+    sequence in a second call and then in decode steps, as the whole sequence does."""
+    B, T, H, D, Dv = 1, 45, 2, 24, 40
+    q, _, _ = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=47))
+    _, k, v = (x.detach() for x in make_inputs(B, T, 1, D, Dv, torch.float32, seed=48))
+    kw = dict(normalize=False, eps=1e-6, decay=torch.tensor([0.9, 0.9], device=DEVICE),
+              decay_form="masked", output_final_state=True)
+    full, full_state = hla2_triton(q, k, v, chunk_size=16, initial_state=None, **kw)
+    ref_o, ref_final = reference(q, k.expand(B, T, H, D), v.expand(B, T, H, Dv),
+                                 decay=kw["decay"])
+    assert full_state["S"].shape == (B, 1, D, D)
+    assert frobenius_error(full, ref_o) < 1e-4
+    assert frobenius_error(full_state["A"], ref_final["A"]) < 1e-4
+    first, mid = hla2_triton(q[:, :20], k[:, :20], v[:, :20], chunk_size=32,
+                             initial_state=None, **kw)
+    second, last = hla2_triton(q[:, 20:42], k[:, 20:42], v[:, 20:42], chunk_size=16,
+                               initial_state=mid, **kw)
+    outs = [first, second]
+    for t in range(42, T):
+        o_t, last = hla2_step_triton(q[:, t], k[:, t], v[:, t], last, normalize=False,
+                                     eps=1e-6, decay=kw["decay"], decay_form="masked")
+        outs.append(o_t.unsqueeze(1))
+    assert frobenius_error(torch.cat(outs, 1), full) < 1e-4
+    for key in full_state:
+        assert frobenius_error(last[key], full_state[key]) < 1e-4, key
+
+
+def test_paper_odd_head_dims():
+    """The paper decay form at D = 40 (a block of 64), Dv = 24, with an initial state,
+    against float64 (outputs, states, gradients), and its decode step with normalize."""
+    q, k, v = make_inputs(1, 37, 2, 40, 24, torch.float32, seed=49)
+    g = torch.tensor([0.9, 0.8], device=DEVICE)
+    check_paper(q, k, v, decay=g, initial_state=paper_state(1, 2, 40, 24, seed=50))
+    q, k, v = (x.detach().abs()[:, :4] for x in (q, k, v))
+    state = {key: x.detach() for key, x in paper_state(1, 2, 40, 24, True, seed=51).items()}
+    ref_o, ref_state = reference(q, k, v, state, decay_form="paper", decay=g, normalize=True,
+                                 eps=1e-3)
+    outs = []
+    for t in range(4):
+        o_t, state = hla2_step(q[:, t], k[:, t], v[:, t], state, decay=g, decay_form="paper",
+                               normalize=True, eps=1e-3, impl="triton")
+        outs.append(o_t)
+    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
+    for key in ref_state:
+        assert frobenius_error(state[key], ref_state[key]) < 1e-4, key

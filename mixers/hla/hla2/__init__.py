@@ -51,14 +51,16 @@ def _check_state(state, shapes: dict, dtype, device, name: str) -> dict | None:
     return {key: state[key].to(dtype) for key in shapes}
 
 
-def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
-    """Why the Triton form cannot run these inputs, or None (imports the kernels lazily)."""
+def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay,
+                        step=False) -> str | None:
+    """Why the Triton form (the chunked op, or the decode step) cannot run these inputs, or
+    None (imports the kernels lazily)."""
     try:
         from mixers.hla.hla2 import triton as kernels
     except ImportError as error:
         return f"the Triton kernels are not available ({error})"
     return kernels.triton_unsupported_reason(q, k, v, masked=masked, ridge=ridge,
-                                             decay_form=decay_form, decay=decay)
+                                             decay_form=decay_form, decay=decay, step=step)
 
 
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
@@ -150,7 +152,7 @@ def hla2_step(q_t, k_t, v_t, state=None, *, masked=True, normalize=False, eps=1e
         q, k, v, state, "state", masked=masked, normalize=normalize, eps=eps, ridge=ridge,
         decay=decay, decay_form=decay_form)
     impl = _resolve_impl(impl, "torch", q, k, v, masked=masked, ridge=ridge,
-                         decay_form=decay_form, decay=g)
+                         decay_form=decay_form, decay=g, step=True)
     if impl == "triton":  # checked by _resolve_impl
         from mixers.hla.hla2.triton import _step_unchecked
         return _step_unchecked(q_t, k_t, v_t, state, normalize=normalize, eps=eps, decay=g,

@@ -8,7 +8,8 @@ them; every launcher takes the call's LaunchPlan (plan.py), computed once per ca
 shape, dtype, device and whether a backward pass follows:
   common.py      the chunk form's equations, layouts and non-finite rule; shared helpers
   plan.py        what the kernels support; LaunchPlan, ScanPlan, plan_launch
-  increments.py  forward 1: per-chunk increments (grid D/increments_rows x NT x B*H)
+  increments.py  forward 1: per-chunk increments (grid D/increments_rows x NT x B*H; D, Dv
+                 here and below their power-of-two blocks)
   scans.py       forward 2 and backward 2: the state scan and the reverse gradient scan
                  (grid D/rows x n_seg x B*H, a loop over the chunks of a segment)
   output.py      forward 3: outputs per chunk (grid Dv/output_cols x NT C/output_rows x B*H)
@@ -32,20 +33,25 @@ denominator); segment summaries are fp32 and small. Scan loop bounds are powers 
 Supported: masked hla2, no decay, decay_form="masked" or "paper" (per-head decay),
 normalize (masked form: the denominator is a ones value column carried as [D] vectors next
 to A in the same launches), initial_state with gradients, output_final_state, any T,
-Dv != D, head dims 16/32/64/128, fp16/bf16/fp32 inputs, multi-query (k, v with one head:
-broadcast to the query heads, S returned once).
+any head dims D and Dv from 1 to 256 (MAX_HEAD_DIM), independently: each is held in a block
+of the next power of two from 16, with loads and stores masked by the true dim inside the
+kernels (the inputs are neither copied nor padded); powers of two from 16 to 128 are their
+own blocks and run the tuned launches. fp16/bf16/fp32 inputs, multi-query (k, v with one
+head: broadcast to the query heads, S returned once).
 Not supported (the dispatcher falls back): masked=False, ridge != 0, the paper decay form
-above head dim 64 (PAPER_MAX_HEAD_DIM).
+above head dim 64 (PAPER_MAX_HEAD_DIM), and the masked form's chunked op with fp16 or fp32
+inputs at a head dim above 128 (their fp32 chunk states' [D, D] tiles do not fit an SM's
+shared memory; bf16 runs there, and so does the decode step in every dtype).
 fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exceeds 65504
 (long sequences of large keys); prefer bf16.
 """
 
 from mixers.hla.hla2.triton.chunked import _hla2_triton_unchecked, hla2_triton
 from mixers.hla.hla2.triton.decode import _step_unchecked, hla2_step_triton
-from mixers.hla.hla2.triton.plan import (CHUNK_SIZES, DTYPES, HEAD_DIMS, PAPER_MAX_HEAD_DIM,
-                                         LaunchPlan, ScanPlan, plan_call, plan_launch,
-                                         triton_unsupported_reason)
+from mixers.hla.hla2.triton.plan import (CHUNK_SIZES, DTYPES, HEAD_DIMS, MAX_HEAD_DIM,
+                                         PAPER_MAX_HEAD_DIM, LaunchPlan, ScanPlan, plan_call,
+                                         plan_launch, triton_unsupported_reason)
 
 __all__ = ["hla2_triton", "hla2_step_triton", "triton_unsupported_reason", "LaunchPlan",
-           "ScanPlan", "plan_launch", "plan_call", "HEAD_DIMS", "CHUNK_SIZES", "DTYPES",
-           "PAPER_MAX_HEAD_DIM"]
+           "ScanPlan", "plan_launch", "plan_call", "HEAD_DIMS", "MAX_HEAD_DIM", "CHUNK_SIZES",
+           "DTYPES", "PAPER_MAX_HEAD_DIM"]

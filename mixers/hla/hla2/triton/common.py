@@ -22,7 +22,11 @@ columns are [D] vectors carried next to the matrices in the same kernels, and th
 kernel divides by it. Its matrix-vector products are fp32 sums, not dots on 16 equal
 columns: Triton 3.6 compiles such dots into out-of-bounds shared-memory reads on Hopper.
 
-Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous. Per-chunk buffers are
+Layouts: q, k [B, T, H, D] and v, o [B, T, H, DV], contiguous, any D, DV up to 256. The
+kernels hold D and DV in blocks PD, PDV, the next powers of two from 16 (_block), with every
+load and store masked by the true dim (_dim_ok, _tile_ok): the padding reads as zero and adds
+zero rows and columns to every product. Where a block equals its dim the masks are constant
+true and fold away, so power-of-two dims compile as if there were none. Per-chunk buffers are
 [B*H, NT, D, D] or [B*H, NT, D, DV], in bf16 for bf16 inputs (the matmuls read them in bf16
 anyway; the scans accumulate in fp32) and fp32 otherwise; the scans overwrite the increments
 with the states, unless the launch plan gives the states buffers of their own.
@@ -91,25 +95,50 @@ _SHAPE_KEY = ("D", "DV", "C", "HAS_DECAY", "NORMALIZE", "PREC")
 
 
 @triton.jit
-def _load_tokens(ptr, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr):
-    """[len(t), W] rows of a [B, T, H, W] tensor; rows past T read as zero."""
-    cols = tl.arange(0, W)
-    offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * W + cols[None, :]
-    return tl.load(ptr + offs, mask=(t < T)[:, None], other=0.0)
+def _dim_ok(idx, N: tl.constexpr, BN: tl.constexpr):
+    """idx < N for indices into a dim of N entries held in a block of BN (the next power of
+    two, at least 16). Where the block is exactly N wide, a constant true instead: masks
+    combined with it fold back to what they were without it, so a power-of-two head dim
+    compiles as if there were no padding."""
+    if BN == N:
+        return tl.full(idx.shape, 1, tl.int1)
+    return idx < N
 
 
 @triton.jit
-def _store_tokens(ptr, val, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr):
-    cols = tl.arange(0, W)
-    offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * W + cols[None, :]
-    tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(t < T)[:, None])
+def _tile_ok(rows, cols, NR: tl.constexpr, BNR: tl.constexpr, NC: tl.constexpr,
+             BNC: tl.constexpr):
+    """[len(rows), len(cols)]: both indices inside their true dims (see _dim_ok)."""
+    return _dim_ok(rows, NR, BNR)[:, None] & _dim_ok(cols, NC, BNC)[None, :]
 
 
 @triton.jit
-def _load_columns(ptr, i_b, i_h, t, T, cols, H: tl.constexpr, W: tl.constexpr):
-    """[len(t), len(cols)] entries of a [B, T, H, W] tensor; rows past T read as zero."""
+def _load_tokens(ptr, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr, BW: tl.constexpr):
+    """[len(t), BW] rows of a [B, T, H, W] tensor; rows past T and columns past W (the
+    block's padding) read as zero."""
+    cols = tl.arange(0, BW)
     offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * W + cols[None, :]
-    return tl.load(ptr + offs, mask=(t < T)[:, None], other=0.0)
+    return tl.load(ptr + offs, mask=(t < T)[:, None] & _dim_ok(cols, W, BW)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _store_tokens(ptr, val, i_b, i_h, t, T, H: tl.constexpr, W: tl.constexpr,
+                  BW: tl.constexpr):
+    cols = tl.arange(0, BW)
+    offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * W + cols[None, :]
+    tl.store(ptr + offs, val.to(ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & _dim_ok(cols, W, BW)[None, :])
+
+
+@triton.jit
+def _load_columns(ptr, i_b, i_h, t, T, cols, H: tl.constexpr, W: tl.constexpr,
+                  BW: tl.constexpr):
+    """[len(t), len(cols)] entries of a [B, T, H, W] tensor (cols index a block of BW);
+    rows past T and columns past W read as zero."""
+    offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * W + cols[None, :]
+    return tl.load(ptr + offs, mask=(t < T)[:, None] & _dim_ok(cols, W, BW)[None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -194,6 +223,12 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _block(n: int) -> int:
+    """The block a head dim of n entries is held in: the smallest power of two >= n and
+    >= 16 (tl.dot's smallest size). A power of two from 16 is its own block."""
+    return max(16, _pow2(n))
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -267,5 +302,6 @@ def _shape_args(q, v, log2g, normalize, plan):
     """The compile-time arguments every masked-form kernel takes (the scans take the step
     length CL instead of C)."""
     _, _, H, D = q.shape
-    return dict(H=H, D=D, DV=v.shape[-1], C=plan.chunk, HAS_DECAY=log2g is not None,
-                NORMALIZE=normalize, PREC=plan.precision)
+    DV = v.shape[-1]
+    return dict(H=H, D=D, DV=DV, PD=_block(D), PDV=_block(DV), C=plan.chunk,
+                HAS_DECAY=log2g is not None, NORMALIZE=normalize, PREC=plan.precision)

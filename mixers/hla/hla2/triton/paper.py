@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.hla2.triton.common import (_Normalized, _bad_rows, _cdiv, _finite,
-                                           _load_tokens, _loop_bound, _mat_offsets,
+from mixers.hla.hla2.triton.common import (_Normalized, _bad_rows, _block, _cdiv, _dim_ok,
+                                           _finite, _load_tokens, _loop_bound, _mat_offsets,
                                            _overwrite_barrier, _poison_from, _poison_rows,
-                                           _pow2, _state_tensor, _store_tokens)
+                                           _state_tensor, _store_tokens, _tile_ok)
 
 
 @triton.jit
@@ -54,7 +54,8 @@ def _paper_decay(i_c, T, lg, C: tl.constexpr):
 @triton.jit
 def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_final, g_final,
                          s_buf, c_buf, g_buf, T, NT, H: tl.constexpr, D: tl.constexpr,
-                         DV: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                         DV: tl.constexpr, PD: tl.constexpr, PDV: tl.constexpr,
+                         BV: tl.constexpr, C: tl.constexpr,
                          NT_BOUND: tl.constexpr,
                          HAS_INIT: tl.constexpr, STORE_OUT: tl.constexpr,
                          STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
@@ -64,21 +65,25 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
     slice recomputes S, slice 0 stores it): outputs into o (STORE_OUT), end states into
     s/c/g_final (STORE_FINAL), each chunk's start states into the [B*H, NT, ..] buffers
     s/c/g_buf (STORE_STATES, for backward). fp32 throughout. Chunks past NT (the loop runs
-    to the power of two NT_BOUND) load zeros and keep the state. Grid (DV // BV, B*H)."""
+    to the power of two NT_BOUND) load zeros and keep the state. Head dims D, DV are held
+    in blocks of PD, PDV (powers of two): entries past them load as zero and are not
+    stored. Grid (PDV // BV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     lg = tl.load(log2g + i_h)
-    rd, rv = tl.arange(0, D), i_v * BV + tl.arange(0, BV)
+    rd, rv = tl.arange(0, PD), i_v * BV + tl.arange(0, BV)
     dd, dv = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+    dd_ok, dv_ok = _tile_ok(rd, rd, D, PD, D, PD), _tile_ok(rd, rv, D, PD, DV, PDV)
+    rv_ok = _dim_ok(rv, DV, PDV)
     head = i_bh.to(tl.int64)
     if HAS_INIT:
-        b_s = tl.load(s_init + head * D * D + dd)
-        b_c = tl.load(c_init + head * D * DV + dv)
-        b_g = tl.load(g_init + head * D * DV + dv)
+        b_s = tl.load(s_init + head * D * D + dd, mask=dd_ok, other=0.0)
+        b_c = tl.load(c_init + head * D * DV + dv, mask=dv_ok, other=0.0)
+        b_g = tl.load(g_init + head * D * DV + dv, mask=dv_ok, other=0.0)
     else:
-        b_s = tl.zeros([D, D], dtype=tl.float32)
-        b_c = tl.zeros([D, BV], dtype=tl.float32)
-        b_g = tl.zeros([D, BV], dtype=tl.float32)
+        b_s = tl.zeros([PD, PD], dtype=tl.float32)
+        b_c = tl.zeros([PD, BV], dtype=tl.float32)
+        b_g = tl.zeros([PD, BV], dtype=tl.float32)
     seen = 0.0  # 1 once a token of this (batch, head) and slice had a non-finite input
     for i_c in range(NT_BOUND):
         t = i_c * C + tl.arange(0, C)
@@ -86,13 +91,14 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
         if STORE_STATES:
             base = (i_bh * NT + i_c).to(tl.int64)
             real = i_c < NT
-            tl.store(s_buf + base * D * D + dd, b_s, mask=real & (i_v == 0))
-            tl.store(c_buf + base * D * DV + dv, b_c, mask=real)
-            tl.store(g_buf + base * D * DV + dv, b_g, mask=real)
-        b_q = _load_tokens(q, i_b, i_h, t, T, H, D).to(tl.float32)
-        b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
+            tl.store(s_buf + base * D * D + dd, b_s, mask=real & (i_v == 0) & dd_ok)
+            tl.store(c_buf + base * D * DV + dv, b_c, mask=real & dv_ok)
+            tl.store(g_buf + base * D * DV + dv, b_g, mask=real & dv_ok)
+        b_q = _load_tokens(q, i_b, i_h, t, T, H, D, PD).to(tl.float32)
+        b_k = _load_tokens(k, i_b, i_h, t, T, H, D, PD).to(tl.float32)
         v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
-        b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        tv_ok = (t < T)[:, None] & rv_ok[None, :]
+        b_v = tl.load(v + v_offs, mask=tv_ok, other=0.0).to(tl.float32)
         # the walk runs on the finite part of its inputs and sets the outputs from the first
         # non-finite token on, and the final states after one, to NaN
         bad = tl.maximum(tl.maximum(_bad_rows(b_q), _bad_rows(b_k)), _bad_rows(b_v))
@@ -109,7 +115,7 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
             b_o = tl.dot(b_y, b_c, input_precision=PREC)
             b_o -= b[:, None] * tl.dot(b_q, b_g, input_precision=PREC)
             b_o += tl.dot(b_m, b_v, input_precision=PREC) + _poison_from(bad + seen)[:, None]
-            tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=(t < T)[:, None])
+            tl.store(o + v_offs, b_o.to(o.dtype.element_ty), mask=tv_ok)
         seen = tl.maximum(seen, tl.max(bad, axis=0))
         b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
         b_g = gam * b_g + last * tl.dot(b_ktk, b_c, input_precision=PREC)
@@ -120,17 +126,17 @@ def paper_forward_kernel(q, k, v, log2g, s_init, c_init, g_init, o, s_final, c_f
     if STORE_FINAL:
         poison = tl.where(seen > 0, float("nan"), 0.0)
         if i_v == 0:
-            tl.store(s_final + head * D * D + dd, b_s + poison)
-        tl.store(c_final + head * D * DV + dv, b_c + poison)
-        tl.store(g_final + head * D * DV + dv, b_g + poison)
+            tl.store(s_final + head * D * D + dd, b_s + poison, mask=dd_ok)
+        tl.store(c_final + head * D * DV + dv, b_c + poison, mask=dv_ok)
+        tl.store(g_final + head * D * DV + dv, b_g + poison, mask=dv_ok)
 
 
 @triton.jit
 def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_final,
                           gg_final, gs_init, gc_init, gg_init, dq, dk, dv, T, NT,
                           H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                          BV: tl.constexpr, C: tl.constexpr,
-                          NT_BOUND: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
+                          PD: tl.constexpr, PDV: tl.constexpr, BV: tl.constexpr,
+                          C: tl.constexpr, NT_BOUND: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
                           STORE_INIT_GRAD: tl.constexpr, PREC: tl.constexpr):
     """Reverse chunk walk of the paper form for one (batch, head), given each chunk's start
     states (S0, C0, G0) from paper_forward_kernel. Carries the gradients (dS, dC, dG) of
@@ -148,42 +154,47 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
     Every term is a sum over value columns, so a BV-wide slice of them runs on its own:
     dv, dC, dG of the slice are exact; dq, dk and the carried dS are the slice's parts,
     written to [DV // BV, ..] fp32 buffers (dq, dk: [.., B, T, H, D]; dS0: [.., B*H, D, D])
-    that the caller sums (slice 0 starts from the final dS). Grid (DV // BV, B*H)."""
+    that the caller sums (slice 0 starts from the final dS). Head dims padded to PD, PDV as
+    in the forward. Grid (PDV // BV, B*H)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     lg = tl.load(log2g + i_h)
-    rd, rv = tl.arange(0, D), i_v * BV + tl.arange(0, BV)
+    rd, rv = tl.arange(0, PD), i_v * BV + tl.arange(0, BV)
     dd, dvo = _mat_offsets(rd, rd, D), _mat_offsets(rd, rv, DV)
+    dd_ok, dv_ok = _tile_ok(rd, rd, D, PD, D, PD), _tile_ok(rd, rv, D, PD, DV, PDV)
+    rv_ok = _dim_ok(rv, DV, PDV)
     head = i_bh.to(tl.int64)
     part = i_v.to(tl.int64) * tl.num_programs(1)
     dq += part * T * D  # this slice's [B, T, H, D] part (num_programs(1) = B * H)
     dk += part * T * D
     if HAS_FINAL_GRAD:
-        b_gs = tl.load(gs_final + head * D * D + dd) * (i_v == 0).to(tl.float32)
-        b_gc = tl.load(gc_final + head * D * DV + dvo)
-        b_gg = tl.load(gg_final + head * D * DV + dvo)
+        b_gs = tl.load(gs_final + head * D * D + dd, mask=dd_ok, other=0.0) \
+            * (i_v == 0).to(tl.float32)
+        b_gc = tl.load(gc_final + head * D * DV + dvo, mask=dv_ok, other=0.0)
+        b_gg = tl.load(gg_final + head * D * DV + dvo, mask=dv_ok, other=0.0)
     else:
-        b_gs = tl.zeros([D, D], dtype=tl.float32)
-        b_gc = tl.zeros([D, BV], dtype=tl.float32)
-        b_gg = tl.zeros([D, BV], dtype=tl.float32)
+        b_gs = tl.zeros([PD, PD], dtype=tl.float32)
+        b_gc = tl.zeros([PD, BV], dtype=tl.float32)
+        b_gg = tl.zeros([PD, BV], dtype=tl.float32)
     for j in range(NT_BOUND):
         i_c = NT_BOUND - 1 - j
         real = i_c < NT
         t = i_c * C + tl.arange(0, C)
         causal, strict, b, a, e, f, dm, ds, gam, last = _paper_decay(i_c, T, lg, C)
         base = (i_bh * NT + i_c).to(tl.int64)
-        b_s0 = tl.load(s_buf + base * D * D + dd, mask=real, other=0.0)
-        b_c0 = tl.load(c_buf + base * D * DV + dvo, mask=real, other=0.0)
-        b_g0 = tl.load(g_buf + base * D * DV + dvo, mask=real, other=0.0)
-        b_q = _load_tokens(q, i_b, i_h, t, T, H, D).to(tl.float32)
-        b_k = _load_tokens(k, i_b, i_h, t, T, H, D).to(tl.float32)
+        b_s0 = tl.load(s_buf + base * D * D + dd, mask=real & dd_ok, other=0.0)
+        b_c0 = tl.load(c_buf + base * D * DV + dvo, mask=real & dv_ok, other=0.0)
+        b_g0 = tl.load(g_buf + base * D * DV + dvo, mask=real & dv_ok, other=0.0)
+        b_q = _load_tokens(q, i_b, i_h, t, T, H, D, PD).to(tl.float32)
+        b_k = _load_tokens(k, i_b, i_h, t, T, H, D, PD).to(tl.float32)
         v_offs = ((i_b * T + t).to(tl.int64) * H + i_h)[:, None] * DV + rv[None, :]
-        b_v = tl.load(v + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        tv_ok = (t < T)[:, None] & rv_ok[None, :]
+        b_v = tl.load(v + v_offs, mask=tv_ok, other=0.0).to(tl.float32)
         # as the forward: the finite part of the inputs (a row with a non-finite entry gets
         # NaN gradients)
         q_bad, k_bad, v_bad = _bad_rows(b_q), _bad_rows(b_k), _bad_rows(b_v)
         b_q, b_k, b_v = _finite(b_q), _finite(b_k), _finite(b_v)
-        b_do = tl.load(do + v_offs, mask=(t < T)[:, None], other=0.0).to(tl.float32)
+        b_do = tl.load(do + v_offs, mask=tv_ok, other=0.0).to(tl.float32)
         b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
         b_w = tl.where(causal, b_qk, 0.0)
         b_wd = b_qk * dm
@@ -215,7 +226,7 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_dq += tl.dot((b * b)[:, None] * b_dy + b[:, None] * b_dqs, b_s0t, input_precision=PREC)
         b_dq += e[:, None] * tl.dot(b_v, tl.trans(b_gc), input_precision=PREC)
         b_dq += tl.dot(b_da, b_k, input_precision=PREC)
-        _store_tokens(dq, b_dq + _poison_rows(q_bad)[:, None], i_b, i_h, t, T, H, D)
+        _store_tokens(dq, b_dq + _poison_rows(q_bad)[:, None], i_b, i_h, t, T, H, D, PD)
 
         b_dk = tl.dot(tl.trans(b_bm), b_dy, input_precision=PREC)
         b_dk += tl.dot(tl.trans(b_wd), b_dqs, input_precision=PREC)
@@ -225,13 +236,13 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_dk += last * tl.dot(b_k, b_cg + tl.trans(b_cg), input_precision=PREC)
         b_dk += e[:, None] * tl.dot(b_k, b_gs + tl.trans(b_gs), input_precision=PREC)
         b_dk += tl.dot(tl.trans(b_da), b_q, input_precision=PREC)
-        _store_tokens(dk, b_dk + _poison_rows(k_bad)[:, None], i_b, i_h, t, T, H, D)
+        _store_tokens(dk, b_dk + _poison_rows(k_bad)[:, None], i_b, i_h, t, T, H, D, PD)
 
         b_dv = tl.dot(tl.trans(b_m), b_do, input_precision=PREC)
         b_dv += e[:, None] * tl.dot(b_q, b_gc, input_precision=PREC)
         b_dv += f[:, None] * tl.dot(tl.trans(b_ks), b_kdg, input_precision=PREC)
         b_dv += _poison_rows(v_bad)[:, None]
-        tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=(t < T)[:, None])
+        tl.store(dv + v_offs, b_dv.to(dv.dtype.element_ty), mask=tv_ok)
 
         b_ktk = tl.dot(tl.trans(b_k), b_k, input_precision=PREC)
         b_gs = gam * b_gs + tl.dot(tl.trans(b_q), (b * b)[:, None] * b_dy + b[:, None] * b_dqs,
@@ -240,59 +251,65 @@ def paper_backward_kernel(q, k, v, do, log2g, s_buf, c_buf, g_buf, gs_final, gc_
         b_gc += last * tl.dot(b_ktk, b_gg, input_precision=PREC)
         b_gg = gam * b_gg - tl.dot(tl.trans(b_q * b[:, None]), b_do, input_precision=PREC)
     if STORE_INIT_GRAD:
-        tl.store(gs_init + (part + head) * D * D + dd, b_gs)
-        tl.store(gc_init + head * D * DV + dvo, b_gc)
-        tl.store(gg_init + head * D * DV + dvo, b_gg)
+        tl.store(gs_init + (part + head) * D * D + dd, b_gs, mask=dd_ok)
+        tl.store(gc_init + head * D * DV + dvo, b_gc, mask=dv_ok)
+        tl.store(gg_init + head * D * DV + dvo, b_gg, mask=dv_ok)
 
 
 @triton.jit
 def paper_decode_step_kernel(q, k, v, s, c, g_state, g, o, H: tl.constexpr, D: tl.constexpr,
-                             DV: tl.constexpr, BR: tl.constexpr, SHARED_KV: tl.constexpr):
+                             DV: tl.constexpr, PD: tl.constexpr, PDV: tl.constexpr,
+                             BR: tl.constexpr, SHARED_KV: tl.constexpr):
     """One token of the paper form for one (batch, head), state updated in place:
     G = g G + k (k^T C), S = g S + k k^T, C = g C + q v^T, o = (q^T S) C - q^T G.
     Two passes over blocks of BR state rows: k^T C (old C) and q^T S (new S), then the
     C and G rows and the output. With SHARED_KV, k, v and S have one head per batch and S
-    arrives already updated. Grid (B*H,)."""
+    arrives already updated. Head dims padded to PD, PDV as in the forward. Grid (B*H,)."""
     i_bh = tl.program_id(0)
     i_kv = i_bh
     if SHARED_KV:
         i_kv = i_bh // H
-    rd, rv = tl.arange(0, D), tl.arange(0, DV)
-    b_k = tl.load(k + i_kv * D + rd).to(tl.float32)
-    b_v = tl.load(v + i_kv * DV + rv).to(tl.float32)
+    rd, rv = tl.arange(0, PD), tl.arange(0, PDV)
+    rd_ok, rv_ok = _dim_ok(rd, D, PD), _dim_ok(rv, DV, PDV)
+    b_k = tl.load(k + i_kv * D + rd, mask=rd_ok, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_kv * DV + rv, mask=rv_ok, other=0.0).to(tl.float32)
     gamma = tl.load(g + i_bh % H).to(tl.float32)
-    b_kc = tl.zeros([DV], dtype=tl.float32)
-    b_qs = tl.zeros([D], dtype=tl.float32)
-    for i_r in tl.static_range(D // BR):
+    b_kc = tl.zeros([PDV], dtype=tl.float32)
+    b_qs = tl.zeros([PD], dtype=tl.float32)
+    for i_r in tl.static_range(PD // BR):
         rr = i_r * BR + tl.arange(0, BR)
-        b_qr = tl.load(q + i_bh * D + rr).to(tl.float32)
-        b_kr = tl.load(k + i_kv * D + rr).to(tl.float32)
+        rr_ok = _dim_ok(rr, D, PD)
+        c_ok, s_ok = _tile_ok(rr, rv, D, PD, DV, PDV), _tile_ok(rr, rd, D, PD, D, PD)
+        b_qr = tl.load(q + i_bh * D + rr, mask=rr_ok, other=0.0).to(tl.float32)
+        b_kr = tl.load(k + i_kv * D + rr, mask=rr_ok, other=0.0).to(tl.float32)
         p_c = c + i_bh.to(tl.int64) * D * DV + _mat_offsets(rr, rv, DV)
-        b_kc += tl.sum(tl.load(p_c) * b_kr[:, None], axis=0)
+        b_kc += tl.sum(tl.load(p_c, mask=c_ok, other=0.0) * b_kr[:, None], axis=0)
         p_s = s + i_kv.to(tl.int64) * D * D + _mat_offsets(rr, rd, D)
-        b_s = tl.load(p_s)
+        b_s = tl.load(p_s, mask=s_ok, other=0.0)
         _overwrite_barrier()
         if not SHARED_KV:
             b_s = gamma * b_s + b_kr[:, None] * b_k[None, :]
-            tl.store(p_s, b_s)
+            tl.store(p_s, b_s, mask=s_ok)
         b_qs += tl.sum(b_s * b_qr[:, None], axis=0)
     _overwrite_barrier()  # the pass above read every row of the old C
-    b_num = tl.zeros([DV], dtype=tl.float32)
-    for i_r in tl.static_range(D // BR):
+    b_num = tl.zeros([PDV], dtype=tl.float32)
+    for i_r in tl.static_range(PD // BR):
         rr = i_r * BR + tl.arange(0, BR)
-        b_qr = tl.load(q + i_bh * D + rr).to(tl.float32)
-        b_kr = tl.load(k + i_kv * D + rr).to(tl.float32)
+        rr_ok = _dim_ok(rr, D, PD)
+        c_ok = _tile_ok(rr, rv, D, PD, DV, PDV)
+        b_qr = tl.load(q + i_bh * D + rr, mask=rr_ok, other=0.0).to(tl.float32)
+        b_kr = tl.load(k + i_kv * D + rr, mask=rr_ok, other=0.0).to(tl.float32)
         b_qsr = tl.sum(tl.where(rd[None, :] == rr[:, None], b_qs[None, :], 0.0), axis=1)
         offs = i_bh.to(tl.int64) * D * DV + _mat_offsets(rr, rv, DV)
-        b_c = tl.load(c + offs)
-        b_gr = tl.load(g_state + offs)
+        b_c = tl.load(c + offs, mask=c_ok, other=0.0)
+        b_gr = tl.load(g_state + offs, mask=c_ok, other=0.0)
         _overwrite_barrier()
         b_c = gamma * b_c + b_qr[:, None] * b_v[None, :]
-        tl.store(c + offs, b_c)
+        tl.store(c + offs, b_c, mask=c_ok)
         b_gr = gamma * b_gr + b_kr[:, None] * b_kc[None, :]
-        tl.store(g_state + offs, b_gr)
+        tl.store(g_state + offs, b_gr, mask=c_ok)
         b_num += tl.sum(b_c * b_qsr[:, None] - b_gr * b_qr[:, None], axis=0)
-    tl.store(o + i_bh * DV + rv, b_num.to(o.dtype.element_ty))
+    tl.store(o + i_bh * DV + rv, b_num.to(o.dtype.element_ty), mask=rv_ok)
 
 
 def _paper_forward(q, k, v, log2g, init, plan, want_final, want_out, want_states):
@@ -311,9 +328,10 @@ def _paper_forward(q, k, v, log2g, init, plan, want_final, want_out, want_states
         states = (torch.empty(B * H, NT, D, D, **f32), torch.empty(B * H, NT, D, DV, **f32),
                   torch.empty(B * H, NT, D, DV, **f32))
     BV = plan.paper_cols
-    paper_forward_kernel[(DV // BV, B * H)](
+    paper_forward_kernel[(_block(DV) // BV, B * H)](
         q, k, v, log2g, *(init or (q, q, q)), o, *(final or (q, q, q)), *(states or (q, q, q)),
-        T, NT, H=H, D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(NT), HAS_INIT=init is not None,
+        T, NT, H=H, D=D, DV=DV, PD=_block(D), PDV=_block(DV), BV=BV, C=C,
+        NT_BOUND=_loop_bound(NT), HAS_INIT=init is not None,
         STORE_OUT=want_out, STORE_FINAL=want_final, STORE_STATES=want_states,
         PREC=plan.precision, num_warps=plan.warps)
     return (o if want_out else None), final, states
@@ -348,7 +366,7 @@ class _HLA2Paper(torch.autograd.Function):
                                                                                shapes))
         want_init_grad = s0 is not None and any(ctx.needs_input_grad[3:6])
         BV = plan.paper_cols
-        n_slices = DV // BV  # value-column slices: dq, dk and dS0 come in parts to sum
+        n_slices = _block(DV) // BV  # value-column slices: dq, dk and dS0 come in parts
         init_grads = None
         if want_init_grad:
             init_grads = (s0.new_empty(n_slices, *s0.shape), torch.empty_like(c0),
@@ -359,7 +377,7 @@ class _HLA2Paper(torch.autograd.Function):
         paper_backward_kernel[(n_slices, B * H)](
             q, k, v, do.contiguous(), log2g, *states, *(final_grads or (q, q, q)),
             *(init_grads or (q, q, q)), dq_parts, dk_parts, dv, T, _cdiv(T, C), H=H,
-            D=D, DV=DV, BV=BV, C=C, NT_BOUND=_loop_bound(_cdiv(T, C)),
+            D=D, DV=DV, PD=_block(D), PDV=_block(DV), BV=BV, C=C, NT_BOUND=_loop_bound(_cdiv(T, C)),
             HAS_FINAL_GRAD=final_grads is not None, STORE_INIT_GRAD=want_init_grad,
             PREC=plan.precision, num_warps=plan.warps)
         dq, dk = dq_parts.sum(0).to(q.dtype), dk_parts.sum(0).to(k.dtype)
@@ -391,7 +409,7 @@ def _hla2_paper(q, k, v, *, normalize, eps, decay, initial_state, output_final_s
     """hla2_triton for decay_form="paper" (q, k, v contiguous with H heads each)."""
     B, T, H, D = q.shape
     DV = v.shape[-1]
-    width = _pow2(DV + 1) if normalize else DV
+    width = _block(DV + 1) if normalize else DV
     v_in = _paper_values(v, normalize, width)
     s0 = c0 = g0 = None
     if initial_state is not None:
@@ -416,7 +434,7 @@ def _paper_step(q_t, k_t, v_t, state, *, normalize, eps, decay):
     are replaced by their new values in the state dict."""
     B, H, D = q_t.shape
     DV = v_t.shape[-1]
-    width = _pow2(DV + 1) if normalize else DV
+    width = _block(DV + 1) if normalize else DV
     if state is None:
         state = {"S": q_t.new_zeros(B, k_t.shape[1], D, D, dtype=torch.float32)}
         for key, twin in (("C", "m"), ("G", "h")):
@@ -433,7 +451,8 @@ def _paper_step(q_t, k_t, v_t, state, *, normalize, eps, decay):
     o = q_t.new_empty(B, H, width, dtype=torch.float32)
     paper_decode_step_kernel[(B * H,)](
         q_t.contiguous(), k_t.contiguous(), _paper_values(v_t, normalize, width).contiguous(), s, c,
-        g_state, decay.float().contiguous(), o, H=H, D=D, DV=width, BR=16,
+        g_state, decay.float().contiguous(), o, H=H, D=D, DV=width, PD=_block(D),
+        PDV=_block(width), BR=16,
         SHARED_KV=shared_kv, num_warps=4)
     state["C"], state["G"] = c[..., :DV].contiguous(), g_state[..., :DV].contiguous()
     if normalize:

@@ -8,6 +8,11 @@ at other shapes, a benchmark timing one) changes fields of the default plan with
 dataclasses.replace and passes it in: hla2_triton refuses a plan made for another call
 (shape, dtype, backward or form) or one whose fields the kernels cannot run
 (plan_unfit_reason). The defaults below are read by plan_launch alone.
+
+Head dims: D and Dv, independently, from 1 to MAX_HEAD_DIM (256). The kernels hold each in a
+block of the next power of two from 16 (common._block) and mask their loads and stores by
+the true dim; every choice here is made on the blocks, so 16, 32, 64 and 128 (HEAD_DIMS,
+their own blocks) choose as tuned, and blocks of 256 take the smaller tiles of _LARGE_*.
 """
 
 from __future__ import annotations
@@ -17,8 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.hla2.triton.common import _cdiv, _interpreted, _pow2
+from mixers.hla.hla2.triton.common import _block, _cdiv, _interpreted, _pow2
 
+# Head dims D and Dv (independent) run from 1 to MAX_HEAD_DIM. The kernels hold a head dim in
+# a block of _block(dim) entries, the next power of two from 16, with loads and stores masked
+# by the true dim; HEAD_DIMS are the dims that are their own block, whose launch choices
+# below were tuned, and every other dim takes the choices of its block.
+MAX_HEAD_DIM = 256
 HEAD_DIMS = (16, 32, 64, 128)
 CHUNK_SIZES = (16, 32, 64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -28,8 +38,10 @@ FORMS = ("masked", "paper")
 PAPER_MAX_HEAD_DIM = 64
 
 
-def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
-    """None when the Triton kernels can run these inputs and options, else why not."""
+def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay,
+                              step=False) -> str | None:
+    """None when the Triton kernels can run these inputs and options (the chunked op, or
+    with step=True the decode step on one token), else why not."""
     if not masked:
         return "the Triton kernels implement masked hla2 only (masked=False)"
     if ridge != 0:
@@ -40,9 +52,15 @@ def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> s
         return f"the Triton kernels support float16, bfloat16 and float32, got {q.dtype}"
     if k.shape[2] not in (1, q.shape[2]):
         return f"k and v must have {q.shape[2]} heads or one shared head, got {k.shape[2]}"
-    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
-        return (f"the Triton kernels need head dims in {HEAD_DIMS}, got D={q.shape[-1]}, "
-                f"Dv={v.shape[-1]}")
+    if not (1 <= q.shape[-1] <= MAX_HEAD_DIM and 1 <= v.shape[-1] <= MAX_HEAD_DIM):
+        return (f"the Triton kernels need head dims from 1 to {MAX_HEAD_DIM}, got "
+                f"D={q.shape[-1]}, Dv={v.shape[-1]}")
+    if (not step and q.dtype != torch.bfloat16 and call_form(decay, decay_form) == "masked"
+            and max(_block(q.shape[-1]), _block(v.shape[-1])) > _LARGE_BLOCK):
+        return (f"above head dim {_LARGE_BLOCK} the Triton kernels take bf16 inputs only "
+                f"(got {q.dtype}, D={q.shape[-1]}, Dv={v.shape[-1]}): fp16 and fp32 inputs "
+                f"keep fp32 per-chunk states, whose [D, D] tiles in the output and dq/dk/dv "
+                f"kernels need more shared memory than an H100 or H200 has (227 KiB)")
     if decay is not None and decay_form == "paper" and q.shape[-1] > PAPER_MAX_HEAD_DIM:
         return (f"the paper decay form's Triton kernels need head dim <= {PAPER_MAX_HEAD_DIM} "
                 f"(at 128 they need 346 KiB of shared memory, an H100 or H200 has 227), "
@@ -103,16 +121,35 @@ _PAPER_CHUNK = 16
 _PAPER_COLS = 32
 
 
+# Head dims above 128 (blocks of 256): the tiles the kernels above were tuned with would not
+# fit an SM there, so these blocks take smaller ones: chunks of at most _LARGE_CHUNK tokens,
+# _LARGE_ROWS state rows per increments and gradient-terms program, _LARGE_OUTPUT_COLS value
+# columns per output program, and scans in 16-row programs that split their columns so that
+# the X tile a program loads per step keeps at most _SCAN_TILE entries (as at D = Dv = 128).
+# The output and dq/dk/dv kernels still load whole [D, D] and [D, Dv] chunk states: in bf16
+# they fit an SM's shared memory at D = Dv = 256 (with register spills: correct, not tuned);
+# fp16 and fp32 inputs keep fp32 chunk states, which do not, so triton_unsupported_reason
+# refuses those above 128.
+_LARGE_BLOCK = 128
+_LARGE_CHUNK, _LARGE_ROWS, _LARGE_OUTPUT_COLS = 32, 32, 64
+_SCAN_TILE = 128 * 128
+
+
 @dataclass(frozen=True)
 class ScanPlan:
     """How a scan over the chunks runs: `rows` state rows per program (a power of two that
-    divides D), in one level over every chunk (n_seg = 1; seg is then the chunk count) or in
-    n_seg segments of seg chunks (seg * n_seg >= the chunk count): segment summaries in
-    parallel, a scan over them, a rescan per segment."""
+    divides D's block), in one level over every chunk (n_seg = 1; seg is then the chunk
+    count) or in n_seg segments of seg chunks (seg * n_seg >= the chunk count): segment
+    summaries in parallel, a scan over them, a rescan per segment. `cols`: None, or the
+    columns per program where the scan also splits its matrices' columns over programs (the
+    state scan A's value columns, the gradient scan gS's key columns: a power of two that
+    divides that dim's block), which keeps the X tile each program loads per step small at
+    head dims above 128."""
 
     rows: int
     seg: int
     n_seg: int
+    cols: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,8 +191,11 @@ def _chunk(chunk_size: int, dtype, head_dim: int, backward: bool) -> int:
     memory of an H100/H200; for the same reason a backward at head dim (D or Dv) 128 uses at
     most 64 (chunk 128 needs 320 KiB there, an H100 or H200 has 227). A 16-bit forward alone
     at head dim 128 runs chunk 128 whatever was asked: half the chunk states to scan and
-    store."""
+    store. head_dim is the block (_block) of the larger head dim; blocks above 128 use at
+    most _LARGE_CHUNK."""
     chunk = chunk_size if chunk_size in CHUNK_SIZES else 64
+    if head_dim > _LARGE_BLOCK:
+        return min(chunk, _LARGE_CHUNK)
     if dtype == torch.float32:
         return min(chunk, 32)
     if head_dim >= 128:
@@ -199,16 +239,16 @@ def _segments(NT, row_programs, resident):
     return best
 
 
-def _plan_scan(NT, D, BH, resident, wide, rows) -> ScanPlan:
-    """The plan of a scan over NT chunks of B*H = BH heads at head dim D with `resident`
-    programs at once: wide = (rows, waves), taken in one level when `rows`-row programs would
-    need that many waves, else `rows` rows and, where those programs cannot fill the GPU,
-    two levels (see _segments)."""
+def _plan_scan(NT, D, BH, resident, wide, rows, cols=None) -> ScanPlan:
+    """The plan of a scan over NT chunks of B*H = BH heads at head dim (block) D with
+    `resident` programs at once: wide = (rows, waves), taken in one level when `rows`-row
+    programs would need that many waves, else `rows` rows and, where those programs cannot
+    fill the GPU, two levels (see _segments); cols: the scan's column blocks (ScanPlan)."""
     programs = D // rows * BH
     wide_rows, waves = wide
     if programs >= waves * resident:
-        return ScanPlan(min(wide_rows, D), NT, 1)
-    return ScanPlan(rows, *_segments(NT, programs, resident))
+        return ScanPlan(min(wide_rows, D), NT, 1, cols)
+    return ScanPlan(rows, *_segments(NT, programs, resident), cols)
 
 
 def plan_launch(shape, dtype, device, backward, *, chunk_size=64, normalize=False,
@@ -229,29 +269,54 @@ def plan_launch(shape, dtype, device, backward, *, chunk_size=64, normalize=Fals
 def _plan_launch(shape, dtype, device, backward, chunk_size, normalize, form, resident,
                  scan_rows):
     B, T, H, D, DV = shape
-    chunk = _chunk(chunk_size, dtype, max(D, DV), backward)
+    # every choice is made on the blocks the head dims are held in (a power-of-two dim from
+    # 16 is its own block, so those choose as tuned)
+    PD, PDV = _block(D), _block(DV)
+    large = max(PD, PDV) > _LARGE_BLOCK
+    chunk = _chunk(chunk_size, dtype, max(PD, PDV), backward)
     call = dict(shape=shape, dtype=dtype, backward=backward, form=form, warps=_WARPS)
     if form == "paper":
-        width = _pow2(DV + 1) if normalize else DV  # normalize: a ones column, padded
+        width = _block(DV + 1) if normalize else PDV  # normalize: a ones column, padded
         return LaunchPlan(**call, chunk=min(chunk, _PAPER_CHUNK), precision=_PAPER_PRECISION,
                           paper_cols=min(width, _PAPER_COLS))
     NT = _cdiv(T, chunk)
-    resident = _resident_programs(device, D) if resident is None else resident
-    halves = chunk >= _HALVES_FROM_CHUNK and min(D, DV) >= 128
-    increments_rows = D if chunk > 64 else min(D, _INCREMENTS_ROWS)
+    resident = _resident_programs(device, PD) if resident is None else resident
+    halves = chunk >= _HALVES_FROM_CHUNK and min(PD, PDV) >= 128
+    increments_rows = PD if chunk > 64 else min(PD, _INCREMENTS_ROWS)
+    grad_terms_rows = PD if chunk > 64 else min(PD, _GRAD_TERMS_ROWS)
+    wide = _WIDE_SCAN
+    output_cols = min(PDV, _OUTPUT_COLS[dtype.itemsize])
+    state_cols = grad_cols = None
+    if large:
+        increments_rows = grad_terms_rows = min(PD, _LARGE_ROWS)
+        wide = ((scan_rows, 1), (scan_rows, 1))
+        output_cols = min(PDV, _LARGE_OUTPUT_COLS)
+        state_cols = _scan_cols(PDV, PD)
+        grad_cols = _scan_cols(PD, PDV)
     grads = {}
     if backward:
-        grads = dict(grad_terms_rows=D if chunk > 64 else min(D, _GRAD_TERMS_ROWS),
-                     grad_scan=_plan_scan(NT, D, B * H, resident, _WIDE_SCAN[1], scan_rows),
-                     grad_launches=_SPLIT_GRADS if max(D, DV) >= _SPLIT_GRADS_FROM
+        grads = dict(grad_terms_rows=grad_terms_rows,
+                     grad_scan=_plan_scan(NT, PD, B * H, resident, wide[1], scan_rows,
+                                          grad_cols),
+                     grad_launches=_SPLIT_GRADS if max(PD, PDV) >= _SPLIT_GRADS_FROM
                      else ("qkv",))
     return LaunchPlan(
         **call, chunk=chunk, precision=_precision(dtype), increments_rows=increments_rows,
         # the halves take all D rows in one block, and 16 or more tokens each
-        increments_halves=halves and increments_rows == D and chunk >= 32,
-        state_scan=_plan_scan(NT, D, B * H, resident, _WIDE_SCAN[0], scan_rows),
-        states_out_of_place=halves and not backward, output_rows=min(chunk, _OUTPUT_ROWS),
-        output_cols=min(DV, _OUTPUT_COLS[dtype.itemsize]), late_states=halves, **grads)
+        increments_halves=halves and increments_rows == PD and chunk >= 32,
+        state_scan=_plan_scan(NT, PD, B * H, resident, wide[0], scan_rows, state_cols),
+        # value-column blocks of the state scan all read dS: the states go elsewhere
+        states_out_of_place=halves and not backward or state_cols is not None,
+        output_rows=min(chunk, _OUTPUT_ROWS),
+        output_cols=output_cols, late_states=halves, **grads)
+
+
+def _scan_cols(width, other):
+    """Columns per program of a scan whose matrices have `width` columns (blocks) and whose
+    X tile per step is `other` x columns: all (None) while the tile stays within
+    _SCAN_TILE entries, else the fewest that keep it there."""
+    cols = min(width, _SCAN_TILE // other)
+    return None if cols >= width else cols
 
 
 def needs_backward(q, k, v, initial_state=None) -> bool:
@@ -283,9 +348,10 @@ def _pow2_in(n, low, high) -> bool:
 def plan_unfit_reason(plan, shape, dtype, backward, form, normalize) -> str | None:
     """None when `plan` is one for this call (shape (B, T, H, D, Dv), dtype, backward, form)
     whose fields the kernels can run, else why not: block sizes the kernels' tiles take
-    (powers of two from 16 that divide their dim), output rows of a whole or half chunk (the
-    second half mixes with the first only), scans that cover every chunk, and dq, dk and dv
-    each computed by one launch."""
+    (powers of two from 16 that divide their dim's block, _block), output rows of a whole
+    or half chunk (the second half mixes with the first only), scans that cover every
+    chunk (with their columns split only where the states go to buffers of their own), and
+    dq, dk and dv each computed by one launch."""
     if not isinstance(plan, LaunchPlan):
         return f"plan must be a LaunchPlan (see plan_launch), got {type(plan).__name__}"
     call = (tuple(shape), dtype, backward, form)
@@ -293,10 +359,11 @@ def plan_unfit_reason(plan, shape, dtype, backward, form, normalize) -> str | No
     if made != call:
         return f"the plan is for (shape, dtype, backward, form) = {made}, the call {call}"
     B, T, H, D, DV = shape
+    D, DV = _block(D), _block(DV)  # the blocks the kernels hold the head dims in
     if plan.chunk not in CHUNK_SIZES:
         return f"plan.chunk must be one of {CHUNK_SIZES}, got {plan.chunk!r}"
     if form == "paper":
-        width = _pow2(DV + 1) if normalize else DV
+        width = _block(shape[4] + 1) if normalize else DV
         blocks = {"paper_cols": (plan.paper_cols, width)}
     else:
         scans = {"state_scan": plan.state_scan}
@@ -308,6 +375,9 @@ def plan_unfit_reason(plan, shape, dtype, backward, form, normalize) -> str | No
         blocks = {"increments_rows": (plan.increments_rows, D),
                   "output_cols": (plan.output_cols, DV),
                   **{f"{name}.rows": (scan.rows, D) for name, scan in scans.items()}}
+        for name, width in (("state_scan", DV), ("grad_scan", D)):
+            if name in scans and scans[name].cols is not None:
+                blocks[f"{name}.cols"] = (scans[name].cols, width)
         if backward:
             blocks["grad_terms_rows"] = (plan.grad_terms_rows, D)
     for name, (n, dim) in blocks.items():
@@ -318,6 +388,9 @@ def plan_unfit_reason(plan, shape, dtype, backward, form, normalize) -> str | No
     for name in ("increments_halves", "states_out_of_place", "late_states"):
         if not isinstance(getattr(plan, name), bool):
             return f"plan.{name} must be True or False, got {getattr(plan, name)!r}"
+    if plan.state_scan.cols is not None and not plan.states_out_of_place:
+        return ("plan.state_scan.cols needs states_out_of_place (every value-column block "
+                "reads the increments the states would overwrite)")
     if plan.increments_halves and (plan.increments_rows != D or plan.chunk < 32):
         return "plan.increments_halves needs increments_rows = D and a chunk of 32 or more"
     if plan.output_rows not in (plan.chunk, plan.chunk // 2) or plan.output_rows < 16:
