@@ -86,6 +86,12 @@ def _triton_unsupported(q, k, v) -> str | None:
     return kernels.unsupported_reason(q, k, v)
 
 
+# impl="auto" keeps the PyTorch chunk form for the causal operator: measured on the H200
+# (docs/kernels.md), it is faster than the Triton kernels forward and forward + backward.
+# The decode step takes its Triton kernel under "auto".
+AUTO_KEEPS_CHUNK = "the chunk form is faster than the Triton kernels (docs/kernels.md)"
+
+
 def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", chunk_size=64,
          initial_state=None, output_final_state=False):
     """Third-order HLA on `[B, T, H, D]` q, k and `[B, T, H, Dv]` v -> (o, state or None).
@@ -106,7 +112,8 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
             final = _state_dict(tuple(x.clone() for x in carries), variant, normalize)
         return q.new_zeros(B, 0, H, Dv), final
     if variant == "causal":
-        impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
+        impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v),
+                            auto_declines=AUTO_KEEPS_CHUNK)
     else:
         impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
