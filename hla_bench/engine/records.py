@@ -92,6 +92,9 @@ FIELDS: tuple[RecordField, ...] = (
     RecordField("samples_ms", (list,), nullable=True, optional=True),
     RecordField("spread", _NUM, nullable=True, optional=True),
     RecordField("resolved", _MAP, nullable=True, optional=True),
+    # seconds spent building and warming up the point before its samples (compilation and
+    # autotuning land here), so a sweep's time can be planned (absent in older files)
+    RecordField("setup_s", _NUM, nullable=True, optional=True),
 )
 KEY = tuple(each.name for each in FIELDS if each.key)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import gc
 import importlib.metadata
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -98,8 +99,10 @@ class Built(NamedTuple):
 def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
                record: dict) -> Built:
     """The call that times `point`, warmed up; fills the record's state size, decode
-    fields, peak memory and `resolved` (what the mixer's dispatch chose, and the versions of
-    the packages whose kernels ran)."""
+    fields, peak memory, `resolved` (what the mixer's dispatch chose, and the versions of
+    the packages whose kernels ran) and `setup_s` (the seconds all this took: input
+    creation, compilation and autotuning in the warm-up, the memory measurement)."""
+    started = time.perf_counter()
     sweep = point.sweep
     device, dtype = record["device"], getattr(torch, record["dtype"])
     batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
@@ -161,6 +164,7 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
             estimate = warm_up(call, Sampling(warmup=ESTIMATE_CALLS), cuda)
         record["peak_memory_bytes"] = peak_memory_bytes(call, device)
     record["resolved"] = resolved(mixer, notes)
+    record["setup_s"] = round(time.perf_counter() - started, 3)
     return Built(call, steps, tokens, estimate, moved)
 
 
