@@ -6,6 +6,13 @@ per (value block, batch x head), from each chunk's terms (increments.py):
 Each program carries the whole d x d S (the first value block writes its start states to a
 buffer of their own: the others still read the chunks' dS) and its columns of P and F,
 whose start states it writes over dP and Hm in place.
+
+No load depends on the carried states, so the loop is bound by load latency unless loads
+are issued ahead of their use. Triton's pipeliner streams G and J, tl.dot operands,
+through shared-memory stages on its own; dS, dP, Hm and Lm it leaves in the step that uses
+them, so the kernel loads those one chunk ahead by hand, before the chunk's in-place
+stores (the next chunk's tiles are at other addresses), and the next chunk's memory
+latency overlaps this chunk's work.
 """
 
 from __future__ import annotations
@@ -27,15 +34,24 @@ def hla3_scan_kernel(S0, P0, F0, S1, P1, F1, SS, XS, XG, XJ, XP, XH, XL, H, D, D
     S = tl.load(S0 + moment, mask=m_ok, other=0.0).to(acc)
     P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc)
     F = tl.load(F0 + state, mask=state_ok, other=0.0).to(acc)
+    at, at_m = chunk_offsets(bh, NT, 0, D, DVP, dk, cols)
+    next_dS = tl.load(XS + at_m, mask=m_ok & (0 < NT), other=0.0)
+    next_dP = tl.load(XP + at, mask=state_ok & (0 < NT), other=0.0)
+    next_Hm = tl.load(XH + at, mask=state_ok & (0 < NT), other=0.0)
+    next_Lm = tl.load(XL + at, mask=state_ok & (0 < NT), other=0.0)
     for chunk in range(NT_BOUND):  # steps past the last chunk load zeros and change nothing
         real = chunk < NT
         at, at_m = chunk_offsets(bh, NT, chunk, D, DVP, dk, cols)
-        dS = tl.load(XS + at_m, mask=m_ok & real, other=0.0)
+        # this chunk's tiles were loaded a step ago; the next chunk's now
+        dS, dP, Hm, Lm = next_dS, next_dP, next_Hm, next_Lm
+        after = chunk + 1 < NT
+        at_next, at_m_next = chunk_offsets(bh, NT, chunk + 1, D, DVP, dk, cols)
+        next_dS = tl.load(XS + at_m_next, mask=m_ok & after, other=0.0)
+        next_dP = tl.load(XP + at_next, mask=state_ok & after, other=0.0)
+        next_Hm = tl.load(XH + at_next, mask=state_ok & after, other=0.0)
+        next_Lm = tl.load(XL + at_next, mask=state_ok & after, other=0.0)
         G = tl.load(XG + at_m, mask=m_ok & real, other=0.0)
         J = tl.load(XJ + at_m, mask=m_ok & real, other=0.0)
-        dP = tl.load(XP + at, mask=state_ok & real, other=0.0)
-        Hm = tl.load(XH + at, mask=state_ok & real, other=0.0)
-        Lm = tl.load(XL + at, mask=state_ok & real, other=0.0)
         tl.store(SS + at_m, S, mask=m_ok & real & (pid_v == 0))
         tl.store(XP + at, P, mask=state_ok & real)  # the chunk's start states, in place
         tl.store(XH + at, F, mask=state_ok & real)
