@@ -399,7 +399,7 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
 
     # few examples, many epochs: validation loss turns up before the end
     fields = dict(lrs=(3e-2, 1e-2), seeds=(0, 1), num_train=32, num_val=64, num_test=64,
-                  batch_size=16, epochs=20, **RECALL)
+                  batch_size=16, epochs=12, **RECALL)
     plain = train_group(group("linear-attn", **fields), build64, graphs=False)
     runs = group("linear-attn", test_at_best_val=True, **fields)
     tracked = train_group(runs, build64, graphs=False)
