@@ -48,6 +48,17 @@ def reference(q, k, v, state=None, **options):
 frobenius_error = functools.partial(relative_error, norm="fro")
 
 
+def decode_each_token(q, k, v, state, **options):
+    """hla2_step_triton (masked decay form) over every token of `[B, T, *, *]` q, k, v from
+    `state`: the outputs `[B, T, H, Dv]` and the last state."""
+    outs = []
+    for t in range(q.shape[1]):
+        o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, decay_form="masked",
+                                      **options)
+        outs.append(o_t)
+    return torch.stack(outs, 1), state
+
+
 def make_inputs(B, T, H, D, Dv, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, T, H, d, generator=gen) * d ** -0.5 for d in (D, D, Dv))
@@ -806,12 +817,8 @@ def test_multi_query_decode_step():
              "A": random_state(B, H, D, Dv)["A"].detach()}
     ref_o, ref_final = reference(q, k.expand(B, T, H, D), v.expand(B, T, H, Dv),
                                  {"S": state["S"].expand(B, H, D, D), "A": state["A"]}, decay=g)
-    outs = []
-    for t in range(T):
-        o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, normalize=False,
-                                      eps=1e-6, decay=g, decay_form="masked")
-        outs.append(o_t)
-    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
+    o, state = decode_each_token(q, k, v, state, normalize=False, eps=1e-6, decay=g)
+    assert frobenius_error(o, ref_o) < 1e-4
     assert frobenius_error(state["S"], ref_final["S"][:, :1]) < 1e-4
     assert frobenius_error(state["A"], ref_final["A"]) < 1e-4
 
@@ -1168,12 +1175,8 @@ def test_odd_head_dims_decode_step(D, Dv, normalize, decay, shared_kv):
     kh, vh = k.expand(B, T, H, D), v.expand(B, T, H, Dv)
     ref_o, ref_state = reference(q, kh, vh, {**state, "S": state["S"].expand(B, H, D, D)},
                                  decay=g, normalize=normalize, eps=1e-3)
-    outs = []
-    for t in range(T):
-        o_t, state = hla2_step_triton(q[:, t], k[:, t], v[:, t], state, normalize=normalize,
-                                      eps=1e-3, decay=g, decay_form="masked")
-        outs.append(o_t)
-    assert frobenius_error(torch.stack(outs, 1), ref_o) < 1e-4
+    o, state = decode_each_token(q, k, v, state, normalize=normalize, eps=1e-3, decay=g)
+    assert frobenius_error(o, ref_o) < 1e-4
     if shared_kv:
         ref_state["S"] = ref_state["S"][:, :1]
     for key in ref_state:
