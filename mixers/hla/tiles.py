@@ -69,3 +69,17 @@ def packed_offsets(b, t, h, T, H, DVP, cols):
     """Offsets of rows t, columns `cols` of head h of batch row b in a packed
     `[B, T, H, DVP]` tensor (the outputs and their gradients)."""
     return ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]
+
+
+@triton.jit
+def store_token_grads(DQ, DK, DVAL, dQ, dK, dV, pid_v, b, h, t, t_ok, dk, cols, B, T, H, D,
+                      DV):
+    """A chunk program's token gradients: its parts of dq and dk (they sum over value
+    columns, so value block `pid_v` writes `[BLOCKS, B, T, H, D]` buffers at its own index)
+    and its columns of dv (`[B, T, H, DV]`), rows past T and columns past D, DV masked."""
+    qk_ok = t_ok[:, None] & (dk < D)[None, :]
+    part = (((pid_v * B + b) * T + t[:, None]).to(tl.int64) * H + h) * D + dk[None, :]
+    tl.store(DQ + part, dQ, mask=qk_ok)
+    tl.store(DK + part, dK, mask=qk_ok)
+    tl.store(DVAL + ((b * T + t[:, None]).to(tl.int64) * H + h) * DV + cols[None, :], dV,
+             mask=t_ok[:, None] & (cols < DV)[None, :])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
+from mixers.hla.tiles import (chunk_block, chunk_offsets, packed_offsets,
+                              store_token_grads)
 from mixers.hla.ahla2.triton.terms import chunk_grads, chunk_terms
 
 
@@ -38,9 +39,4 @@ def ahla2_grad_chunks_kernel(Q, K, V, LOG_G, PS, ES, GP, GE, DO, DQ, DK, DVAL,
     dE = tl.load(GE + at, mask=ok, other=0.0).to(acc)
     dQ, dK, dV, dU = chunk_grads(q, k, v, A, weights, g_in, g_out, dO, P0, E0, dP, dE,
                                  PRECISION)
-    qk_ok = t_ok[:, None] & d_ok[None, :]
-    part = (((pid_v * B + b) * T + t[:, None]).to(tl.int64) * H + h) * D + dk[None, :]
-    tl.store(DQ + part, dQ, mask=qk_ok)
-    tl.store(DK + part, dK, mask=qk_ok)
-    tl.store(DVAL + ((b * T + t[:, None]).to(tl.int64) * H + h) * DV + cols[None, :], dV,
-             mask=t_ok[:, None] & (cols < DV)[None, :])
+    store_token_grads(DQ, DK, DVAL, dQ, dK, dV, pid_v, b, h, t, t_ok, dk, cols, B, T, H, D, DV)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets, packed_offsets
+from mixers.hla.tiles import (chunk_block, chunk_offsets, packed_offsets,
+                              store_token_grads)
 from mixers.hla.hla3.triton.grads import hla3_chunk_grads
 from mixers.hla.hla3.triton.increments import hla3_chunk_rows
 
@@ -42,9 +43,4 @@ def hla3_grad_chunks_kernel(Q, K, V, SS, PS, FS, GS, GP, GF, DO, DQ, DK, DVAL,
                  mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(acc)
     dQ, dK, dV, dBm, dr, r = hla3_chunk_grads(q, k, v, A, LA, dO, S0, P0, F0, dS, dP, dF, C,
                                               PRECISION, acc)
-    qk_ok = t_ok[:, None] & d_ok[None, :]
-    part = (((pid_v * B + b) * T + t[:, None]).to(tl.int64) * H + h) * D + dk[None, :]
-    tl.store(DQ + part, dQ, mask=qk_ok)
-    tl.store(DK + part, dK, mask=qk_ok)
-    tl.store(DVAL + ((b * T + t[:, None]).to(tl.int64) * H + h) * DV + cols[None, :], dV,
-             mask=t_ok[:, None] & (cols < DV)[None, :])
+    store_token_grads(DQ, DK, DVAL, dQ, dK, dV, pid_v, b, h, t, t_ok, dk, cols, B, T, H, D, DV)
