@@ -15,6 +15,7 @@ names it in the results and the report, is its `name`, else the task with its pa
 from __future__ import annotations
 
 import copy
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -569,8 +570,11 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "Dask cluster (a local one, one worker per GPU or CPU slot, without --scheduler).")
 @click.option("--scheduler", metavar="ADDRESS", help="An existing Dask scheduler "
               "(tcp://host:8786) for --executor dask.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (runs, groups and the most "
+              "training steps per task setting and width) and exit: nothing is trained or "
+              "written.")
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
-           overwrite, time_limit, plots_dir, executor, scheduler, **options):
+           overwrite, time_limit, plots_dir, executor, scheduler, dry_run, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
     d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
@@ -604,6 +608,10 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         device = resolve_device(config["device"])
         check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
+        if dry_run:
+            print_table(console, plan_table(specs, config["max_group"]),
+                        lambda: plan_lines(specs, config["max_group"]))
+            return
         mode = store_mode(out, resume, overwrite)
         workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
         store = open_results(out, mode, config, device, workers, environment(device))
@@ -671,6 +679,47 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
     console.print(f"results written to {escape(str(store.path))}")
     if not complete:
         console.print("[yellow]stopped at --time-limit[/]: rerun with --resume to continue")
+
+
+def plan_rows(specs: list[dict], max_group: int) -> list[dict]:
+    """Per (task setting, d_model): the mixers, runs, stacked groups, the most steps a run
+    takes (every epoch, no early stop) and the most model steps of all its runs."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for spec in specs:
+        cells.setdefault((spec["setting"], spec["d_model"]), []).append(spec)
+    rows = []
+    for (setting, d_model), runs in cells.items():
+        first = runs[0]
+        num_train = first["num_train"] or tasks.get(first["task"]).num_train
+        steps = first["epochs"] * math.ceil(num_train / first["batch_size"])
+        rows.append({"setting": setting, "d_model": d_model,
+                     "mixers": len({spec["mixer"] for spec in runs}), "runs": len(runs),
+                     "groups": len(plan_groups(runs, max_group)), "steps": steps,
+                     "model_steps": steps * len(runs)})
+    return rows
+
+
+def plan_table(specs: list[dict], max_group: int) -> Table:
+    rows = plan_rows(specs, max_group)
+    table = Table(title=f"recall plan: {len(specs)} runs (steps: at most, before early stops)")
+    for column in ("setting", "d_model", "mixers", "runs", "groups", "steps a run",
+                   "model steps"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for row in rows:
+        table.add_row(escape(row["setting"]), *(f"{row[key]:,}" for key in
+                      ("d_model", "mixers", "runs", "groups", "steps", "model_steps")))
+    table.add_row("all", "", "", f"{len(specs):,}", f"{sum(r['groups'] for r in rows):,}", "",
+                  f"{sum(r['model_steps'] for r in rows):,}")
+    return table
+
+
+def plan_lines(specs: list[dict], max_group: int) -> list[str]:
+    rows = plan_rows(specs, max_group)
+    return [f"recall plan: {len(specs)} runs (steps: at most, before early stops)"] + [
+        f"{row['setting']} d_model {row['d_model']}: {row['mixers']} mixers, {row['runs']} "
+        f"runs in {row['groups']} groups, {row['steps']:,} steps a run, "
+        f"{row['model_steps']:,} model steps" for row in rows] + [
+        f"all: {sum(r['model_steps'] for r in rows):,} model steps"]
 
 
 @click.group("tasks")

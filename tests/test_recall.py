@@ -711,3 +711,20 @@ def test_mad_config_smoke_on_the_cpu_through_the_cli(tmp_path):
     text = " ".join(result.output.split())
     assert "MAD scores" in text and "(1/11)" in text and "as MAD-lab" in text
     assert "no architecture it scored matches an hla-bench mixer" in text
+
+
+def test_dry_run_prints_the_plan_and_trains_and_writes_nothing(tmp_path):
+    out = tmp_path / "plan.yaml"
+    result = CliRunner().invoke(main, ["recall", "--config", "zoology-smoke", "--device", "cpu",
+                                       "--mixers", "linear-attn,hla2", "--seeds", "0,1",
+                                       "--out", str(out), "--dry-run"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    # zoology-smoke: MQAR 64/4 at d_model 128, 4 lrs; 100,000 examples in batches of 512
+    # for 64 epochs = 196 x 64 steps a run; 2 mixers x 4 lrs x 2 seeds = 16 runs
+    assert "recall plan: 16 runs" in result.output
+    assert "12,544" in result.output and f"{16 * 12_544:,}" in result.output
+    assert not out.exists() and not list(tmp_path.iterdir())
+    bad = CliRunner().invoke(main, ["recall", "--config", "zoology-smoke", "--device", "cpu",
+                                    "--lrs", "0", "--dry-run"])
+    assert bad.exit_code == 2 and "lrs must be" in bad.output
