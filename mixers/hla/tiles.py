@@ -45,6 +45,20 @@ def load_values(V, b, t, h, stride_b, stride_t, stride_h, cols, t_ok, DV,
 
 
 @triton.jit
+def load_qkv(Q, K, V, b, t, h, t_ok, D, DV, dk, cols,
+             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+             stride_vb, stride_vt, stride_vh, NORMALIZE: tl.constexpr, acc: tl.constexpr):
+    """Rows t of q and k (columns dk, zero past T and past D) and the packed value rows
+    (`load_values`) of head h of batch row b, in `acc`."""
+    qk_ok = t_ok[:, None] & (dk < D)[None, :]
+    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
+    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
+    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
+                    acc)
+    return q, k, v
+
+
+@triton.jit
 def chunk_block(H, BD: tl.constexpr, BV: tl.constexpr):
     """(chunk, value block, b, h, b x H + h, key index, value columns) of a program of a
     chunk-parallel kernel: grid axis 0 the chunk, 1 the block of BV packed value columns,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values
+from mixers.hla.tiles import load_qkv
 
 
 @triton.jit
@@ -46,11 +46,9 @@ def chunk_terms(Q, K, V, LOG_G, chunk, b, h, T, D, DV, dk, cols,
     decayed causal scores A = weights * (Q K^T) and decay_terms."""
     t = chunk * C + tl.arange(0, C)
     t_ok = t < T
-    qk_ok = t_ok[:, None] & (dk < D)[None, :]
-    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                    acc)
+    q, k, v = load_qkv(Q, K, V, b, t, h, t_ok, D, DV, dk, cols, stride_qb, stride_qt,
+                       stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                       stride_vh, NORMALIZE, acc)
     weights, g_in, g_out, g_n = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     A = tl.dot(q, tl.trans(k), input_precision=PRECISION) * weights
     return q, k, v, A, weights, g_in, g_out, g_n, t, t_ok

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows, load_values, packed_offsets, value_block
+from mixers.hla.tiles import load_qkv, packed_offsets, value_block
 from mixers.hla.ahla2.triton.forward import precision, token_strides
 from mixers.hla.hla3.triton.increments import hla3_increments_kernel
 from mixers.hla.hla3.triton.output import hla3_output_kernel
@@ -54,11 +54,9 @@ def hla3_forward_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, SS, PS, FS, T, H, D,
             tl.store(FS + at, F, mask=state_ok & (chunk < NT))
             tl.store(SS + (bh * NT + chunk) * D * D + dk[:, None] * D + dk[None, :], S,
                      mask=moment_ok & (chunk < NT) & (pid_v == 0))
-        qk_ok = t_ok[:, None] & d_ok[None, :]
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                        acc)
+        q, k, v = load_qkv(Q, K, V, b, t, h, t_ok, D, DV, dk, cols, stride_qb, stride_qt,
+                           stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                           stride_vh, NORMALIZE, acc)
         A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         LA = tl.where(causal, A, 0.0).to(acc)
         r = tl.dot(q, P, input_precision=PRECISION) + tl.dot(LA, v, input_precision=PRECISION)

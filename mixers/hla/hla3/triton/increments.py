@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import chunk_block, chunk_offsets, load_rows, load_values
+from mixers.hla.tiles import chunk_block, chunk_offsets, load_qkv
 
 
 @triton.jit
@@ -29,11 +29,9 @@ def hla3_chunk_rows(Q, K, V, chunk, b, h, T, D, DV, dk, cols,
     rows = tl.arange(0, C)
     t = chunk * C + rows
     t_ok = t < T
-    qk_ok = t_ok[:, None] & (dk < D)[None, :]
-    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                    acc)
+    q, k, v = load_qkv(Q, K, V, b, t, h, t_ok, D, DV, dk, cols, stride_qb, stride_qt,
+                       stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                       stride_vh, NORMALIZE, acc)
     A = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     LA = tl.where(rows[:, None] >= rows[None, :], A, 0.0).to(acc)
     return q, k, v, A, LA, t, t_ok
