@@ -609,8 +609,8 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
         if dry_run:
-            print_table(console, plan_table(specs, config["max_group"]),
-                        lambda: plan_lines(specs, config["max_group"]))
+            rows = plan_rows(specs, config["max_group"])
+            print_table(console, plan_table(rows), lambda: plan_lines(rows))
             return
         mode = store_mode(out, resume, overwrite)
         workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
@@ -699,23 +699,25 @@ def plan_rows(specs: list[dict], max_group: int) -> list[dict]:
     return rows
 
 
-def plan_table(specs: list[dict], max_group: int) -> Table:
-    rows = plan_rows(specs, max_group)
-    table = Table(title=f"recall plan: {len(specs)} runs (steps: at most, before early stops)")
+def plan_table(rows: list[dict]) -> Table:
+    """`plan_rows` as a table, with a total row."""
+    runs = sum(row["runs"] for row in rows)
+    table = Table(title=f"recall plan: {runs} runs (steps: at most, before early stops)")
     for column in ("setting", "d_model", "mixers", "runs", "groups", "steps a run",
                    "model steps"):
         table.add_column(column, justify="left" if column == "setting" else "right")
     for row in rows:
         table.add_row(escape(row["setting"]), *(f"{row[key]:,}" for key in
                       ("d_model", "mixers", "runs", "groups", "steps", "model_steps")))
-    table.add_row("all", "", "", f"{len(specs):,}", f"{sum(r['groups'] for r in rows):,}", "",
+    table.add_row("all", "", "", f"{runs:,}", f"{sum(r['groups'] for r in rows):,}", "",
                   f"{sum(r['model_steps'] for r in rows):,}")
     return table
 
 
-def plan_lines(specs: list[dict], max_group: int) -> list[str]:
-    rows = plan_rows(specs, max_group)
-    return [f"recall plan: {len(specs)} runs (steps: at most, before early stops)"] + [
+def plan_lines(rows: list[dict]) -> list[str]:
+    """`plan_rows` as plain lines, for a console too narrow for the table."""
+    runs = sum(row["runs"] for row in rows)
+    return [f"recall plan: {runs} runs (steps: at most, before early stops)"] + [
         f"{row['setting']} d_model {row['d_model']}: {row['mixers']} mixers, {row['runs']} "
         f"runs in {row['groups']} groups, {row['steps']:,} steps a run, "
         f"{row['model_steps']:,} model steps" for row in rows] + [
