@@ -563,7 +563,7 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "the missing ones (a group cut at --time-limit continues from its checkpoint).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out results file.")
 @click.option("--time-limit", type=float, help="Stop after this many seconds: running groups "
-              "save a checkpoint at their next evaluation; --resume continues them.")
+              "stop at their next step and save a checkpoint; --resume continues them.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write plots here.")
 @click.option("--executor", type=click.Choice(["local", "dask"]), default="local",
               show_default=True, help="local: worker processes on this host; dask: tasks on a "

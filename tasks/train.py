@@ -384,7 +384,7 @@ class _GroupTrainer:
             self._load(checkpoint)
         self.model.train()
         while self.active and self.step < self.total:
-            self.train_to(min(self.total, self.last_eval + self.eval_every))
+            self.train_to(min(self.total, self.last_eval + self.eval_every), deadline)
             if self.step - self.last_eval >= self.eval_every or self.step >= self.total:
                 self._evaluate()
             if (deadline is not None and time.time() > deadline and self.active
@@ -398,11 +398,14 @@ class _GroupTrainer:
             checkpoint.unlink()
         return [self.results[i] for i in range(len(self.specs))]
 
-    def train_to(self, target: int) -> None:
+    def train_to(self, target: int, deadline: float | None = None) -> None:
         """Train every active run up to global step `target` (a new batch order at each
-        epoch start)."""
+        epoch start), or until the `time.time()` value `deadline` has passed: a group
+        stopped between two evaluations checkpoints there, so a cut costs at most a step."""
         started = time.perf_counter()
         while self.step < target:
+            if deadline is not None and time.time() > deadline:
+                break
             in_epoch = self.step % self.steps_per_epoch
             if in_epoch == 0:
                 self._new_epoch_order()
@@ -577,7 +580,7 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
                 checkpoint: str | Path | None = None) -> list[dict]:
     """Train the runs `specs` (one group: they differ only in lr, weight decay, seed and run
     id) as one stack; returns one result per spec, in order. `deadline` (a `time.time()` value) stops
-    training at the next evaluation after it, saving `checkpoint` (raises `Interrupted`);
+    training at the first step after it, saving `checkpoint` (raises `Interrupted`);
     a later call with the same checkpoint path continues from it."""
     runs = [RunSpec(**spec) for spec in specs]
     keys = {group_key(run.as_dict()) for run in runs}

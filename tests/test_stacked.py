@@ -215,6 +215,46 @@ def test_checkpoint_resume_continues_where_the_deadline_stopped(tmp_path):
     assert not checkpoint.exists()
 
 
+def test_a_deadline_between_evaluations_stops_at_the_next_step_and_resumes_exactly(
+        tmp_path, monkeypatch):
+    """A group cut mid-epoch, between two evaluations, checkpoints there (not at its next
+    evaluation) and its resumed curves and parameters equal an uncut run's."""
+    import time as real_time
+
+    import tasks.train as train
+    from tasks.train import Interrupted
+
+    runs = group("linear-attn", lrs=(1e-3, 3e-3), seeds=(0, 1), num_train=120, epochs=2,
+                 eval_every=0)          # 3 steps an epoch, one evaluation per epoch
+    straight = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    straight_results = straight.run(None, None)
+
+    class Clock:                        # the wall clock moves one second per reading
+        now = 0.0
+
+        @classmethod
+        def time(cls):
+            cls.now += 1.0
+            return cls.now
+
+        perf_counter = staticmethod(real_time.perf_counter)
+        time_ns = staticmethod(real_time.time_ns)
+
+    monkeypatch.setattr(train, "time", Clock)
+    checkpoint = tmp_path / "group.pt"
+    cut = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    with pytest.raises(Interrupted):
+        cut.run(deadline=2.5, checkpoint=checkpoint)  # passes after the second step
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["step"] == 2 and saved["last_eval"] == 0 and saved["curves"] == [[], []]
+    monkeypatch.setattr(train, "time", real_time)
+    resumed = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    results = resumed.run(None, checkpoint)
+    assert [r["curve"] for r in results] == [r["curve"] for r in straight_results]
+    torch.testing.assert_close(resumed.model.flat, straight.model.flat, rtol=0, atol=0)
+    assert not checkpoint.exists()
+
+
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_every_builtin_layer_trains_stacked(mixer):
     assert stackable(spec(mixer=mixer))
