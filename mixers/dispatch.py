@@ -5,19 +5,25 @@ and, where it fell back, why (`fallback=`). Outside a `noting()` block a note co
 context-variable lookup and is dropped; inside, the facts of every note in the block are
 merged into the block's mapping (a later note of the same key replaces the earlier one).
 Values are plain data (str, int, float, bool), so they can be written to a results file.
+While torch.compile traces, nobody listens: a traced dispatch runs as a graph without its
+host-side notes (a context variable would break the graph).
 """
 
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+import torch
 
 _NOTES: ContextVar[dict[str, Any] | None] = ContextVar("dispatch_notes", default=None)
 
 
 def note(**facts: Any) -> None:
     """Record `facts` about the implementation that runs, when someone is listening."""
+    if torch.compiler.is_compiling():
+        return
     notes = _NOTES.get()
     if notes is not None:
         notes.update(facts)
@@ -25,7 +31,7 @@ def note(**facts: Any) -> None:
 
 def listening() -> bool:
     """Whether a note would be kept (to skip working out facts nobody asked for)."""
-    return _NOTES.get() is not None
+    return not torch.compiler.is_compiling() and _NOTES.get() is not None
 
 
 @contextlib.contextmanager
@@ -37,3 +43,11 @@ def noting() -> Iterator[dict[str, Any]]:
         yield notes
     finally:
         _NOTES.reset(token)
+
+
+@torch.compiler.disable
+def opaque(function: Callable, *args, **kwargs):
+    """`function(*args, **kwargs)`, never traced by torch.compile (eager as ever otherwise):
+    the way around the compiler for kernels it cannot trace (Triton launchers with their own
+    autotuners, fla and mamba ops), at the cost of a graph break."""
+    return function(*args, **kwargs)

@@ -9,9 +9,11 @@ each of the layer's parameter names) and x `[N, B, T, d_model]`. The N copies sh
 whose batch rows are independent, so they go through one op call with N * B rows.
 
 Under `torch.compile` a layer whose class sets `TRACEABLE_STACKED` compiles around its op:
-the projections, convolution, norms and casts fuse, and the op itself (Triton launchers,
-autotuners, fla and mamba kernels that the compiler cannot trace) runs through `opaque`, a
-graph break.
+the projections, convolution, norms and casts fuse. The op itself is traced too where the
+layer is built with `traceable_op=True` (PyTorch forms: their elementwise work fuses with
+the layer's); an op whose dispatcher picks a Triton kernel keeps that kernel out of the
+trace itself (`mixers.dispatch.opaque`). Any other op (fla and mamba kernels that the
+compiler cannot trace) runs through `opaque` as a whole, a graph break.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from mixers.dispatch import opaque
 
 QK_NORMS = ("none", "l2", "scale")
 
@@ -36,12 +40,6 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C]
         x = F.pad(x.transpose(1, 2), (self.kernel_size - 1, 0))
         return self.conv(x).transpose(1, 2)
-
-
-@torch.compiler.disable
-def opaque(function: Callable, *args, **kwargs):
-    """`function(*args, **kwargs)`, never traced by torch.compile (eager as ever otherwise)."""
-    return function(*args, **kwargs)
 
 
 def stacked_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -82,16 +80,19 @@ class MixerLayer(nn.Module):
     bias: biases on the q/k/v and output projections (Zoology's attention has them).
     dropout: passed to the op as `dropout_p` while training (softmax attention's dropout on
     the attention weights); 0 passes nothing, so any op works.
+    traceable_op: torch.compile may trace the op (PyTorch code, or a dispatcher that keeps
+    its own kernels out of the trace); False runs it through `opaque`.
 
     The q/k/v projection's output is laid out [q of every head, k of every head, v of every
     head]; `tasks.stacked` relies on that layout and on the attribute names.
     """
 
-    TRACEABLE_STACKED = True  # forward_stacked runs its op through `opaque`
+    TRACEABLE_STACKED = True  # forward_stacked traces its op only when traceable_op
 
     def __init__(self, d_model: int, n_heads: int, op: Callable, *, qk_norm: str = "l2",
                  short_conv: int = 0, output_norm: bool = False, head_dim: int | None = None,
-                 key_dim: int | None = None, bias: bool = False, dropout: float = 0.0):
+                 key_dim: int | None = None, bias: bool = False, dropout: float = 0.0,
+                 traceable_op: bool = False):
         super().__init__()
         if qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
@@ -111,7 +112,7 @@ class MixerLayer(nn.Module):
         self.conv = ShortConv(sum(self.split), short_conv) if short_conv else None
         self.out_norm = nn.RMSNorm(head_dim) if output_norm else None
         self.out = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.op = op
+        self.op, self.traceable_op = op, bool(traceable_op)
 
     def op_kwargs(self) -> dict:
         """Keyword arguments of the op call (dropout while training only)."""
@@ -148,7 +149,10 @@ class MixerLayer(nn.Module):
             q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
         elif self.qk_norm == "scale":
             q = q * self.key_dim ** -0.5
-        o, _ = opaque(self.op, q, k, v, **self.op_kwargs())
+        if self.traceable_op:
+            o, _ = self.op(q, k, v, **self.op_kwargs())
+        else:
+            o, _ = opaque(self.op, q, k, v, **self.op_kwargs())
         o = o.reshape(N, B * T, self.n_heads, self.head_dim)
         if self.out_norm is not None:
             o = F.rms_norm(o, (self.head_dim,), eps=self.out_norm.eps)

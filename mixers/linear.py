@@ -76,7 +76,7 @@ def _linear_layer(d_model, n_heads, **options):
     per head (MixerLayer's key_dim), v and the output keep the head dim."""
     return MixerLayer(d_model, n_heads, _linear_op(**options), qk_norm=options["qk_norm"],
                       short_conv=options["short_conv"], output_norm=options["output_norm"],
-                      key_dim=options["feature_dim"] or None)
+                      key_dim=options["feature_dim"] or None, traceable_op=True)
 
 
 def _linear_decoder(feature_map, normalize, eps, feature_dim, **_):

@@ -27,13 +27,15 @@ def _sdpa_requires(backend="auto", **_):
     return ("cuda",) if backend in CUDA_ONLY_BACKENDS else ()
 
 
-def _softmax_layer(build_op, dropout: bool):
+def _softmax_layer(build_op, dropout: bool, traceable: bool):
     """Softmax layers: no q/k norm (the op scales by 1/sqrt(D)); `bias` on the projections
-    and, where the op takes it, attention `dropout` while training."""
+    and, where the op takes it, attention `dropout` while training. `traceable`: the op is
+    PyTorch's SDPA, which torch.compile traces."""
     def build_layer(d_model, n_heads, **options):
         return MixerLayer(d_model, n_heads, build_op(**options), qk_norm="none",
                           short_conv=options["short_conv"], bias=options["bias"],
-                          dropout=options["dropout"] if dropout else 0.0)
+                          dropout=options["dropout"] if dropout else 0.0,
+                          traceable_op=traceable)
 
     return build_layer
 
@@ -42,7 +44,7 @@ SDPA = Mixer(
     name="sdpa", family="softmax",
     description="Causal softmax attention via torch scaled_dot_product_attention "
                 "(backend auto|math|efficient|flash|cudnn); state = KV cache.",
-    build_op=_sdpa_op, build_layer=_softmax_layer(_sdpa_op, dropout=True),
+    build_op=_sdpa_op, build_layer=_softmax_layer(_sdpa_op, dropout=True, traceable=True),
     build_decoder=lambda backend, scale, cache_reserve, **_: KVCacheDecoder(
         backend, scale, cache_reserve),
     options={"backend": "auto", "scale": None, "cache_reserve": 1024, "short_conv": 0,
@@ -54,7 +56,7 @@ SDPA = Mixer(
 FLASH_ATTN = Mixer(
     name="flash-attn", family="softmax",
     description="Causal softmax attention via flash-attn's flash_attn_func (fp16/bf16, CUDA).",
-    build_op=_flash_attn_op, build_layer=_softmax_layer(_flash_attn_op, dropout=False),
+    build_op=_flash_attn_op, build_layer=_softmax_layer(_flash_attn_op, dropout=False, traceable=False),
     options={"short_conv": 0, "bias": False}, forms=("flash",), requires=("flash_attn", "cuda"),
     flops=softmax_flops)
 

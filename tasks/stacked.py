@@ -171,7 +171,7 @@ class StackedLM:
         if torch.compiler.is_compiling() and not getattr(block.mixer, "TRACEABLE_STACKED", False):
             # Mixers run their own kernels (Triton launchers, autotuners, fla and mamba ops)
             # that torch.compile cannot trace. A layer that marks itself TRACEABLE_STACKED
-            # keeps its op out of the trace itself (mixers.layer.opaque) and compiles around
+            # keeps what it cannot trace out itself (mixers.dispatch.opaque) and compiles around
             # it; any other mixer layer stays eager as a whole.
             forward = torch.compiler.disable(forward)
         return forward(params, x)

@@ -91,9 +91,11 @@ def snapshot(path):
 
 def test_sigkill_at_random_moments_leaves_a_valid_resumable_file(tmp_path):
     rng = random.Random(20)
-    deadline = time.monotonic() + 18
-    trials = chains = 0
-    while chains < 2 or time.monotonic() < deadline:
+    started = time.monotonic()
+    kills = chains = 0
+    # at least 2 chains and 4 kills (a loaded machine takes longer for them), 18 s or more
+    while (chains < 2 or kills < 4 or time.monotonic() < started + 18) and \
+            time.monotonic() < started + 150:
         chains += 1
         out = tmp_path / f"chain{chains}" / "r.yaml"
         out.parent.mkdir()
@@ -109,7 +111,7 @@ def test_sigkill_at_random_moments_leaves_a_valid_resumable_file(tmp_path):
                 time.sleep(rng.uniform(0, 0.6))
             process.send_signal(signal.SIGKILL)
             code = process.wait()
-            trials += 1
+            kills += code == -signal.SIGKILL
             after = snapshot(out)
             context = f"chain {chains}, run {run}, exit {code}: {process.stderr.read()[-2000:]}"
             assert code in (0, -signal.SIGKILL), context
@@ -122,7 +124,7 @@ def test_sigkill_at_random_moments_leaves_a_valid_resumable_file(tmp_path):
         assert data["complete"] is True and set(snapshot(out)) == PLANNED
         assert all(p["status"] == "ok" for p in data["points"])
         assert sorted(p.name for p in out.parent.iterdir()) == ["r.yaml"]  # no lock, no temp
-    assert trials >= 6
+    assert kills >= 4
 
 
 def test_two_writers_of_one_file_never_lose_a_point(tmp_path):

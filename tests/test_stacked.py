@@ -470,17 +470,70 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
         assert a["best_val_loss_step"] == b["best_val_loss_step"]
 
 
+def _eager_and_compiled(runs):
+    return [_GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None,
+                          compile=compile) for compile in (False, True)]
+
+
 def test_compiled_training_equals_eager_training():
-    """torch.compile'd stacked steps give the eager steps' losses and parameters (float64),
-    also after a run leaves the stack (a new stack size compiles anew)."""
+    """torch.compile'd stacked steps (inductor; the layer's op traced with it) give the
+    eager steps' losses and parameters (float64)."""
     runs = group("linear-attn", num_train=80, epochs=3)  # 2 full batches an epoch
-    trainers = [_GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False,
-                              progress=None, compile=compile) for compile in (False, True)]
-    for trainer in trainers:
+    eager, compiled = _eager_and_compiled(runs)
+    for trainer in (eager, compiled):
         trainer.train_to(2)
-        trainer._keep([0, 2])
-        trainer.train_to(4)
-    eager, compiled = trainers
     assert compiled._compiled is not None and compiled._compiled[0] is compiled.model
     torch.testing.assert_close(compiled.loss_sum, eager.loss_sum, rtol=1e-9, atol=0)
     torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
+
+
+def test_compiled_training_follows_a_run_leaving_the_stack(monkeypatch):
+    """After a run leaves, the smaller stack compiles anew and still equals eager training
+    (traced by dynamo and AOT autograd, run eagerly: inductor's code is checked above)."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    runs = group("hla2", num_train=80, epochs=3)
+    eager, compiled = _eager_and_compiled(runs)
+    for trainer in (eager, compiled):
+        trainer.train_to(2)
+        trainer._keep([0, 2])
+        trainer.train_to(4)
+    assert compiled._compiled is not None and compiled._compiled[0] is compiled.model
+    torch.testing.assert_close(compiled.loss_sum, eager.loss_sum, rtol=1e-9, atol=0)
+    torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_stacked_layers_trace_their_pytorch_ops_into_one_graph(mixer):
+    """On the CPU every built-in op runs a PyTorch form, and torch.compile traces the whole
+    stacked loss, op included, without a graph break (so the op's elementwise work fuses
+    with the layer's)."""
+    runs = group(mixer, lrs=(1e-3, 3e-3), seeds=(0, 1))
+    models = []
+    for run in runs:
+        torch.manual_seed(run["seed"])
+        models.append(build_model(run))
+    stacked = StackedLM(models)
+    tokens = torch.randint(0, 64, (2, 4, 32), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(tokens, IGNORE)
+    labels[..., -4:] = tokens[..., -4:]
+    explained = torch._dynamo.explain(stacked.losses)(tokens, labels, 16)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        [str(reason.reason)[:200] for reason in explained.break_reasons]
+
+
+def test_an_op_not_marked_traceable_stays_out_of_the_trace():
+    from mixers.layer import MixerLayer
+    from mixers.linear_attn import linear_attn
+
+    def stacked_loss(layer):
+        params = {name: p.detach().unsqueeze(0).expand(2, *p.shape).clone()
+                  for name, p in layer.named_parameters()}
+        return lambda x: layer.forward_stacked(params, x).sum()
+
+    x = torch.randn(2, 3, 16, 8)
+    for traceable in (True, False):
+        layer = MixerLayer(8, 1, linear_attn, traceable_op=traceable)
+        breaks = torch._dynamo.explain(stacked_loss(layer))(x).graph_break_count
+        assert (breaks == 0) == traceable

@@ -100,8 +100,10 @@ def hla_entry(name: str, module: str, op_name: str, description: str, options: d
         return functools.partial(op, **_accepted(op, {**bound, **_op_options(opts)}))
 
     def build_layer(d_model, n_heads, **opts):
+        # traceable: the dispatchers keep their Triton kernels out of a torch.compile trace
         return MixerLayer(d_model, n_heads, build_op(**opts), qk_norm=opts["qk_norm"],
-                          short_conv=opts["short_conv"], output_norm=opts["output_norm"])
+                          short_conv=opts["short_conv"], output_norm=opts["output_norm"],
+                          traceable_op=True)
 
     def build_decoder(**opts):
         step = _operator(module, op_name + "_step")

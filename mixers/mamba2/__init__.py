@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from mixers.dispatch import note
+from mixers.dispatch import note, opaque
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_flag,
                                check_qkv)
 from mixers.mamba2.chunk import ssd_chunk
@@ -76,7 +76,9 @@ def ssd(x, dt, A, B, C, *, D=None, impl="auto", chunk_size=64, initial_state=Non
         return guard.outputs(y), guard.state(state)
     from mixers.mamba2.triton import ssd_triton  # mamba_ssm's kernel: not held to the rule
 
-    return ssd_triton(x, dt, A, B, C, D=D, chunk_size=chunk_size, initial_state=initial_state)
+    # kept out of a torch.compile trace (its own autotuned launchers); the PyTorch forms trace
+    return opaque(ssd_triton, x, dt, A, B, C, D=D, chunk_size=chunk_size,
+                  initial_state=initial_state)
 
 
 def mamba2_ssd(q, k, v, *, dt, A, D=None, impl="auto", chunk_size=64, initial_state=None,

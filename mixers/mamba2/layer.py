@@ -19,14 +19,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixers.entry import Mixer
-from mixers.layer import ShortConv, opaque, stacked_causal_conv, stacked_linear
+from mixers.layer import ShortConv, stacked_causal_conv, stacked_linear
 from mixers.mamba2 import SSDDecoder, mamba2_ssd, ssd, ssd_flops, ssd_parameters
 
 
 class Mamba2Block(nn.Module):
     """`[B, T, d_model]` -> `[B, T, d_model]`; head dim = expand * d_model / n_heads."""
 
-    TRACEABLE_STACKED = True  # forward_stacked runs the SSD scan through `opaque`
+    # `ssd` keeps mamba_ssm's kernel out of a torch.compile trace; its PyTorch forms trace
+    TRACEABLE_STACKED = True
 
     def __init__(self, d_model: int, n_heads: int, *, d_state: int = 64, expand: int = 2,
                  short_conv: int = 4, chunk_size: int = 64, impl: str = "auto",
@@ -73,7 +74,7 @@ class Mamba2Block(nn.Module):
         heads = lambda t: t.permute(1, 2, 0, 3).reshape(Bsz, T, M * t.shape[-1])  # noqa: E731
         x = x.reshape(M, Bsz, T, H, P).permute(1, 2, 0, 3, 4).reshape(Bsz, T, M * H, P)
         # contiguous: mamba_ssm's kernels need unit strides (a stacked [M, 1] D is strided)
-        y, _ = opaque(ssd, x, heads(dt).contiguous(), -torch.exp(params["A_log"]).reshape(M * H),
+        y, _ = ssd(x, heads(dt).contiguous(), -torch.exp(params["A_log"]).reshape(M * H),
                    B.permute(1, 2, 0, 3).contiguous(), C.permute(1, 2, 0, 3).contiguous(),
                    D=params["D"].reshape(M * H).contiguous(), impl=self.impl,
                    chunk_size=self.chunk_size)

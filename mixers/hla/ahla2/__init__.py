@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from mixers.dispatch import opaque
 from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
 from mixers.hla.ahla2.scan import ahla2_scan
@@ -86,7 +87,8 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     q_in, k_in, v_in = guard.inputs
     if impl == "triton":
         from mixers.hla.ahla2.triton import ahla2_triton_packed
-        o, P, E = ahla2_triton_packed(q_in, k_in, v_in, P0, E0, decay, normalize, chunk_size)
+        o, P, E = opaque(ahla2_triton_packed, q_in, k_in, v_in, P0, E0, decay, normalize,
+                         chunk_size)
         o = guard.outputs(read_out(o, normalize, eps, q.dtype))
         return o, (guard.state(_state_dict(P, E, normalize)) if output_final_state else None)
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)

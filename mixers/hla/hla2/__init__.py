@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from mixers.dispatch import opaque
 from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
                                check_decay, check_eps, check_flag, check_qkv, check_state,
                                resolve_impl)
@@ -119,9 +120,9 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
                          decay_form=decay_form, decay=g)
     if impl == "triton" and q.shape[1] > 0:  # checked by _resolve_impl
         from mixers.hla.hla2.triton import _hla2_triton_unchecked
-        return _hla2_triton_unchecked(q, k, v, normalize=normalize, eps=eps, decay=g,
-                                      decay_form=decay_form, chunk_size=chunk_size,
-                                      initial_state=state, output_final_state=output_final_state)
+        return opaque(_hla2_triton_unchecked, q, k, v, normalize=normalize, eps=eps, decay=g,
+                      decay_form=decay_form, chunk_size=chunk_size, initial_state=state,
+                      output_final_state=output_final_state)
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
     if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
         final = None

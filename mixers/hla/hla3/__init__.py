@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from mixers.dispatch import opaque
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
@@ -120,7 +121,8 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     q_in, k_in, v_in = guard.inputs
     if impl == "triton":
         from mixers.hla.hla3.triton import hla3_triton_packed
-        o, *carries = hla3_triton_packed(q_in, k_in, v_in, *carries, normalize, chunk_size)
+        o, *carries = opaque(hla3_triton_packed, q_in, k_in, v_in, *carries, normalize,
+                             chunk_size)
         o = guard.outputs(read_out(o, normalize, eps, q.dtype))
         if not output_final_state:
             return o, None
