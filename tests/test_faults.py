@@ -11,8 +11,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from hla_bench import results
 
 ROOT = Path(__file__).resolve().parents[1]
