@@ -51,9 +51,10 @@ def test_a_run_leaving_the_stack_is_recaptured():
     assert torch.isfinite(trainer.loss_sum).all()
 
 
-def test_attention_dropout_is_captured():
+@pytest.mark.parametrize("compile", [False, True])
+def test_attention_dropout_is_captured(compile):
     runs = group("sdpa", mixer_options={"dropout": 0.1, "bias": True}, embed_dropout=0.1)
-    trainer = _GroupTrainer(runs, build_model, graphs=True, progress=None)
+    trainer = _GroupTrainer(runs, build_model, graphs=True, progress=None, compile=compile)
     trainer.train_to(6)
     assert trainer.graphed and trainer.graph_failure is None, trainer.graph_failure
     assert torch.isfinite(trainer.model.flat).all()
