@@ -572,7 +572,7 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "(tcp://host:8786) for --executor dask.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (runs, groups and the most "
               "training steps per task setting and width) and exit: nothing is trained or "
-              "written.")
+              "written, and a config's CUDA device need not be visible.")
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
            overwrite, time_limit, plots_dir, executor, scheduler, dry_run, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
@@ -605,12 +605,21 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
 
             if unavailable_reason():
                 raise ConfigError(unavailable_reason())
-        device = resolve_device(config["device"])
-        check_mixer_options(config, device)
+        # a dry run plans for the config's device without needing it (a GPU grid is planned
+        # on a laptop); its layers' options are then not tried
+        absent = (dry_run and config["device"].startswith("cuda")
+                  and not torch.cuda.is_available())
+        device = config["device"] if absent else resolve_device(config["device"])
+        if not absent:
+            check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
         if dry_run:
             rows = plan_rows(specs, config["max_group"])
             print_table(console, plan_table(rows), lambda: plan_lines(rows))
+            if absent:
+                console.print(f"[yellow]note[/]: planned for {device}, which is not visible "
+                              "here: the mixer options were not tried on it, and mixers "
+                              "whose packages are missing here count as unstacked")
             return
         mode = store_mode(out, resume, overwrite)
         workers = config["workers"] or default_workers(device, config["workers_per_gpu"])

@@ -728,3 +728,16 @@ def test_dry_run_prints_the_plan_and_trains_and_writes_nothing(tmp_path):
     bad = CliRunner().invoke(main, ["recall", "--config", "zoology-smoke", "--device", "cpu",
                                     "--lrs", "0", "--dry-run"])
     assert bad.exit_code == 2 and "lrs must be" in bad.output
+
+
+def test_a_gpu_config_is_planned_without_a_gpu_and_refused_to_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    planned = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--dry-run"],
+                                 env={"COLUMNS": "200"})
+    assert planned.exit_code == 0, planned.output
+    assert "recall plan: 432 runs" in planned.output and "7,216,128" in planned.output
+    assert "planned for cuda, which is not visible here" in " ".join(planned.output.split())
+    out = tmp_path / "grid.yaml"
+    refused = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--out", str(out)])
+    assert refused.exit_code == 2 and "no CUDA device is visible" in refused.output
+    assert not out.exists()
