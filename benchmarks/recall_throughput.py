@@ -155,6 +155,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=0,
                         help="stacked mode: at most this many groups train at once (0: all "
                              "of a cell's groups; wide models may need fewer to fit the GPU)")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="stacked mode: train each group this many times at once (how "
+                             "aggregate throughput grows with the processes sharing the GPU)")
     parser.add_argument("--compile", action="store_true",
                         help="stacked and profile modes: compile each group's step "
                              "(torch.compile) before it is captured")
@@ -165,6 +168,8 @@ def main() -> None:
         parser.error(f"--modes takes stacked, alone and profile, got {args.modes!r}")
     if args.concurrency < 0:
         parser.error(f"--concurrency must be >= 0, got {args.concurrency}")
+    if args.copies < 1:
+        parser.error(f"--copies must be >= 1, got {args.copies}")
 
     from hla_bench import configs, registry
     from hla_bench.processes import cuda_mps_active
@@ -180,7 +185,8 @@ def main() -> None:
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
-              "mps": cuda_mps_active(), "compile": args.compile, "cells": []}
+              "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
+              "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
         runs = [{**s, "num_train": args.num_train,
@@ -193,9 +199,10 @@ def main() -> None:
                  "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
         try:
             if "stacked" in modes:
-                at_once = min(len(groups), args.concurrency or len(groups))
+                copies = [group for group in groups for _ in range(args.copies)]
+                at_once = min(len(copies), args.concurrency or len(copies))
                 entry["concurrency"] = at_once
-                entry["stacked"] = _rate(stacked := _pool(_stacked, groups, at_once, args.steps,
+                entry["stacked"] = _rate(stacked := _pool(_stacked, copies, at_once, args.steps,
                                                        args.compile))
                 entry["graph_failures"] = sorted({r["graph_failure"] for r in stacked
                                                   if r["graph_failure"]})
