@@ -475,25 +475,45 @@ def parse_params(ctx, param, values) -> dict:
 def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                       on_results, client=None, **options) -> bool:
     """The groups under a rich display: an overall bar of runs, a bar per running group,
-    and a line per finished run."""
+    and a line per finished run. Where the output is not a terminal (a pipe, a log file)
+    the bars give way to whole lines: a group's start, its progress at every tenth of its
+    steps and whenever a run of it stops, and each finished run."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     total = sum(len(group) for group in groups)
     names = {tuple(spec["run_id"] for spec in group):
              escape(f"{group[0]['mixer']} d={group[0]['d_model']} x{len(group)} "
                     f"[{group[0]['setting']}]") for group in groups}
-    with Progress(*columns, console=console, transient=False) as progress:
+    plain = not console.is_terminal
+
+    def say(text: str) -> None:
+        console.print(text, soft_wrap=True, highlight=False)
+
+    with Progress(*columns, console=console, transient=False, disable=plain) as progress:
         overall = progress.add_task("[bold]all runs", total=total, info="")
         bars: dict[tuple, int] = {}
+        told: dict[tuple, tuple[int, int]] = {}  # group -> (tenths of its steps, runs training)
 
         def on_event(ids: list[int], event: dict) -> None:
             key = tuple(ids)
             if event["event"] == "start" and key in names:
                 bars[key] = progress.add_task(names[key], total=event["total"], info="")
+                told[key] = (0, event["runs"])
+                if plain:
+                    say(f"{names[key]}: started, at most {event['total']:,} steps")
             elif event["event"] in ("eval", "resumed") and key in bars:
                 info = (f"best val {event['accuracy']:.3f}, {event['active']} training"
                         if event["event"] == "eval" else "resumed")
                 progress.update(bars[key], completed=event["step"], info=info)
+                if not plain:
+                    return
+                if event["event"] == "resumed":
+                    say(f"{names[key]}: resumed at step {event['step']:,}")
+                    return
+                tenths = 10 * event["step"] // max(1, event["total"])
+                if (tenths, event["active"]) != told[key]:
+                    told[key] = (tenths, event["active"])
+                    say(f"{names[key]}: step {event['step']:,} of {event['total']:,}, {info}")
 
         def on_group(results: list[dict]) -> None:
             key = tuple(r["run_id"] for r in results)
@@ -506,7 +526,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                 outcome = (f"test {result['test_accuracy']:.3f} (val {result['val_accuracy']:.3f}) "
                            f"in {result['steps']} steps" if result["status"] == "ok" else
                            f"[red]{result['status']}: {escape(result.get('error', ''))}[/]")
-                progress.console.print(f"  {where}: {outcome}")
+                progress.console.print(f"  {where}: {outcome}", soft_wrap=plain,
+                                       highlight=not plain)
             progress.advance(overall, len(results))
             on_results(results)
 

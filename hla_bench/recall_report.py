@@ -30,6 +30,7 @@ from rich.table import Table
 
 from hla_bench import configs
 from hla_bench.plots import pyplot_for, save_figure
+from hla_bench.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
 MAD_REFERENCE = configs.reference("mad-lab.yaml")
@@ -422,7 +423,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
             console.print(setting_markdown(setting, by_mixer), markup=False, highlight=False,
                           soft_wrap=True)
         else:
-            console.print(setting_table(setting, by_mixer))
+            table = setting_table(setting, by_mixer)
+            print_table(console, table, lambda: table_lines(table, console))
     scores = mad_scores(runs, summary)
     if scores:
         reference = load_mad_reference()
@@ -430,7 +432,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
             console.print(mad_markdown(scores, reference), markup=False, highlight=False,
                           soft_wrap=True)
         else:
-            console.print(mad_table(scores, reference))
+            table = mad_table(scores, reference)
+            print_table(console, table, lambda: table_lines(table, console))
     for run in runs:
         if run.get("status") != "ok":
             where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} seed={run.get('seed', 0)} [{run['setting']}]"

@@ -101,6 +101,26 @@ def print_table(console: Console, table: Table,
             console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
+def table_lines(table: Table, console: Console) -> list[str | list[str]]:
+    """Any table as `print_table`'s plain lines: its title, then a line of items per row
+    (the first column's value, then `header value` for each non-empty cell), then its
+    caption; markup is dropped and a cell's line breaks become spaces."""
+    def plain(value) -> str:
+        text = value.plain if isinstance(value, Text) else console.render_str(str(value)).plain
+        return " ".join(text.split())
+
+    headers = [plain(column.header) for column in table.columns]
+    columns = [[plain(cell) for cell in column.cells] for column in table.columns]
+    lines: list[str | list[str]] = [plain(table.title)] if table.title else []
+    for row in range(table.row_count):
+        values = [column[row] for column in columns]
+        lines.append([values[0], *(f"{header} {value}" for header, value
+                                   in zip(headers[1:], values[1:]) if value)])
+    if table.caption:
+        lines.append(plain(table.caption))
+    return lines
+
+
 def wrap(text: str, width: int, indent: str = "", hang: str = "    ") -> list[str]:
     """`text` as lines of at most `width` columns broken only at spaces (a word longer than
     the width gets a line of its own, whole): the first line after `indent`, the others

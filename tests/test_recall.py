@@ -614,6 +614,24 @@ def test_time_limit_checkpoints_and_resume_finishes(tmp_path):
     assert not list((tmp_path / "recall.yaml.checkpoints").glob("*.pt"))
 
 
+def test_progress_into_a_pipe_is_whole_lines(tmp_path):
+    """Not a terminal (CliRunner's output, a log file): no bars, and no line cut to the
+    width, however narrow."""
+    result = CliRunner().invoke(main, recall_args(tmp_path, "--epochs", "2"),
+                                env={"COLUMNS": "30"})
+    assert result.exit_code == 0, result.output
+    group = "test-softmax d=32 x2 [mqar num_kv_pairs=2 seq_len=8 vocab_size=16]"
+    lines = result.output.splitlines()
+    assert f"{group}: started, at most 4 steps" in lines
+    assert any(line.startswith(f"{group}: step 2 of 4, best val ") for line in lines)
+    assert any(line.startswith("  test-softmax d=32 lr=0.003 wd=0.1 seed=0 [mqar "
+                               "num_kv_pairs=2 seq_len=8 vocab_size=16]: test ") for line in lines)
+    assert "…" not in result.output and "━" not in result.output
+    # the report's table does not fit 30 columns: its rows as lines of whole items
+    assert "mqar num_kv_pairs=2 seq_len=8" in lines and "    vocab_size=16" in lines
+    assert "test-softmax d 32" in lines
+
+
 @pytest.mark.parametrize("option,value,message", [
     ("--lrs", "-1", "lrs must be a list of a number"), ("--d-model", "0", "d_model must be"),
     ("--epochs", "0", "epochs must be an int >= 1"), ("--batch-size", "0", "batch_size must be"),

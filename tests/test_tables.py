@@ -182,3 +182,14 @@ def test_pack_keeps_items_whole():
     assert tables.pack(["a", "b", "c"], 4, sep=" ") == ["a b", "c"]
     assert tables.wrap("one two three", 8, indent="  ", hang="  ") == ["  one", "    two",
                                                                         "    three"]
+
+
+def test_table_lines_give_every_cell_whole_with_its_header():
+    table = Table(title="[bold]a title[/]", caption="a caption")
+    for header in ("mixer", "d", "val"):
+        table.add_column(header)
+    table.add_row("hla2-very-long-label", "64", "0.991\n±0.004")
+    table.add_row("sdpa", "128", "")
+    assert tables.table_lines(table, Console(width=20)) == [
+        "a title", ["hla2-very-long-label", "d 64", "val 0.991 ±0.004"], ["sdpa", "d 128"],
+        "a caption"]
