@@ -164,7 +164,9 @@ class StackedLM:
 
     def _mixer(self, block: Block, prefix: str, x: torch.Tensor) -> torch.Tensor:
         params = self._sub(prefix)
-        if self.count == 1 and not callable(getattr(block.mixer, "forward_stacked", None)):
+        # forward_stacked first: a stacked mixer never reads the stack size here, so a
+        # compiled loss is not specialised to it
+        if not callable(getattr(block.mixer, "forward_stacked", None)) and self.count == 1:
             single = {name: value[0] for name, value in params.items()}
             return functional_call(block.mixer, single, (x[0],)).unsqueeze(0)
         forward = block.mixer.forward_stacked

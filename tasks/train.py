@@ -185,27 +185,36 @@ def _load_group_data(spec: RunSpec, seeds: list[int], params: dict, num_train: i
 
 
 class _Step:
-    """One training step of the active stacked models over batches of `batch` rows. Every
-    input it reads (batch position, global step, batch order, learning-rate table) lives in
-    device tensors that the trainer updates in place, so on CUDA the step is captured as a
-    graph and replayed with no host data: its first `WARM_STEPS` calls run eagerly on a side
-    stream (cuBLAS, autotuners and the allocator warm up on real steps, which count), the
-    next is captured and replayed."""
+    """One training step of the active stacked models over a batch. Every input it reads
+    (batch position, global step, batch order, learning-rate table) lives in device tensors
+    that the trainer updates in place, so on CUDA the step is captured as a graph and
+    replayed with no host data: its first `WARM_STEPS` calls run eagerly on a side stream
+    (cuBLAS, autotuners and the allocator warm up on real steps, which count), the next is
+    captured and replayed.
+
+    Every batch has the full `batch_size` rows, so one step (one compilation, one captured
+    graph) serves the whole epoch: the rows past the end of the training set in the epoch's
+    last batch repeat its last example with every label ignored, which adds nothing to any
+    loss or gradient (the losses average over labelled positions)."""
 
     WARM_STEPS = 2
 
-    def __init__(self, trainer: "_GroupTrainer", batch: int, graph: bool):
-        self.trainer, self.batch, self.use_graph = trainer, batch, graph
-        self.span = torch.arange(batch, device=trainer.device)
+    def __init__(self, trainer: "_GroupTrainer", graph: bool):
+        self.trainer, self.use_graph = trainer, graph
+        self.batch = trainer.batch_size
+        self.span = torch.arange(self.batch, device=trainer.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_steps = 0
 
     def run(self) -> None:
         t = self.trainer
-        rows = t.order.index_select(1, t.batch_index * t.batch_size + self.span)  # [S, b]
+        position = t.batch_index * t.batch_size + self.span                      # [b]
+        last = t.sizes["num_train"] - 1
+        rows = t.order.index_select(1, position.clamp(max=last))                # [S, b]
         rows = rows.index_select(0, t.model_seed)                               # [N, b]
         seed_rows = t.model_seed[:, None]
         tokens, labels = t.data.train_x[seed_rows, rows], t.data.train_y[seed_rows, rows]
+        labels = torch.where((position <= last)[None, :, None], labels, IGNORE)
         t.model.zero_grad()
         with t.autocast():
             losses = t.losses(tokens, labels, self.batch * t.data.max_rows_per_example)
@@ -309,7 +318,7 @@ class _GroupTrainer:
         self.vocab_size = task.vocab_size(**self.params)
         self.use_graphs = graphs and self.cuda
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.programs: dict[int, _Step] = {}
+        self.program: _Step | None = None
         self.graphed, self.graph_failure = False, None
         self.compile = compile
         self._compiled: tuple[StackedLM, Callable] | None = None
@@ -319,8 +328,8 @@ class _GroupTrainer:
 
             inductor_config.fallback_random = True  # graph-safe dropout
             dynamo.reset()  # a worker's earlier groups leave compiled code behind
-            # one compilation per stack size and batch shape (the last batch of an epoch)
-            dynamo.config.recompile_limit = 2 * len(specs) + 8
+            # one compilation per stack size (every batch has the same shape)
+            dynamo.config.recompile_limit = len(specs) + 8
         self.started = time.perf_counter()
         self.train_seconds = 0.0
 
@@ -344,10 +353,10 @@ class _GroupTrainer:
         return torch.tensor([self.seeds.index(self.specs[i].seed) for i in active],
                             device=self.device)
 
-    def _program(self, batch: int) -> _Step:
-        if batch not in self.programs:
-            self.programs[batch] = _Step(self, batch, self.use_graphs and self.graph_failure is None)
-        return self.programs[batch]
+    def _program(self) -> _Step:
+        if self.program is None:
+            self.program = _Step(self, self.use_graphs and self.graph_failure is None)
+        return self.program
 
     def _new_epoch_order(self) -> None:
         if self.specs[0].shuffle:
@@ -369,10 +378,10 @@ class _GroupTrainer:
         self._drop_graphs()
 
     def _drop_graphs(self) -> None:
-        """Forget the captured steps. Their memory pool may still hold live blocks after the
-        graphs are gone, and CUDA's allocator refuses a new capture into such a pool: the
-        next captures get a pool of their own."""
-        self.programs = {}
+        """Forget the captured step. Its memory pool may still hold live blocks after the
+        graph is gone, and CUDA's allocator refuses a new capture into such a pool: the
+        next capture gets a pool of its own."""
+        self.program = None
         if self.use_graphs:
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -406,11 +415,9 @@ class _GroupTrainer:
         while self.step < target:
             if deadline is not None and time.time() > deadline:
                 break
-            in_epoch = self.step % self.steps_per_epoch
-            if in_epoch == 0:
+            if self.step % self.steps_per_epoch == 0:
                 self._new_epoch_order()
-            rows_left = self.sizes["num_train"] - in_epoch * self.batch_size
-            self._program(min(self.batch_size, rows_left))()
+            self._program()()
             self.step += 1
         if self.cuda:
             torch.cuda.synchronize()

@@ -504,6 +504,24 @@ def test_compiled_training_follows_a_run_leaving_the_stack(monkeypatch):
     torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
 
 
+def test_a_compiled_group_compiles_once_per_stack_size(monkeypatch):
+    """The epoch's short last batch runs at full size (its extra rows ignored), and the loss
+    does not read the stack size: one compilation per stack, however many epochs."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    runs = group("linear-attn", num_train=100, batch_size=40, epochs=2)  # batches 40, 40, 20
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None,
+                            compile=True)
+    counters.clear()
+    trainer.train_to(3)                 # an epoch: its short batch at full size
+    trainer._keep([0, 2])
+    trainer.train_to(6)
+    assert counters["frames"]["ok"] == 2, dict(counters["frames"])
+
+
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_stacked_layers_trace_their_pytorch_ops_into_one_graph(mixer):
     """On the CPU every built-in op runs a PyTorch form, and torch.compile traces the whole
