@@ -22,15 +22,14 @@ def group(mixer, d_model=64, **changes):
             for i, (lr, seed) in enumerate([(1e-4, 0), (3e-4, 1), (1e-3, 0)])]
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
-def test_graph_replay_equals_the_eager_step(mixer):
+def assert_replay_equals_the_eager_step(mixer: str, compile: bool) -> None:
     reason = registry.get(mixer).unavailable_reason()
     if reason:
         pytest.skip(reason)
     options = {"dropout": 0.0} if mixer == "sdpa" else {}
     runs = group(mixer, mixer_options=options)
     eager = _GroupTrainer(runs, build_model, graphs=False, progress=None)
-    graphed = _GroupTrainer(runs, build_model, graphs=True, progress=None)
+    graphed = _GroupTrainer(runs, build_model, graphs=True, progress=None, compile=compile)
     eager.train_to(8)
     graphed.train_to(8)
     assert graphed.graphed and graphed.graph_failure is None, graphed.graph_failure
@@ -39,6 +38,11 @@ def test_graph_replay_equals_the_eager_step(mixer):
     torch.testing.assert_close(graphed.loss_sum, eager.loss_sum, rtol=2e-2, atol=1e-3)
     moved = (graphed.model.flat - eager.model.flat).norm(dim=1)
     assert (moved <= 1e-2 * eager.model.flat.norm(dim=1)).all(), moved
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_graph_replay_equals_the_eager_step(mixer):
+    assert_replay_equals_the_eager_step(mixer, compile=False)
 
 
 def test_a_run_leaving_the_stack_is_recaptured():
@@ -64,17 +68,5 @@ def test_attention_dropout_is_captured(compile):
 def test_compiled_graph_replay_equals_the_eager_step(mixer):
     """torch.compile traces the op where it runs PyTorch code (linear attention, SDPA, hla3's
     chunk form) and breaks around Triton kernels (hla2, mamba_ssm's SSD): the compiled,
-    captured step still computes the eager one (tolerances as above)."""
-    reason = registry.get(mixer).unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    options = {"dropout": 0.0} if mixer == "sdpa" else {}
-    runs = group(mixer, mixer_options=options)
-    eager = _GroupTrainer(runs, build_model, graphs=False, progress=None)
-    compiled = _GroupTrainer(runs, build_model, graphs=True, progress=None, compile=True)
-    eager.train_to(8)
-    compiled.train_to(8)
-    assert compiled.graphed and compiled.graph_failure is None, compiled.graph_failure
-    torch.testing.assert_close(compiled.loss_sum, eager.loss_sum, rtol=2e-2, atol=1e-3)
-    moved = (compiled.model.flat - eager.model.flat).norm(dim=1)
-    assert (moved <= 1e-2 * eager.model.flat.norm(dim=1)).all(), moved
+    captured step still computes the eager one."""
+    assert_replay_equals_the_eager_step(mixer, compile=True)
