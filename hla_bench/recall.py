@@ -437,10 +437,15 @@ def environment(device: str) -> dict:
     return capture_environment(device)
 
 
+def device_visible(device: str) -> bool:
+    """Whether a config's device ("auto", "cpu", "cuda", "cuda:N") can run here."""
+    return not device.startswith("cuda") or torch.cuda.is_available()
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not device_visible(device):
         raise ConfigError("device cuda asked for, but no CUDA device is visible")
     return device
 
@@ -628,8 +633,7 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                 raise ConfigError(unavailable_reason())
         # a dry run plans for the config's device without needing it (a GPU grid is planned
         # on a laptop); its layers' options are then not tried
-        absent = (dry_run and config["device"].startswith("cuda")
-                  and not torch.cuda.is_available())
+        absent = dry_run and not device_visible(config["device"])
         device = config["device"] if absent else resolve_device(config["device"])
         if not absent:
             check_mixer_options(config, device)

@@ -56,7 +56,8 @@ SDPA = Mixer(
 FLASH_ATTN = Mixer(
     name="flash-attn", family="softmax",
     description="Causal softmax attention via flash-attn's flash_attn_func (fp16/bf16, CUDA).",
-    build_op=_flash_attn_op, build_layer=_softmax_layer(_flash_attn_op, dropout=False, traceable=False),
+    build_op=_flash_attn_op,
+    build_layer=_softmax_layer(_flash_attn_op, dropout=False, traceable=False),
     options={"short_conv": 0, "bias": False}, forms=("flash",), requires=("flash_attn", "cuda"),
     flops=softmax_flops)
 
