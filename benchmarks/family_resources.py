@@ -21,25 +21,16 @@ import yaml
 
 from hla2_resources import compile_launch, resource_usage
 from mixers.hla.ahla2 import ahla2, ahla2_step
-from mixers.hla.ahla2.triton import backward as ahla2_backward
 from mixers.hla.ahla2.triton import decode as ahla2_decode
-from mixers.hla.ahla2.triton import forward as ahla2_forward
+from mixers.hla.chain import launch as chain_launch
 from mixers.hla.hla3 import hla3, hla3_step
-from mixers.hla.hla3.triton import backward as hla3_backward
 from mixers.hla.hla3.triton import decode as hla3_decode
-from mixers.hla.hla3.triton import forward as hla3_forward
 
 # (module, kernel name): every kernel of the family
-KERNELS = [(ahla2_forward, "ahla2_forward_kernel"), (ahla2_forward, "ahla2_increments_kernel"),
-           (ahla2_forward, "ahla2_scan_kernel"), (ahla2_forward, "ahla2_output_kernel"),
-           (ahla2_backward, "ahla2_backward_kernel"), (ahla2_backward, "ahla2_grad_terms_kernel"),
-           (ahla2_backward, "ahla2_grad_scan_kernel"), (ahla2_backward, "ahla2_grad_chunks_kernel"),
-           (ahla2_decode, "ahla2_step_kernel"),
-           (hla3_forward, "hla3_forward_kernel"), (hla3_forward, "hla3_increments_kernel"),
-           (hla3_forward, "hla3_scan_kernel"), (hla3_forward, "hla3_output_kernel"),
-           (hla3_backward, "hla3_grad_terms_kernel"), (hla3_backward, "hla3_grad_scan_kernel"),
-           (hla3_backward, "hla3_grad_chunks_kernel"),
-           (hla3_decode, "hla3_step_kernel")]
+KERNELS = [(chain_launch, "chain_states_kernel"), (chain_launch, "chain_output_kernel"),
+           (chain_launch, "chain_grad_states_kernel"), (chain_launch, "chain_grad_keys_kernel"),
+           (chain_launch, "chain_grad_values_kernel"),
+           (ahla2_decode, "ahla2_step_kernel"), (hla3_decode, "hla3_step_kernel")]
 
 
 def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
@@ -60,12 +51,11 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
     try:
         q, k, v = (torch.randn(1, T, H, D, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        # hla3's kernels take key dims up to 128 (mixers/hla/hla3/triton/plan.py)
-        for op in (ahla2, hla3)[:1 if D > 128 else 2]:
+        for op in (ahla2, hla3):
             op(q, k, v, impl="triton", normalize=True)[0].sum().backward()
         q, k, v = (x.detach() for x in (q, k, v))
-        for op, step in ((ahla2, ahla2_step), (hla3, hla3_step))[:1 if D > 128 else 2]:
-            op(q, k, v, impl="triton", normalize=True)
+        # hla3's decode step takes key dims up to 128 (mixers/hla/hla3/triton/plan.py)
+        for step in (ahla2_step, hla3_step)[:1 if D > 128 else 2]:
             step(q[:, 0], k[:, 0], v[:, 0], None, impl="triton", normalize=True)
     finally:
         del os.environ["TRITON_INTERPRET"]
@@ -91,7 +81,7 @@ def main() -> None:
                                                               f"{str(error)[:300]}"})
                 print(f"{name:22s} D={D:3d}: {rows[-1]['error']}")
                 continue
-            shown = {key: kwargs[key] for key in ("C", "BD", "BV") if key in kwargs}
+            shown = {key: kwargs[key] for key in ("C", "BD", "BK", "BV") if key in kwargs}
             rows.append({"kernel": name, "D": D, "warps": warps, **shown,
                          "registers": registers, "spill_stack_bytes": stack,
                          "shared_bytes": shared})

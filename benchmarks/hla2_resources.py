@@ -84,7 +84,8 @@ def capture_launches(B, T, H, D, backward, normalize, decay, DV=None):
 
 def compile_launch(fn, args, kwargs, num_warps):
     """The sm_90a compile of fn with these arguments' types and compile-time values."""
-    constexprs = {name: value for name, value in kwargs.items() if name != "num_warps"}
+    constexprs = {name: value for name, value in kwargs.items()
+                  if name not in ("num_warps", "num_stages")}
     signature, attrs = {}, {}
     for index, (name, value) in enumerate(zip(fn.arg_names, args)):
         if isinstance(value, torch.Tensor):
@@ -101,7 +102,10 @@ def compile_launch(fn, args, kwargs, num_warps):
     for name in constexprs:
         signature[name] = "constexpr"
     src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if "num_stages" in kwargs:
+        options["num_stages"] = kwargs["num_stages"]
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def resource_usage(compiled):

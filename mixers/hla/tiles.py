@@ -1,8 +1,6 @@
-"""Tiles the ahla2 and hla3 Triton kernels share: a program's block of value columns, the
-masked loads of token rows, and the offsets of per-chunk state buffers. A program of a
-walk or scan is (value block, batch x head): grid axis 0 the block of BV packed value
-columns, axis 1 the batch row times heads plus head; a program of a chunk-parallel kernel
-is (chunk, value block, batch x head)."""
+"""Tiles the family's Triton kernels share (mixers/hla/chain and the ahla2 and hla3 decode
+steps): a decode program's block of value columns, the masked loads of token rows, and the
+offsets of packed `[B, T, H, W]` rows."""
 
 from __future__ import annotations
 
@@ -45,55 +43,7 @@ def load_values(V, b, t, h, stride_b, stride_t, stride_h, cols, t_ok, DV,
 
 
 @triton.jit
-def load_qkv(Q, K, V, b, t, h, t_ok, D, DV, dk, cols,
-             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-             stride_vb, stride_vt, stride_vh, NORMALIZE: tl.constexpr, acc: tl.constexpr):
-    """Rows t of q and k (columns dk, zero past T and past D) and the packed value rows
-    (`load_values`) of head h of batch row b, in `acc`."""
-    qk_ok = t_ok[:, None] & (dk < D)[None, :]
-    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, dk, qk_ok, acc)
-    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, dk, qk_ok, acc)
-    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, cols, t_ok, DV, NORMALIZE,
-                    acc)
-    return q, k, v
-
-
-@triton.jit
-def chunk_block(H, BD: tl.constexpr, BV: tl.constexpr):
-    """(chunk, value block, b, h, b x H + h, key index, value columns) of a program of a
-    chunk-parallel kernel: grid axis 0 the chunk, 1 the block of BV packed value columns,
-    2 the batch row times heads plus head."""
-    chunk = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    bh = tl.program_id(2)
-    return chunk, pid_v, bh // H, bh % H, bh, tl.arange(0, BD), pid_v * BV + tl.arange(0, BV)
-
-
-@triton.jit
-def chunk_offsets(bh, NT, chunk, D, DVP, dk, cols):
-    """Offsets of one chunk's [D, DVP] tile (at this program's columns) and of its [D, D]
-    tile in per-chunk buffers `[B * H, NT, D, DVP]` and `[B * H, NT, D, D]`."""
-    base = (bh * NT + chunk).to(tl.int64) * D
-    return (base * DVP + dk[:, None] * DVP + cols[None, :],
-            base * D + dk[:, None] * D + dk[None, :])
-
-
-@triton.jit
 def packed_offsets(b, t, h, T, H, DVP, cols):
     """Offsets of rows t, columns `cols` of head h of batch row b in a packed
     `[B, T, H, DVP]` tensor (the outputs and their gradients)."""
     return ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]
-
-
-@triton.jit
-def store_token_grads(DQ, DK, DVAL, dQ, dK, dV, pid_v, b, h, t, t_ok, dk, cols, B, T, H, D,
-                      DV):
-    """A chunk program's token gradients: its parts of dq and dk (they sum over value
-    columns, so value block `pid_v` writes `[BLOCKS, B, T, H, D]` buffers at its own index)
-    and its columns of dv (`[B, T, H, DV]`), rows past T and columns past D, DV masked."""
-    qk_ok = t_ok[:, None] & (dk < D)[None, :]
-    part = (((pid_v * B + b) * T + t[:, None]).to(tl.int64) * H + h) * D + dk[None, :]
-    tl.store(DQ + part, dQ, mask=qk_ok)
-    tl.store(DK + part, dK, mask=qk_ok)
-    tl.store(DVAL + ((b * T + t[:, None]).to(tl.int64) * H + h) * DV + cols[None, :], dV,
-             mask=t_ok[:, None] & (cols < DV)[None, :])

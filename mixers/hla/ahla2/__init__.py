@@ -8,7 +8,8 @@ with g = 1 without decay. These are exactly the weights of Alg. 2's decayed recu
 t. Normalized: divided by the same sum with v_j = 1 (den_t = q_t^T n_t), plus eps.
 
 Forms: "serial" (Alg. 2), "scan" (§6.2 associative scan), "chunk" (dense masked chunk
-products); "auto" = "chunk". The state is {"P", "E"} (+ {"m", "n"} when normalized), each
+products), "triton" (two chained causal linear attentions, mixers/hla/chain); "auto" =
+"triton" on CUDA where the kernels take the inputs, else "chunk". The state is {"P", "E"} (+ {"m", "n"} when normalized), each
 `[B, H, D, Dv]` (`[B, H, D]`), float32 (float64 for float64 inputs).
 """
 

@@ -5,8 +5,10 @@ variant="causal": the causal restriction of (W W^T W) V, W = L * Q K^T,
     o_t = sum_{u <= t} sum_{i <= u} sum_{j <= u} (q_t . k_i) (q_u . k_i) (q_u . k_j) v_j,
 
 streamed with (S^K, P, F): F_t = F_{t-1} + (S^K_t q_t)(q_t^T P_t), o_t = q_t^T F_t.
-Forms "serial", "scan" (a segment operator with d x d moments only, see scan.py) and
-"chunk" (dense masked chunk products); "auto" = "chunk".
+Forms "serial", "scan" (a segment operator with d x d moments only, see scan.py), "chunk"
+(dense masked chunk products) and "triton" (three chained causal linear attentions,
+mixers/hla/chain); "auto" = "triton" on CUDA where the kernels take the inputs, else
+"chunk".
 
 variant="paper": the paper's Alg. 3 / Alg. 4, which sums the same product over the triples
 (i, u, j) in [1..t]^3 whose maximum is attained at least twice: causal, but a different
@@ -78,19 +80,16 @@ def _check_variant_impl(variant, impl):
                          "'serial' and 'scan'; 'auto' picks 'scan')")
 
 
-def _triton_unsupported(q, k, v) -> str | None:
-    """Why the Triton form cannot run these inputs, or None (imports the kernels lazily)."""
+def _triton_unsupported(q, k, v, step: bool = False) -> str | None:
+    """Why the Triton form (the decode step's with `step`) cannot run these inputs, or None
+    (imports the kernels lazily)."""
     try:
         from mixers.hla.hla3 import triton as kernels
     except ImportError as error:
         return f"the Triton kernels are not available ({error})"
+    if step:
+        return kernels.step_unsupported_reason(q, k, v)
     return kernels.unsupported_reason(q, k, v)
-
-
-# impl="auto" keeps the PyTorch chunk form for the causal operator: measured on the H200
-# (docs/kernels.md), it is faster than the Triton kernels forward and forward + backward.
-# The decode step takes its Triton kernel under "auto".
-AUTO_KEEPS_CHUNK = "the chunk form is faster than the Triton kernels (docs/kernels.md)"
 
 
 def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", chunk_size=64,
@@ -113,8 +112,7 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
             final = _state_dict(tuple(x.clone() for x in carries), variant, normalize)
         return q.new_zeros(B, 0, H, Dv), final
     if variant == "causal":
-        impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v),
-                            auto_declines=AUTO_KEEPS_CHUNK)
+        impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
     else:
         impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
@@ -153,7 +151,7 @@ def hla3_step(q_t, k_t, v_t, state=None, *, variant="causal", normalize=False, e
     dtype = compute_dtype(q_t.dtype)
     carries = _carries(state, variant, B, H, D, Dv, normalize, dtype, q_t.device)
     if variant == "causal" and resolve_impl(
-            impl, "torch", q_t, lambda: _triton_unsupported(q_t, k_t, v_t)) == "triton":
+            impl, "torch", q_t, lambda: _triton_unsupported(q_t, k_t, v_t, step=True)) == "triton":
         from mixers.hla.hla3.triton import hla3_step_packed, plan_launch
         plan = plan_launch(D, Dv + normalize, dtype)
         o, *carries = hla3_step_packed(q_t, k_t, v_t, *carries, normalize, plan)

@@ -3,18 +3,11 @@ both on packed states `[B, H, D, Dv(+1)]` (the ones column of the denominator wh
 normalized); mixers.hla.ahla2 (ahla2, ahla2_step with impl="triton") checks a call, applies
 the non-finite rule and unpacks.
 
-  plan.py     what the kernels support; AHLA2Plan, plan_launch, unsupported_reason
-  forward.py  the forward: up to key dim 128 three chunk-parallel stages,
-                increments.py  each chunk's increments of (P, E) at once
-                scan.py        the start states of the chunks in order, over the increments
-                output.py      each chunk's outputs at once from its start states
-              above it one program per (value block, batch x head) walks the chunks,
-              carrying its columns of (P, E); both keep each chunk's start states for the
-              backward
-  backward.py the backward: the same programs walk the chunks in reverse, carrying the
-              gradients of (P, E)
-  chunked.py  ahla2_triton_packed, the two as an autograd op
-  decode.py   the decode step
+  chunked.py  ahla2_triton_packed: two chained causal linear attentions
+              (mixers/hla/chain), X = la(q, k, v; P0, g) and o = la(q, k, X; E0, g), as
+              one autograd op
+  decode.py   the decode step (Alg. 2)
+  plan.py     what the kernels support; the decode step's AHLA2Plan, plan_launch
 
 Supported: any T, head dims up to 256 (D and Dv independent, any size: blocks are powers
 of two with masked loads), decay (per head), normalize, initial and final states, float16,

@@ -1,40 +1,62 @@
-"""ahla2_triton_packed: the forward and backward kernels as one differentiable op. The
-forward keeps every chunk's start states when a gradient will be asked for (two
-`[B * H, NT, D, Dv(+1)]` buffers in the compute dtype); the backward reads them."""
+"""ahla2_triton_packed: AHLA as a chain of two causal linear attentions (mixers/hla/chain)
+over the same queries, keys and decay,
+
+    X = la(q, k, v; P0, g),   o = la(q, k, X; E0, g),
+
+as one differentiable op. The forward keeps X (`[B, T, H, Dv(+1)]`) and both links' chunk
+start states (`[B * H, NT, D, Dv(+1)]` each, in the compute dtype) when a gradient will be
+asked for; the backward runs the links in reverse, adding dq and dk of both into one
+buffer each."""
 
 from __future__ import annotations
 
 import torch
 
-from mixers.hla.ahla2.triton.backward import backward as triton_backward
-from mixers.hla.ahla2.triton.forward import forward as triton_forward
-from mixers.hla.ahla2.triton.plan import at_requested_chunk, plan_launch
+from mixers.hla import chain
 
 
-class _AHLA2Triton(torch.autograd.Function):
+def log_decay(decay, dtype):
+    """log g per head, contiguous (a float decay arrives as an expanded tensor), or None."""
+    return torch.log(decay.to(dtype)).contiguous() if decay is not None else None
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _AHLA2Chain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, P0, E0, decay, normalize, chunk_size):
-        plan = at_requested_chunk(plan_launch(q.shape[-1], v.shape[-1] + normalize, q.dtype),
-                                  chunk_size)
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        dtype = P0.dtype
+        plan = chain.plan_chain(q.shape[-1], v.shape[-1] + normalize, q.dtype, chunk_size)
+        log_g = log_decay(decay, dtype)
         keep = any(ctx.needs_input_grad[:5])
-        out, P1, E1, P_starts, E_starts = triton_forward(q, k, v, P0, E0, decay, normalize,
-                                                         plan, keep_states=keep)
+        X, P1, P_starts = chain.forward(q, k, v, P0, log_g, normalize, plan, dtype, keep)
+        out, E1, E_starts = chain.forward(q, k, X, E0, log_g, False, plan, dtype, keep)
         if keep:
-            ctx.save_for_backward(q, k, v, decay, P_starts, E_starts)
-        ctx.normalize, ctx.plan = normalize, plan
+            ctx.save_for_backward(q, k, v, X, P_starts, E_starts)
+        ctx.log_g, ctx.normalize, ctx.plan = log_g, normalize, plan
         return out, P1, E1
 
     @staticmethod
     def backward(ctx, grad_out, grad_P, grad_E):
-        q, k, v, decay, P_starts, E_starts = ctx.saved_tensors
-        dq, dk, dv, dP0, dE0 = triton_backward(q, k, v, decay, P_starts, E_starts, grad_out,
-                                               grad_P, grad_E, ctx.normalize, ctx.plan)
-        return dq, dk, dv, dP0, dE0, None, None, None
+        q, k, v, X, P_starts, E_starts = ctx.saved_tensors
+        dtype = X.dtype
+        if grad_out is None:
+            grad_out = torch.zeros_like(X)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk, dX = torch.zeros_like(dq), torch.zeros_like(X)
+        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        dE0 = chain.backward(q, k, X, ctx.log_g, False, E_starts, grad_out, grad_E, dq, dk, dX,
+                             ctx.plan, want_dS0=True)
+        dP0 = chain.backward(q, k, v, ctx.log_g, ctx.normalize, P_starts, dX, grad_P, dq, dk,
+                             dv, ctx.plan, want_dS0=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dP0, dE0, None, None, None
 
 
 def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int = 64):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states
     `[B, H, D, Dv(+1)]` in the compute dtype -> (packed outputs `[B, T, H, Dv(+1)]`, P, E).
     Inputs are taken as given (the caller checks them and applies the non-finite rule)."""
-    return _AHLA2Triton.apply(q, k, v, P0, E0, decay, normalize, chunk_size)
+    return _AHLA2Chain.apply(q, k, v, P0, E0, decay, normalize, chunk_size)

@@ -1,67 +1,58 @@
-"""hla3_triton_packed: the causal forward and backward kernels as one differentiable op.
-The forward keeps every chunk's start states when a gradient will be asked for
-(`[B * H, NT, D, D]` for S^K, `[B * H, NT, D, Dv(+1)]` for P and F, in the compute dtype);
-the backward kernel reads them. Above key dim 64 (FUSED_BACKWARD_MAX_KEY_DIM) a backward
-program would need more than an SM's 227 KiB of shared memory on sm_90a (it holds S0 and
-dS, d x d, with the chunk's products), so there the backward recomputes the forward through
-the PyTorch chunk form and differentiates it (exact, at the cost of a second forward)."""
+"""hla3_triton_packed: causal third-order HLA as a chain of three causal linear attentions
+(mixers/hla/chain) over the same queries,
+
+    Y = la(q, k, k; S0),   R = la(q, k, v; P0),   o = la(q, Y, R; F0),
+
+(y_u = S^K_u q_u, r_u = q_u^T P_u, F_t = sum_{u<=t} y_u r_u^T), as one differentiable op.
+The first link's state is the transpose of S^K (its rows are q_u^T S), which is S^K itself
+for any state the op makes; S^K goes in and out transposed, so that a start state that is
+not symmetric is read, and differentiated, as the PyTorch forms read it.
+The forward keeps Y, R and the three links' chunk start states when a gradient will be
+asked for; the backward runs the links in reverse: the last link's key gradient is dY, its
+value gradient dR, and the first link adds its value gradient into dk."""
 
 from __future__ import annotations
 
 import torch
 
-from mixers.hla.ahla2.state import to_heads_first
-from mixers.hla.ahla2.triton.plan import at_requested_chunk
-from mixers.hla.hla3.chunk import hla3_chunk
-from mixers.hla.hla3.triton.backward import backward as triton_backward
-from mixers.hla.hla3.triton.forward import forward as triton_forward
-from mixers.hla.hla3.triton.plan import plan_launch
+from mixers.hla import chain
+from mixers.hla.ahla2.triton.chunked import last_dim_contiguous
 
 
-FUSED_BACKWARD_MAX_KEY_DIM = 64
-
-
-class _HLA3Triton(torch.autograd.Function):
+class _HLA3Chain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, S0, P0, F0, normalize, chunk_size):
-        plan = at_requested_chunk(plan_launch(q.shape[-1], v.shape[-1] + normalize, q.dtype),
-                                  chunk_size)
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        ctx.fused = q.shape[-1] <= FUSED_BACKWARD_MAX_KEY_DIM
-        keep = any(ctx.needs_input_grad[:6]) and ctx.fused
-        out, S1, P1, F1, *starts = triton_forward(q, k, v, S0, P0, F0, normalize, plan,
-                                                  keep_states=keep)
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        dtype = P0.dtype
+        D, width = q.shape[-1], v.shape[-1] + normalize
+        keys_plan = chain.plan_chain(D, D, q.dtype, chunk_size)
+        values_plan = chain.plan_chain(D, width, q.dtype, chunk_size)
+        keep = any(ctx.needs_input_grad[:6])
+        Y, S1, S_starts = chain.forward(q, k, k, S0.mT, None, False, keys_plan, dtype, keep)
+        R, P1, P_starts = chain.forward(q, k, v, P0, None, normalize, values_plan, dtype, keep)
+        out, F1, F_starts = chain.forward(q, Y, R, F0, None, False, values_plan, dtype, keep)
         if keep:
-            ctx.save_for_backward(q, k, v, *starts)
-        elif any(ctx.needs_input_grad[:6]):
-            ctx.save_for_backward(q, k, v, S0, P0, F0)
-        ctx.normalize, ctx.plan = normalize, plan
-        return out, S1, P1, F1
+            ctx.save_for_backward(q, k, v, Y, R, S_starts, P_starts, F_starts)
+        ctx.normalize, ctx.plans = normalize, (keys_plan, values_plan)
+        return out, S1.mT.contiguous(), P1, F1
 
     @staticmethod
     def backward(ctx, grad_out, grad_S, grad_P, grad_F):
-        grads = (grad_out, grad_S, grad_P, grad_F)
-        if ctx.fused:
-            q, k, v, *starts = ctx.saved_tensors
-            return (*triton_backward(q, k, v, starts, grads, ctx.normalize, ctx.plan),
-                    None, None)
-        return (*_recomputed_backward(ctx, grads), None, None)
-
-
-def _recomputed_backward(ctx, grads) -> tuple:
-    """Gradients of the saved inputs through the PyTorch chunk form of the same forward."""
-    saved = ctx.saved_tensors
-    dtype = saved[4].dtype
-    leaves = [x.detach().requires_grad_(need) for x, need in zip(saved, ctx.needs_input_grad)]
-    with torch.enable_grad():
-        qh, kh = to_heads_first(leaves[0], dtype), to_heads_first(leaves[1], dtype)
-        vh = to_heads_first(leaves[2], dtype, ones_column=ctx.normalize)
-        out, finals = hla3_chunk(qh, kh, vh, tuple(leaves[3:]), ctx.plan.chunk)
-        pairs = [(o, g) for o, g in zip((out.transpose(1, 2), *finals), grads) if g is not None]
-        wanted = [x for x in leaves if x.requires_grad]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                         allow_unused=True))
-    return tuple(next(found) if x.requires_grad else None for x in leaves)
+        q, k, v, Y, R, S_starts, P_starts, F_starts = ctx.saved_tensors
+        keys_plan, values_plan = ctx.plans
+        if grad_out is None:
+            grad_out = torch.zeros_like(R)
+        dq = torch.zeros(q.shape, dtype=R.dtype, device=q.device)
+        dk, dY, dR = torch.zeros_like(dq), torch.zeros_like(dq), torch.zeros_like(R)
+        dv = torch.zeros(v.shape, dtype=R.dtype, device=v.device)
+        dF0 = chain.backward(q, Y, R, None, False, F_starts, grad_out, grad_F, dq, dY, dR,
+                             values_plan, want_dS0=True)
+        dP0 = chain.backward(q, k, v, None, ctx.normalize, P_starts, dR, grad_P, dq, dk, dv,
+                             values_plan, want_dS0=True)
+        dS0 = chain.backward(q, k, k, None, False, S_starts, dY,
+                             grad_S.mT if grad_S is not None else None, dq, dk, dk, keys_plan,
+                             want_dS0=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0.mT, dP0, dF0, None, None
 
 
 def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64):
@@ -69,4 +60,4 @@ def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 6
     `[B, H, D, D]`, P and F `[B, H, D, Dv(+1)]`) in the compute dtype -> (packed outputs
     `[B, T, H, Dv(+1)]`, S, P, F). Inputs are taken as given (the caller checks them and
     applies the non-finite rule)."""
-    return _HLA3Triton.apply(q, k, v, S0, P0, F0, normalize, chunk_size)
+    return _HLA3Chain.apply(q, k, v, S0, P0, F0, normalize, chunk_size)

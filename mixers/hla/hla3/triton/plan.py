@@ -1,8 +1,9 @@
-"""What the hla3 Triton kernels support and how a call launches them (a frozen plan).
+"""What the hla3 Triton forms support and how the decode step launches (a frozen plan; the
+chunked op's plan is mixers/hla/chain/plan.py).
 
-The rule is ahla2's (mixers/hla/ahla2/triton/plan.py: the same dtypes, any head dim by
-power-of-two blocks with masked loads) with the key dim at most 128: every program carries
-the d x d moment S^K, which at 256 (256 KiB in float32) exceeds an SM's shared memory."""
+The chunked op takes ahla2's rule (the same dtypes, any head dim up to 256 by power-of-two
+blocks with masked loads). The decode step's programs each carry the d x d moment S^K, so
+it takes key dims up to 128: at 256 (256 KiB in float32) S^K exceeds an SM's shared memory."""
 
 from __future__ import annotations
 
@@ -13,45 +14,38 @@ import torch
 from mixers.hla.ahla2.triton import plan as ahla2_plan
 from mixers.hla.ahla2.triton.plan import block
 
-__all__ = ["HLA3Plan", "plan_launch", "unsupported_reason"]
+__all__ = ["HLA3Plan", "plan_launch", "unsupported_reason", "step_unsupported_reason"]
+
+MAX_STEP_KEY_DIM = 128
 
 
 @dataclass(frozen=True)
 class HLA3Plan:
-    """Tokens per chunk, the padded key dim, the value columns each program carries (the
-    d x d moment S^K is carried whole by every program), warps, and whether the forward
-    walks the chunks in one kernel (`walk`) or runs three chunk-parallel stages (their scan
-    reads three d x d matrices per chunk beside S^K: up to a padded key dim of
-    MAX_STAGED_KEY_DIM)."""
+    """One decode step's launch: the padded key dim, the value columns each program carries
+    (the d x d moment S^K is carried whole by every program) and warps."""
 
-    chunk: int
     block_d: int
     block_v: int
     warps: int
-    walk: bool = False
 
 
 def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> HLA3Plan:
-    """Chunk 64, 32 at key dim 64, 16 at 128 or in float64; value blocks of 64, 32 or 16
-    columns and 4 or 8 warps as the key dim grows (a program carries S^K, d x d, beside P and
-    F), so that a program fits an sm_90a SM (benchmarks/family_resources.py)."""
+    """Value blocks of 64, 32 or 16 columns and 4 or 8 warps as the key dim grows (a
+    program carries S^K, d x d, beside P and F)."""
     block_d = block(D)
-    chunk = 64 if block_d <= 32 else 32 if block_d <= 64 else 16
-    if dtype == torch.float64:
-        chunk = 16
     block_v = min(block(packed_width), 64 if block_d <= 16 else 32 if block_d <= 32 else 16)
-    return HLA3Plan(chunk=chunk, block_d=block_d, block_v=block_v,
-                    warps=4 if block_d <= 32 else 8, walk=block_d > MAX_STAGED_KEY_DIM)
-
-
-MAX_KEY_DIM = 128
-MAX_STAGED_KEY_DIM = 64
+    return HLA3Plan(block_d=block_d, block_v=block_v, warps=4 if block_d <= 32 else 8)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the kernels cannot run these inputs, or None."""
+    """Why the chunked op cannot run these inputs, or None."""
+    return ahla2_plan.unsupported_reason(q, k, v)
+
+
+def step_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the decode step cannot run these inputs, or None."""
     reason = ahla2_plan.unsupported_reason(q, k, v)
-    if reason is None and q.shape[-1] > MAX_KEY_DIM:
-        return (f"key head dim D={q.shape[-1]} above {MAX_KEY_DIM} (the d x d moment S^K of a "
-                "program would not fit an SM)")
+    if reason is None and q.shape[-1] > MAX_STEP_KEY_DIM:
+        return (f"key head dim D={q.shape[-1]} above {MAX_STEP_KEY_DIM} (the d x d moment S^K "
+                "of a decode program would not fit an SM)")
     return reason

@@ -1,0 +1,57 @@
+"""Backward, second stage: dq and dk of every chunk at once, one program per (chunk, key
+block, batch x head), from the chunk's start state S (states.py) and the gradient dS of
+its end state (grad_states.py), summing over value blocks (NV of them):
+
+    M  = weights * (dO V^T)
+    dQ = g_in * (dO S^T) + M K
+    dK = g_out * (V dS^T) + M^T Q
+
+added into `[B, T, H, DK]` buffers (the links of a chain share one dq and one dk)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.tiles import load_rows, load_values, packed_offsets
+
+
+@triton.jit
+def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, DK, DV, W, NT,
+                           stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                           stride_vb, stride_vt, stride_vh,
+                           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           NV: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    acc: tl.constexpr = DQ.dtype.element_ty
+    chunk, pid_k, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    rk = pid_k * BK + tl.arange(0, BK)
+    t = chunk * C + tl.arange(0, C)
+    t_ok = t < T
+    rows_ok = t_ok[:, None] & (rk < DK)[None, :]
+    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
+    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
+    M = tl.zeros([C, C], dtype=acc)
+    dq = tl.zeros([C, BK], dtype=acc)
+    dk = tl.zeros([C, BK], dtype=acc)
+    for i in range(NV):
+        rv = i * BV + tl.arange(0, BV)
+        dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
+                     mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
+        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
+        at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
+        tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
+        S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
+        dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
+        M += tl.dot(dO, tl.trans(v), input_precision=PRECISION)
+        dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
+        dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
+    weights, g_in, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    M = M * weights
+    dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
+    dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
+    at = packed_offsets(b, t, h, T, H, DK, rk)
+    tl.store(DQ + at, tl.load(DQ + at, mask=rows_ok, other=0.0) + dq, mask=rows_ok)
+    tl.store(DK_OUT + at, tl.load(DK_OUT + at, mask=rows_ok, other=0.0) + dk, mask=rows_ok)

@@ -1,0 +1,47 @@
+"""Backward, third stage: dv of every chunk at once, one program per (chunk, value block,
+batch x head), from the gradient dS of the chunk's end state (grad_states.py), summing over
+key blocks (NK of them):
+
+    dV = g_out * (K dS) + (weights * Q K^T)^T dO
+
+added into a `[B, T, H, DV]` buffer for the real value columns (a column of ones has no
+gradient; hla3's first link, whose values are its keys, adds into dk)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.tiles import load_rows, packed_offsets
+
+
+@triton.jit
+def chain_grad_values_kernel(Q, K, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, NT,
+                             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                             NK: tl.constexpr, HAS_DECAY: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    acc: tl.constexpr = DV_OUT.dtype.element_ty
+    chunk, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    rv = pid_v * BV + tl.arange(0, BV)
+    t = chunk * C + tl.arange(0, C)
+    t_ok = t < T
+    scores = tl.zeros([C, C], dtype=acc)
+    dv = tl.zeros([C, BV], dtype=acc)
+    for i in range(NK):
+        rk = i * BK + tl.arange(0, BK)
+        rows_ok = t_ok[:, None] & (rk < DK)[None, :]
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
+        dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
+                     mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
+        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        dv += tl.dot(k, dS, input_precision=PRECISION)
+    weights, _, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    values_ok = t_ok[:, None] & (rv < DV)[None, :]
+    dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok, other=0.0).to(acc)
+    dv = dv * g_out[:, None] + tl.dot(tl.trans(scores * weights), dO, input_precision=PRECISION)
+    at = packed_offsets(b, t, h, T, H, DV, rv)
+    tl.store(DV_OUT + at, tl.load(DV_OUT + at, mask=values_ok, other=0.0) + dv, mask=values_ok)

@@ -1,0 +1,76 @@
+"""One link of a chain (mixers/hla/chain), forward and backward: the kernel launches."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mixers.hla.chain.grad_keys import chain_grad_keys_kernel
+from mixers.hla.chain.grad_states import chain_grad_states_kernel
+from mixers.hla.chain.grad_values import chain_grad_values_kernel
+from mixers.hla.chain.output import chain_output_kernel
+from mixers.hla.chain.plan import ChainPlan
+from mixers.hla.chain.states import chain_states_kernel
+
+
+def strides(*tensors) -> tuple[int, ...]:
+    """The batch, token and head strides of `[B, T, H, *]` tensors, in order."""
+    return tuple(x.stride(i) for x in tensors for i in range(3))
+
+
+def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
+            keep_starts: bool = False):
+    """la(q, k, v; S0, g) on `[B, T, H, DK]` q, k and `[B, T, H, DV]` v (last dims
+    contiguous; v gets a column of ones after its last when `ones`): the outputs
+    `[B, T, H, DV + ones]` and final state `[B, H, DK, DV + ones]` in `dtype`, and with
+    `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None).
+    S0: `[B, H, DK, DV + ones]` or None (zeros); log_g: `[H]` in `dtype` or None (no decay)."""
+    B, T, H, DK = q.shape
+    DV = v.shape[-1]
+    W = DV + ones
+    NT = triton.cdiv(T, plan.chunk)
+    starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
+    S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
+    out = torch.empty(B, T, H, W, dtype=dtype, device=q.device)
+    gate = log_g if log_g is not None else S1
+    common = dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=log_g is not None,
+                  PRECISION=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+    chain_states_kernel[(triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v), B * H)](
+        k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W, NT,
+        *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones, HAS_S0=S0 is not None,
+        **common)
+    chain_output_kernel[(NT, triton.cdiv(W, plan.block_v), B * H)](
+        q, k, v, gate, starts, out, T, H, DK, DV, W, NT, *strides(q, k, v),
+        NK=triton.cdiv(DK, plan.block_k), ONES=ones, **common)
+    return out, S1, starts if keep_starts else None
+
+
+def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
+             plan: ChainPlan, want_dS0: bool):
+    """Adds the link's gradients into float buffers: dq and dk `[B, T, H, DK]`, dv
+    `[B, T, H, DV]` (each may be shared with other links), given the gradients of its
+    outputs `[B, T, H, DV + ones]` and of its final state (or None). Returns the gradient
+    of its start state when `want_dS0`, else None."""
+    B, T, H, DK = q.shape
+    DV = v.shape[-1]
+    W = DV + ones
+    NT = triton.cdiv(T, plan.chunk)
+    dtype = dq.dtype
+    grad_out = grad_out.to(dtype).contiguous()
+    ends = torch.empty_like(starts)
+    dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
+    gate = log_g if log_g is not None else dS0
+    common = dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=log_g is not None,
+                  PRECISION=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+    chain_grad_states_kernel[(triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v),
+                              B * H)](
+        q, gate, grad_out, grad_S1.to(dtype).contiguous() if grad_S1 is not None else dS0,
+        ends, dS0, T, H, DK, W, NT, *strides(q), NT_BOUND=triton.next_power_of_2(NT),
+        HAS_DS1=grad_S1 is not None, **common)
+    chain_grad_keys_kernel[(NT, triton.cdiv(DK, plan.block_k), B * H)](
+        q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT, *strides(q, k, v),
+        NV=triton.cdiv(W, plan.block_v), ONES=ones, **common)
+    chain_grad_values_kernel[(NT, triton.cdiv(DV, plan.block_v), B * H)](
+        q, k, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k),
+        NK=triton.cdiv(DK, plan.block_k), **common)
+    return dS0 if want_dS0 else None

@@ -1,0 +1,45 @@
+"""Forward, second stage: every chunk's outputs at once, one program per (chunk, value
+block, batch x head), from the chunk's start state S (states.py):
+
+    O = g_in * (Q S) + (weights * Q K^T) V
+
+The key dim is summed over blocks of BK in a loop (NK of them)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.tiles import load_rows, load_values, packed_offsets
+
+
+@triton.jit
+def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
+                        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh,
+                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        NK: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    acc: tl.constexpr = O.dtype.element_ty
+    chunk, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    rv = pid_v * BV + tl.arange(0, BV)
+    t = chunk * C + tl.arange(0, C)
+    t_ok = t < T
+    out = tl.zeros([C, BV], dtype=acc)
+    scores = tl.zeros([C, C], dtype=acc)
+    for i in range(NK):
+        rk = i * BK + tl.arange(0, BK)
+        rows_ok = t_ok[:, None] & (rk < DK)[None, :]
+        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
+        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
+        S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
+                    mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
+        out += tl.dot(q, S, input_precision=PRECISION)
+        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    weights, g_in, _, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
+    out = out * g_in[:, None] + tl.dot(scores * weights, v, input_precision=PRECISION)
+    tl.store(O + packed_offsets(b, t, h, T, H, W, rv), out,
+             mask=t_ok[:, None] & (rv < W)[None, :])

@@ -1,0 +1,46 @@
+"""How a link of a chain launches (mixers/hla/chain): a frozen plan per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_HEAD_DIM = 256
+
+
+def block(size: int, cap: int = 64) -> int:
+    """The smallest power of two >= size, at least 16 (tl.dot's smallest) and at most cap."""
+    return min(cap, max(16, 1 << (size - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class ChainPlan:
+    """Tokens per chunk, the key and value columns a program holds (larger head dims loop
+    over blocks or spread over programs), warps per program, the software pipeline's stages
+    (loads issued that many loop steps ahead), and tl.dot's input precision:
+    tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
+    chained calls round to it), exact for float32 and float64."""
+
+    chunk: int
+    block_k: int
+    block_v: int
+    warps: int
+    stages: int
+    precision: str
+
+
+def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
+               chunk_size: int = 64) -> ChainPlan:
+    """Chunks of 64 tokens (16 in float64, whose tiles take twice the registers; a smaller
+    power of two when the caller asks for one), blocks of up to 64 key and value columns,
+    8 warps and 2 pipeline stages. Compiled for sm_90a (benchmarks/family_resources.py) no
+    kernel spills at head dims 16 to 256, the largest takes 168 KiB of shared memory (the
+    dq / dk kernel) and at most 232 registers a thread; at 4 warps the walks and the
+    gradient kernels reach 255 registers and spill."""
+    chunk = 16 if dtype == torch.float64 else 64
+    if chunk_size in (16, 32) and chunk_size < chunk:
+        chunk = chunk_size
+    precision = "tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee"
+    return ChainPlan(chunk=chunk, block_k=block(key_dim), block_v=block(value_width), warps=8,
+                     stages=2, precision=precision)

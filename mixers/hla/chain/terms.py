@@ -1,0 +1,40 @@
+"""A chunk's decay weights, shared by the chain's kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decay_terms(chunk, T, LOG_G, h, C: tl.constexpr, HAS_DECAY: tl.constexpr,
+                acc: tl.constexpr):
+    """(weights, g_in, g_out, g_n) of chunk `chunk` (n = its real tokens): the causal
+    weights g^(s - i) for i <= s (else 0), g_in[s] = g^(s + 1), g_out[i] = g^(n - 1 - i)
+    (0 past T) and g^n; without decay the causal mask, ones, and g_out still 0 past T."""
+    rows = tl.arange(0, C)
+    causal = rows[:, None] >= rows[None, :]
+    n = tl.maximum(tl.minimum(T - chunk * C, C), 0)
+    inside = rows < n
+    if HAS_DECAY:
+        log_g = tl.load(LOG_G + h).to(acc)
+        gap = tl.maximum(rows[:, None] - rows[None, :], 0).to(acc)
+        weights = tl.where(causal, tl.exp(gap * log_g), 0.0).to(acc)
+        g_in = tl.exp((rows + 1).to(acc) * log_g)
+        g_out = tl.where(inside, tl.exp(tl.maximum(n - 1 - rows, 0).to(acc) * log_g),
+                         0.0).to(acc)
+        g_n = tl.exp(n.to(acc) * log_g)
+    else:
+        weights = tl.where(causal, 1.0, 0.0).to(acc)
+        g_in = tl.full([C], 1.0, acc)
+        g_out = tl.where(inside, 1.0, 0.0).to(acc)
+        g_n = tl.full([], 1.0, acc)
+    return weights, g_in, g_out, g_n
+
+
+@triton.jit
+def state_offsets(bh, NT, chunk, DK, W, rk, rv):
+    """Offsets of one chunk's `[DK, W]` tile (rows rk, columns rv) in a per-chunk state
+    buffer `[B * H, NT, DK, W]`."""
+    base = (bh * NT + chunk).to(tl.int64) * DK * W
+    return base + rk[:, None] * W + rv[None, :]

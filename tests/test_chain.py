@@ -1,0 +1,68 @@
+"""One link of the family's Triton chain (mixers/hla/chain: causal linear attention with a
+per-head decay, start and final states) under the interpreter, against the float64 token
+by token sum of its definition: outputs, final state, and the gradients of q, k, v and the
+start state, at head dims that span several blocks and a partial last chunk."""
+
+import pytest
+import torch
+
+from mixers.hla.chain import backward, forward, plan_chain
+from mixers.reference import relative_error
+
+B, H = 2, 2
+DECAY = torch.tensor([0.6, 0.97], dtype=torch.float64)
+
+
+def token_by_token(q, k, v, S0, decay, ones):
+    """o_t = q_t^T S_t, S_t = g S_{t-1} + k_t v_t^T (v with a column of ones when `ones`)."""
+    if ones:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    g = decay.view(1, H, 1, 1) if decay is not None else 1.0
+    S, outputs = S0, []
+    for t in range(q.shape[1]):
+        S = g * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outputs.append((q[:, t, :, :, None] * S).sum(2))
+    return torch.stack(outputs, 1), S
+
+
+@pytest.mark.parametrize("T, D, Dv", [(37, 24, 40), (21, 80, 70)],
+                         ids=["one-block", "two-blocks"])
+@pytest.mark.parametrize("decay", [None, DECAY], ids=["plain", "decay"])
+@pytest.mark.parametrize("ones", [False, True], ids=["values", "ones-column"])
+@pytest.mark.parametrize("start", [False, True], ids=["zero-start", "start"])
+def test_a_link_equals_its_token_by_token_sum(T, D, Dv, decay, ones, start):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (0.3 * torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
+               for d in (D, D, Dv))
+    W = Dv + ones
+    S0 = torch.randn(B, H, D, W, generator=gen, dtype=torch.float64) if start else None
+    plan = plan_chain(D, W, torch.float64, chunk_size=16)
+    log_g = torch.log(decay) if decay is not None else None
+    out, S1, starts = forward(q, k, v, S0, log_g, ones, plan, torch.float64, keep_starts=True)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    S0_leaf = (S0 if start else torch.zeros(B, H, D, W, dtype=torch.float64)).requires_grad_()
+    want_out, want_S1 = token_by_token(*leaves, S0_leaf, decay, ones)
+    assert relative_error(out, want_out) < 1e-12
+    assert relative_error(S1, want_S1) < 1e-12
+
+    grad_out = torch.randn(want_out.shape, generator=gen, dtype=torch.float64)
+    grad_S1 = torch.randn(want_S1.shape, generator=gen, dtype=torch.float64)
+    ((want_out * grad_out).sum() + (want_S1 * grad_S1).sum()).backward()
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    dv = torch.ones_like(v)  # the link adds into its buffers: start from ones
+    dS0 = backward(q, k, v, log_g, ones, starts, grad_out, grad_S1, dq, dk, dv, plan,
+                   want_dS0=True)
+    for name, got, want in (("dq", dq, leaves[0].grad), ("dk", dk, leaves[1].grad),
+                            ("dv", dv - 1, leaves[2].grad), ("dS0", dS0, S0_leaf.grad)):
+        assert relative_error(got, want) < 1e-12, name
+
+
+def test_plans():
+    plan = plan_chain(80, 70, torch.bfloat16)
+    assert (plan.chunk, plan.block_k, plan.block_v, plan.precision) == (64, 64, 64, "tf32")
+    assert plan_chain(24, 21, torch.float32).block_k == 32
+    assert plan_chain(24, 21, torch.float32).precision == "ieee"
+    assert plan_chain(24, 21, torch.float64).chunk == 16
+    assert plan_chain(24, 21, torch.bfloat16, chunk_size=32).chunk == 32
+    assert plan_chain(24, 21, torch.bfloat16, chunk_size=128).chunk == 64
