@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hla_bench.registry import all_mixers, get
+from conftest import PROJECT_MIXERS
+from hla_bench.registry import get
 from mixers.attention import KVCache, sdpa_attention
 from mixers.linear_attn import FEATURE_MAPS, linear_attn
 
@@ -125,7 +126,7 @@ def test_hla_entries_bind_their_options(name, operator, bound):
 
 # --- every registered mixer ----------------------------------------------------------------
 
-AVAILABLE = [m.name for m in all_mixers() if m.available]
+AVAILABLE = [name for name in PROJECT_MIXERS if get(name).available]
 
 
 @pytest.mark.parametrize("name", AVAILABLE)
