@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the ahla2 and hla3 Triton kernels on Hopper,
 without a GPU (the method of hla2_resources.py, whose compile and read-out it uses).
 
-    python benchmarks/family_resources.py [--head-dims 64,128,256] [--yaml out.yaml]
+    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--yaml out.yaml]
 
 Each kernel launch of one bf16 forward (T = 4096, normalized) with its backward and one
 decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a
@@ -66,7 +66,7 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--head-dims", default="64,128,256,512")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     rows = []

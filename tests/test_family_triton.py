@@ -113,8 +113,8 @@ def test_plans_and_refusals():
     assert plan_launch(24, 41, torch.bfloat16).block_d == 32
     assert plan_launch(24, 41, torch.bfloat16).block_v == 64
     assert plan_launch(256, 256, torch.bfloat16).block_v == 16
-    q, k, v = inputs(4, 300, 8)
-    assert "above 256" in unsupported_reason(q, k, v)
+    q, k, v = inputs(4, 520, 8)
+    assert "above 512" in unsupported_reason(q, k, v)
     for op in (ahla2, hla3):
         with pytest.raises(ValueError, match="impl='triton' cannot run these inputs: head dims"):
             op(q, k, v, impl="triton")
@@ -123,5 +123,7 @@ def test_plans_and_refusals():
     assert relative_error(hla3(q, k, v, impl="triton")[0], hla3_naive(q, k, v)) < 1e-10
     with pytest.raises(ValueError, match="key head dim D=192 above 128"):
         hla3_step(q[:, 0], k[:, 0], v[:, 0], impl="triton")
+    q, k, v = inputs(6, 300, 8)  # above 256: five key blocks of 64
+    assert relative_error(ahla2(q, k, v, impl="triton")[0], ahla2_naive(q, k, v)) < 1e-10
     with pytest.raises(ValueError, match="impl='triton' is not available for variant='paper'"):
         hla3(*inputs(8, 16, 16), variant="paper", impl="triton")

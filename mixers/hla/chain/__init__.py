@@ -28,7 +28,7 @@ links' final states are the operators' states: (P, E) and (S^K, P, F).
   launch.py       forward() and backward() of one link: the launches above
 
 Inputs are read in place from `[B, T, H, *]` tensors (last dim contiguous); rows past T and
-columns past the head dims are masked loads of zero, so any head dim up to 256 runs with
+columns past the head dims are masked loads of zero, so any head dim up to 512 runs with
 power-of-two blocks and no copy. A link's values may carry a column of ones after the last
 real one (the denominator of a normalized operator). Arithmetic, states and outputs in
 float32 (float64 for float64 inputs); products of 16-bit inputs in tf32, which holds them

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 
 
 def block(size: int, cap: int = 64) -> int:
@@ -35,7 +35,7 @@ def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
     """Chunks of 64 tokens (16 in float64, whose tiles take twice the registers; a smaller
     power of two when the caller asks for one), blocks of up to 64 key and value columns,
     8 warps and 2 pipeline stages. Compiled for sm_90a (benchmarks/family_resources.py) no
-    kernel spills at head dims 16 to 256, the largest takes 168 KiB of shared memory (the
+    kernel spills at head dims 16 to 512, the largest takes 168 KiB of shared memory (the
     dq / dk kernel) and at most 232 registers a thread; at 4 warps the walks and the
     gradient kernels reach 255 registers and spill."""
     chunk = 16 if dtype == torch.float64 else 64

@@ -9,7 +9,7 @@ the non-finite rule and unpacks.
   decode.py   the decode step (Alg. 2)
   plan.py     what the kernels support; the decode step's AHLA2Plan, plan_launch
 
-Supported: any T, head dims up to 256 (D and Dv independent, any size: blocks are powers
+Supported: any T, head dims up to 512 (D and Dv independent, any size: blocks are powers
 of two with masked loads), decay (per head), normalize, initial and final states, float16,
 bfloat16, float32 and float64 inputs. Not supported: multi-query k and v (ahla2 takes none).
 """
