@@ -58,9 +58,9 @@ def check_key_width(q, feature_dim) -> None:
                          f"feature_dim=0 to map q and k at the head dim)")
 
 
-def _linear_op(feature_map, normalize, eps, chunk_size, feature_dim=0, **_):
+def _linear_op(feature_map, normalize, eps, chunk_size, feature_dim=0, impl="auto", **_):
     op = functools.partial(linear_attn, feature_map=feature_map, normalize=normalize,
-                           eps=eps, chunk_size=chunk_size)
+                           eps=eps, impl=impl, chunk_size=chunk_size)
     if not feature_dim:
         return op
 
@@ -92,15 +92,21 @@ def _linear_reference(feature_map, normalize, eps, **_):
     return reference
 
 
+def _triton_requires(impl="auto", **_):
+    return ("triton", "cuda") if impl == "triton" else ()
+
+
 LINEAR_ATTN = Mixer(
     name="linear-attn", family="linear",
-    description="Causal linear attention, chunked PyTorch (feature_map identity|elu1|relu|"
-                "taylor, optional normalisation; feature_dim > 0 projects q, k to that width "
-                "per head).",
+    description="Causal linear attention: chunked PyTorch or the HLA chain's Triton link "
+                "(impl chunk|triton|auto; feature_map identity|elu1|relu|taylor, optional "
+                "normalisation; feature_dim > 0 projects q, k to that width per head).",
     build_op=_linear_op, build_layer=_linear_layer, build_decoder=_linear_decoder,
     options={"feature_map": "identity", "feature_dim": 0, "normalize": False, "eps": 1e-6,
-             "chunk_size": 64, "qk_norm": "l2", "short_conv": 4, "output_norm": True},
-    forms=("chunk",), flops=linear_attn_flops, build_reference=_linear_reference)
+             "impl": "auto", "chunk_size": 64, "qk_norm": "l2", "short_conv": 4,
+             "output_norm": True},
+    forms=("chunk", "triton"), flops=linear_attn_flops, option_requires=_triton_requires,
+    build_reference=_linear_reference)
 
 
 # Based (Arora et al. 2024) as Zoology and the Based repository build it: q, k projected to
@@ -114,8 +120,10 @@ BASED = Mixer(
                 "projected to feature_dim (16) per head; normalised; short convolution.",
     build_op=_linear_op, build_layer=_linear_layer, build_decoder=_linear_decoder,
     options={"feature_map": "taylor", "feature_dim": 16, "normalize": True, "eps": 1e-12,
-             "chunk_size": 64, "qk_norm": "none", "short_conv": 4, "output_norm": False},
-    forms=("chunk",), flops=linear_attn_flops, build_reference=_linear_reference)
+             "impl": "auto", "chunk_size": 64, "qk_norm": "none", "short_conv": 4,
+             "output_norm": False},
+    forms=("chunk", "triton"), flops=linear_attn_flops, option_requires=_triton_requires,
+    build_reference=_linear_reference)
 
 
 def linear_mixers() -> list[Mixer]:

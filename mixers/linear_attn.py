@@ -16,12 +16,19 @@ phi(q).phi(k) = 1 + q.k/sqrt(D) + (q.k)^2/(2 D) and F = 1 + D + D^2. That kernel
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
+from mixers.dispatch import opaque
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
-                               check_flag, check_qkv, exclusive_cumsum, pad_to_multiple)
+                               check_flag, check_qkv, exclusive_cumsum, pad_to_multiple,
+                               resolve_impl)
+
+IMPLS = ("auto", "chunk", "triton")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_MAX_WIDTH = 512
 
 
 def taylor_features(x: torch.Tensor) -> torch.Tensor:
@@ -74,13 +81,28 @@ def _initial(initial_state, shapes, device, dtype) -> dict[str, torch.Tensor]:
     return {key: value.to(dtype) for key, value in initial_state.items()}
 
 
+def triton_unsupported(q: torch.Tensor, v: torch.Tensor, features: int) -> str | None:
+    """Why the Triton link (mixers/hla/chain) cannot run these inputs, or None."""
+    if q.dtype not in TRITON_DTYPES or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {v.dtype} (supported: one of {TRITON_DTYPES} for all)"
+    if features > TRITON_MAX_WIDTH or v.shape[-1] + 1 > TRITON_MAX_WIDTH:
+        return (f"feature width {features} or value dim {v.shape[-1]} above "
+                f"{TRITON_MAX_WIDTH}")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the tensors are not on a CUDA device"
+    return None
+
+
 def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 feature_map: str = "identity", normalize: bool = False, eps: float = 1e-6,
-                chunk_size: int = 64, initial_state: dict | None = None,
+                impl: str = "auto", chunk_size: int = 64, initial_state: dict | None = None,
                 output_final_state: bool = False):
-    """Chunked causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None)."""
+    """Causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None).
+    impl: "chunk" (PyTorch), "triton" (the chain's link, mixers/hla/chain, on the features)
+    or "auto" (Triton on CUDA where it takes the inputs)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
+    check_choice("impl", impl, IMPLS)
     check_flag("normalize", normalize)
     check_flag("output_final_state", output_final_state)
     check_eps(eps)
@@ -96,6 +118,10 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
     guard, out_dtype = FiniteInputs(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)), v.dtype
+    features = state["S"].shape[-2]
+    if resolve_impl(impl, "chunk", q, lambda: triton_unsupported(q, v, features)) == "triton":
+        return _triton(guard, state, normalize, eps, chunk_size, q.dtype, out_dtype,
+                       output_final_state)
     q, k, v = (pad_to_multiple(x, chunk_size) for x in guard.inputs)
     N, C = q.shape[1] // chunk_size, chunk_size
     q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
@@ -113,6 +139,25 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         o = o / (den.unsqueeze(-1) + eps)
         final["z"] = state["z"] + chunk_k.sum(2)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, Dv)[:, :T]
+    return guard.outputs(o.to(out_dtype)), (guard.state(final) if output_final_state else None)
+
+
+def _triton(guard, state, normalize, eps, chunk_size, input_dtype, out_dtype,
+            output_final_state):
+    """linear_attn through the chain's link: the features and values (compute dtype) with a
+    column of ones for the denominator when normalized; z is the state's ones column."""
+    from mixers.hla.chain.link import linear_attention_packed
+
+    S0 = state["S"]
+    if normalize:
+        S0 = torch.cat([S0, state["z"].unsqueeze(-1)], dim=-1)
+    out, S1 = opaque(linear_attention_packed, *guard.inputs, S0, normalize, chunk_size,
+                     input_dtype)
+    Dv = state["S"].shape[-1]
+    o, final = out, {"S": S1}
+    if normalize:
+        o = out[..., :Dv] / (out[..., Dv:] + eps)
+        final = {"S": S1[..., :Dv], "z": S1[..., Dv]}
     return guard.outputs(o.to(out_dtype)), (guard.state(final) if output_final_state else None)
 
 

@@ -66,3 +66,36 @@ def test_plans():
     assert plan_chain(24, 21, torch.float64).chunk == 16
     assert plan_chain(24, 21, torch.bfloat16, chunk_size=32).chunk == 32
     assert plan_chain(24, 21, torch.bfloat16, chunk_size=128).chunk == 64
+
+
+@pytest.mark.parametrize("feature_map", ["identity", "elu1", "relu", "taylor"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, normalize):
+    """linear_attn(impl="triton"): the link on phi's features (the denominator as a column of
+    ones), from a start state, against the token-by-token form; gradients against the
+    PyTorch chunk form."""
+    from mixers.linear_attn import linear_attn, linear_attn_naive
+
+    gen = torch.Generator().manual_seed(1)
+    D = 8 if feature_map == "taylor" else 24  # taylor: 1 + 8 + 64 = 73 features
+    q, k, v = (0.3 * torch.randn(B, 37, H, d, generator=gen, dtype=torch.float64)
+               for d in (D, D, 20))
+    if normalize:
+        q, k = q.abs(), k.abs()
+    options = dict(feature_map=feature_map, normalize=normalize)
+    _, start = linear_attn(q[:, :5], k[:, :5], v[:, :5], output_final_state=True, **options)
+    want, want_state = linear_attn_naive(q, k, v, initial_state=start, **options)
+    grads = {}
+    for impl in ("triton", "chunk"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, state = linear_attn(*leaves, impl=impl, chunk_size=16, initial_state=start,
+                               output_final_state=True, **options)
+        assert relative_error(o, want) < 1e-12, impl
+        for key in want_state:
+            assert relative_error(state[key], want_state[key]) < 1e-12, (impl, key)
+        weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(2),
+                              dtype=o.dtype)
+        (o * weights).sum().backward()
+        grads[impl] = [x.grad for x in leaves]
+    for got, want_grad in zip(grads["triton"], grads["chunk"]):
+        assert relative_error(got, want_grad) < 1e-12

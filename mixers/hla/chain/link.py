@@ -1,0 +1,44 @@
+"""One link of the chain as a differentiable op of its own: causal linear attention on
+features (mixers.linear_attn's impl="triton")."""
+
+from __future__ import annotations
+
+import torch
+
+from mixers.hla.chain.launch import backward, forward
+from mixers.hla.chain.plan import plan_chain
+
+
+class _Link(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, S0, ones, chunk_size, input_dtype):
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        plan = plan_chain(q.shape[-1], v.shape[-1] + ones, input_dtype, chunk_size)
+        keep = any(ctx.needs_input_grad[:4])
+        out, S1, starts = forward(q, k, v, S0, None, ones, plan, S0.dtype, keep)
+        if keep:
+            ctx.save_for_backward(q, k, v, starts)
+        ctx.ones, ctx.plan = ones, plan
+        return out, S1
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_S1):
+        q, k, v, starts = ctx.saved_tensors
+        dtype = starts.dtype
+        if grad_out is None:
+            grad_out = torch.zeros(*v.shape[:-1], v.shape[-1] + ctx.ones, dtype=dtype,
+                                   device=v.device)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros_like(dq)
+        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        dS0 = backward(q, k, v, None, ctx.ones, starts, grad_out, grad_S1, dq, dk, dv, ctx.plan,
+                       want_dS0=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, None, None, None
+
+
+def linear_attention_packed(q, k, v, S0, ones: bool, chunk_size: int,
+                            input_dtype: torch.dtype):
+    """`[B, T, H, F]` features q, k and `[B, T, H, Dv]` v (in the compute dtype), packed
+    start state `[B, H, F, Dv + ones]` -> (packed outputs `[B, T, H, Dv + ones]`, final
+    state); `input_dtype` (the dtype the caller's inputs came in) sets tl.dot's precision."""
+    return _Link.apply(q, k, v, S0, ones, chunk_size, input_dtype)
