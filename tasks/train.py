@@ -9,8 +9,9 @@ initialisation (`torch.manual_seed` of its seed before its model is built), its 
 early stop (a stopped run leaves the stack). On CUDA the training step is captured as a
 CUDA graph and replayed. With `compile`, the stacked forward and backward are compiled by
 `torch.compile` (inductor fuses the elementwise work of the tiny models; random ops stay
-PyTorch's own, so the captured graph draws fresh dropout masks at every replay); each stack
-size compiles once.
+PyTorch's own, so the captured graph draws fresh dropout masks at every replay); a group
+compiles at most three times however many of its runs stop early (its first stack size,
+every later size above 1 as one program with a symbolic stack size, and size 1).
 
 Protocol: each run evaluates its validation split every `eval_every` steps (0: once per
 epoch) and stops early once validation accuracy exceeds `stop_accuracy`; its test split is
@@ -328,8 +329,10 @@ class _GroupTrainer:
 
             inductor_config.fallback_random = True  # graph-safe dropout
             dynamo.reset()  # a worker's earlier groups leave compiled code behind
-            # one compilation per stack size (every batch has the same shape)
-            dynamo.config.recompile_limit = len(specs) + 8
+            # every batch has the same shape, so only the stack size recompiles: the first
+            # size, then one program for every later size above 1 (dynamo makes the stack dim
+            # symbolic once it changes), and size 1 (dynamo specialises sizes 0 and 1)
+            dynamo.config.recompile_limit = 8
         self.started = time.perf_counter()
         self.train_seconds = 0.0
 
@@ -345,7 +348,7 @@ class _GroupTrainer:
         if not self.compile:
             return self.model.losses(tokens, labels, max_rows)
         if self._compiled is None or self._compiled[0] is not self.model:
-            self._compiled = (self.model, torch.compile(self.model.losses, dynamic=False))
+            self._compiled = (self.model, torch.compile(self.model.losses, dynamic=None))
         return self._compiled[1](tokens, labels, max_rows)
 
     def _seed_rows(self, active: list[int]) -> torch.Tensor:
