@@ -1,4 +1,5 @@
-"""Causal linear attention (Katharopoulos et al. 2020) in chunked PyTorch.
+"""Causal linear attention (Katharopoulos et al. 2020): chunked PyTorch, or on CUDA one
+link of the HLA chain's Triton kernels (mixers/hla/chain) on phi's features.
 
 o_t = phi(q_t)^T S_t with S_t = sum_{i<=t} phi(k_i) v_i^T; normalized, the output is divided
 by phi(q_t)^T z_t + eps with z_t = sum_{i<=t} phi(k_i). q and k are not scaled outside the
