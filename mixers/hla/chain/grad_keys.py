@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
 from mixers.hla.tiles import load_rows, load_values, packed_offsets
 
 
@@ -25,11 +25,8 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
                            NV: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
                            PRECISION: tl.constexpr):
     acc: tl.constexpr = DQ.dtype.element_ty
-    chunk, pid_k, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // H, bh % H
+    chunk, pid_k, b, h, bh, t, t_ok = chunk_program(H, T, C)
     rk = pid_k * BK + tl.arange(0, BK)
-    t = chunk * C + tl.arange(0, C)
-    t_ok = t < T
     rows_ok = t_ok[:, None] & (rk < DK)[None, :]
     q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
     k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.chain.terms import decay_terms, load_state, state_offsets, walk_program
 from mixers.hla.tiles import load_rows, packed_offsets
 
 
@@ -24,16 +24,8 @@ def chain_grad_states_kernel(Q, LOG_G, DO, DS1, ENDS, DS0, T, H, DK, W, NT,
                              NT_BOUND: tl.constexpr, HAS_DECAY: tl.constexpr,
                              HAS_DS1: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = DS0.dtype.element_ty
-    pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // H, bh % H
-    rk = pid_k * BK + tl.arange(0, BK)
-    rv = pid_v * BV + tl.arange(0, BV)
-    tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
-    final = bh.to(tl.int64) * DK * W + rk[:, None] * W + rv[None, :]
-    if HAS_DS1:
-        dS = tl.load(DS1 + final, mask=tile_ok, other=0.0).to(acc)
-    else:
-        dS = tl.zeros([BK, BV], dtype=acc)
+    b, h, bh, rk, rv, tile_ok, final = walk_program(H, DK, W, BK, BV)
+    dS = load_state(DS1, final, tile_ok, HAS_DS1, BK, BV, acc)
     for step in range(NT_BOUND):
         real = step < NT
         chunk = tl.maximum(NT - 1 - step, 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
 from mixers.hla.tiles import load_rows, load_values, packed_offsets
 
 
@@ -22,11 +22,8 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
                         NK: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
                         PRECISION: tl.constexpr):
     acc: tl.constexpr = O.dtype.element_ty
-    chunk, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // H, bh % H
+    chunk, pid_v, b, h, bh, t, t_ok = chunk_program(H, T, C)
     rv = pid_v * BV + tl.arange(0, BV)
-    t = chunk * C + tl.arange(0, C)
-    t_ok = t < T
     out = tl.zeros([C, BV], dtype=acc)
     scores = tl.zeros([C, C], dtype=acc)
     for i in range(NK):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import decay_terms, state_offsets
+from mixers.hla.chain.terms import decay_terms, load_state, state_offsets, walk_program
 from mixers.hla.tiles import load_rows, load_values
 
 
@@ -25,16 +25,8 @@ def chain_states_kernel(K, V, LOG_G, S0, STARTS, S1, T, H, DK, DV, W, NT,
                         NT_BOUND: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
                         HAS_S0: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = S1.dtype.element_ty
-    pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // H, bh % H
-    rk = pid_k * BK + tl.arange(0, BK)
-    rv = pid_v * BV + tl.arange(0, BV)
-    tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
-    final = bh.to(tl.int64) * DK * W + rk[:, None] * W + rv[None, :]
-    if HAS_S0:
-        S = tl.load(S0 + final, mask=tile_ok, other=0.0).to(acc)
-    else:
-        S = tl.zeros([BK, BV], dtype=acc)
+    b, h, bh, rk, rv, tile_ok, final = walk_program(H, DK, W, BK, BV)
+    S = load_state(S0, final, tile_ok, HAS_S0, BK, BV, acc)
     for chunk in range(NT_BOUND):
         tl.store(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv), S,
                  mask=tile_ok & (chunk < NT))

@@ -38,3 +38,35 @@ def state_offsets(bh, NT, chunk, DK, W, rk, rv):
     buffer `[B * H, NT, DK, W]`."""
     base = (bh * NT + chunk).to(tl.int64) * DK * W
     return base + rk[:, None] * W + rv[None, :]
+
+
+@triton.jit
+def walk_program(H, DK, W, BK: tl.constexpr, BV: tl.constexpr):
+    """(b, h, b x H + h, key rows, value columns, their mask, their offsets in a
+    `[B, H, DK, W]` state) of a walk's program: grid (key block, value block, batch x head)."""
+    pid_k, pid_v, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rk = pid_k * BK + tl.arange(0, BK)
+    rv = pid_v * BV + tl.arange(0, BV)
+    tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
+    at = bh.to(tl.int64) * DK * W + rk[:, None] * W + rv[None, :]
+    return bh // H, bh % H, bh, rk, rv, tile_ok, at
+
+
+@triton.jit
+def load_state(X, at, ok, PRESENT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               acc: tl.constexpr):
+    """A walk's starting tile: X's tile when PRESENT, else zeros."""
+    if PRESENT:
+        tile = tl.load(X + at, mask=ok, other=0.0).to(acc)
+    else:
+        tile = tl.zeros([BK, BV], dtype=acc)
+    return tile
+
+
+@triton.jit
+def chunk_program(H, T, C: tl.constexpr):
+    """(chunk, block, b, h, b x H + h, the chunk's token rows, rows < T) of a chunk program:
+    grid (chunk, block of key or value columns, batch x head)."""
+    chunk, block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = chunk * C + tl.arange(0, C)
+    return chunk, block, bh // H, bh % H, bh, t, t < T
