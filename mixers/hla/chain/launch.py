@@ -13,6 +13,12 @@ from mixers.hla.chain.plan import ChainPlan
 from mixers.hla.chain.states import chain_states_kernel
 
 
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim is contiguous (what the kernels' row loads need), else a
+    contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def strides(*tensors) -> tuple[int, ...]:
     """The batch, token and head strides of `[B, T, H, *]` tensors, in order."""
     return tuple(x.stride(i) for x in tensors for i in range(3))

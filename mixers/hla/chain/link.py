@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.chain.launch import backward, forward
+from mixers.hla.chain.launch import backward, forward, last_dim_contiguous
 from mixers.hla.chain.plan import plan_chain
 
 
 class _Link(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, S0, ones, chunk_size, input_dtype):
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
         plan = plan_chain(q.shape[-1], v.shape[-1] + ones, input_dtype, chunk_size)
         keep = any(ctx.needs_input_grad[:4])
         out, S1, starts = forward(q, k, v, S0, None, ones, plan, S0.dtype, keep)

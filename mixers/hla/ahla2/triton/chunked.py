@@ -13,15 +13,12 @@ from __future__ import annotations
 import torch
 
 from mixers.hla import chain
+from mixers.hla.chain.launch import last_dim_contiguous
 
 
 def log_decay(decay, dtype):
     """log g per head, contiguous (a float decay arrives as an expanded tensor), or None."""
     return torch.log(decay.to(dtype)).contiguous() if decay is not None else None
-
-
-def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class _AHLA2Chain(torch.autograd.Function):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mixers.hla import chain
-from mixers.hla.ahla2.triton.chunked import last_dim_contiguous
+from mixers.hla.chain.launch import last_dim_contiguous
 
 
 class _HLA3Chain(torch.autograd.Function):
