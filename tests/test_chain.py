@@ -99,3 +99,15 @@ def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, no
         grads[impl] = [x.grad for x in leaves]
     for got, want_grad in zip(grads["triton"], grads["chunk"]):
         assert relative_error(got, want_grad) < 1e-12
+
+
+def test_a_chained_call_notes_its_launch_plan():
+    """What the harness records in a point's `resolved`: the form and the chain's plan."""
+    from mixers.dispatch import noting
+    from mixers.hla.ahla2 import ahla2
+
+    q, k, v = (torch.randn(1, 20, H, 24) for _ in range(3))
+    with noting() as notes:
+        ahla2(q, k, v, impl="triton")
+    assert notes == {"impl": "triton", "chain_plan":
+                     "chunk 64, blocks 32 x 32, 8 warps, 2 stages, ieee"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from mixers.dispatch import listening, note
 from mixers.hla.chain.grad_keys import chain_grad_keys_kernel
 from mixers.hla.chain.grad_states import chain_grad_states_kernel
 from mixers.hla.chain.grad_values import chain_grad_values_kernel
@@ -35,6 +36,9 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     DV = v.shape[-1]
     W = DV + ones
     NT = triton.cdiv(T, plan.chunk)
+    if listening():  # the launch plan, for the results' `resolved`
+        note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
+                        f"{plan.warps} warps, {plan.stages} stages, {plan.precision}")
     starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
     S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     out = torch.empty(B, T, H, W, dtype=dtype, device=q.device)
