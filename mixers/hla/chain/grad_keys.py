@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
-from mixers.hla.tiles import load_rows, load_values, packed_offsets
+from mixers.hla.chain.terms import chunk_program, decay_terms, load_qk, state_offsets
+from mixers.hla.tiles import load_values, packed_offsets
 
 
 @triton.jit
@@ -27,9 +27,8 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
     acc: tl.constexpr = DQ.dtype.element_ty
     chunk, pid_k, b, h, bh, t, t_ok = chunk_program(H, T, C)
     rk = pid_k * BK + tl.arange(0, BK)
-    rows_ok = t_ok[:, None] & (rk < DK)[None, :]
-    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
-    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
+    q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh,
+                             stride_kb, stride_kt, stride_kh, acc)
     M = tl.zeros([C, C], dtype=acc)
     dq = tl.zeros([C, BK], dtype=acc)
     dk = tl.zeros([C, BK], dtype=acc)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
-from mixers.hla.tiles import load_rows, packed_offsets
+from mixers.hla.chain.terms import chunk_program, decay_terms, load_qk, state_offsets
+from mixers.hla.tiles import packed_offsets
 
 
 @triton.jit
@@ -29,9 +29,8 @@ def chain_grad_values_kernel(Q, K, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, NT,
     dv = tl.zeros([C, BV], dtype=acc)
     for i in range(NK):
         rk = i * BK + tl.arange(0, BK)
-        rows_ok = t_ok[:, None] & (rk < DK)[None, :]
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
+        q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh,
+                                 stride_kb, stride_kt, stride_kh, acc)
         dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
                      mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
         scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import load_rows
+
 
 @triton.jit
 def decay_terms(chunk, T, LOG_G, h, C: tl.constexpr, HAS_DECAY: tl.constexpr,
@@ -70,3 +72,14 @@ def chunk_program(H, T, C: tl.constexpr):
     chunk, block, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = chunk * C + tl.arange(0, C)
     return chunk, block, bh // H, bh % H, bh, t, t < T
+
+
+@triton.jit
+def load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh, stride_kb,
+            stride_kt, stride_kh, acc: tl.constexpr):
+    """Rows t of q and k at key columns rk (zero past T and past DK), in `acc`, and their
+    mask."""
+    rows_ok = t_ok[:, None] & (rk < DK)[None, :]
+    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
+    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
+    return q, k, rows_ok
