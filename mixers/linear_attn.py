@@ -17,7 +17,6 @@ phi(q).phi(k) = 1 + q.k/sqrt(D) + (q.k)^2/(2 D) and F = 1 + D + D^2. That kernel
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,6 @@ from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, che
 
 IMPLS = ("auto", "chunk", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TRITON_MAX_WIDTH = 512
 
 
 def taylor_features(x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +84,11 @@ def triton_unsupported(q: torch.Tensor, v: torch.Tensor, features: int) -> str |
     """Why the Triton link (mixers/hla/chain) cannot run these inputs, or None."""
     if q.dtype not in TRITON_DTYPES or v.dtype != q.dtype:
         return f"dtypes {q.dtype}, {v.dtype} (supported: one of {TRITON_DTYPES} for all)"
-    if features > TRITON_MAX_WIDTH or v.shape[-1] + 1 > TRITON_MAX_WIDTH:
-        return (f"feature width {features} or value dim {v.shape[-1]} above "
-                f"{TRITON_MAX_WIDTH}")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "the tensors are not on a CUDA device"
-    return None
+    from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
+
+    if features > MAX_HEAD_DIM or v.shape[-1] + 1 > MAX_HEAD_DIM:
+        return f"feature width {features} or value dim {v.shape[-1]} above {MAX_HEAD_DIM}"
+    return device_reason(q)
 
 
 def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

@@ -25,6 +25,12 @@ def strides(*tensors) -> tuple[int, ...]:
     return tuple(x.stride(i) for x in tensors for i in range(3))
 
 
+def launch_options(plan: ChainPlan, has_decay: bool) -> dict:
+    """The compile-time arguments every kernel of a link takes from its plan."""
+    return dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=has_decay,
+                PRECISION=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+
+
 def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
             keep_starts: bool = False):
     """la(q, k, v; S0, g) on `[B, T, H, DK]` q, k and `[B, T, H, DV]` v (last dims
@@ -43,8 +49,7 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     out = torch.empty(B, T, H, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else S1
-    common = dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=log_g is not None,
-                  PRECISION=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+    common = launch_options(plan, log_g is not None)
     chain_states_kernel[(triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v), B * H)](
         k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W, NT,
         *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones, HAS_S0=S0 is not None,
@@ -70,8 +75,7 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     ends = torch.empty_like(starts)
     dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else dS0
-    common = dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=log_g is not None,
-                  PRECISION=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+    common = launch_options(plan, log_g is not None)
     chain_grad_states_kernel[(triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v),
                               B * H)](
         q, gate, grad_out, grad_S1.to(dtype).contiguous() if grad_S1 is not None else dS0,

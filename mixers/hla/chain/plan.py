@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-MAX_HEAD_DIM = 512
+MAX_HEAD_DIM = 512  # key and value widths a link takes (blocks of 64, looped or spread)
+
+
+def device_reason(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on x's device (CUDA, or the CPU under TRITON_INTERPRET=1),
+    or None."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the tensors are not on a CUDA device"
+    return None
 
 
 def block(size: int, cap: int = 64) -> int:

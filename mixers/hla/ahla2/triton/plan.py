@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.chain.plan import MAX_HEAD_DIM
+from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,12 +49,4 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
     D, Dv = q.shape[-1], v.shape[-1]
     if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
         return f"head dims D={D}, Dv={Dv} above {MAX_HEAD_DIM}"
-    if q.device.type != "cuda" and not _interpreted():
-        return "the tensors are not on a CUDA device"
-    return None
-
-
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return device_reason(q)
