@@ -173,7 +173,7 @@ def main() -> None:
 
     from hla_bench import configs, registry
     from hla_bench.processes import cuda_mps_active
-    from hla_bench.recall import load_config, plan_runs
+    from hla_bench.recall_config import load_config, plan_runs
     from hla_bench.training import plan_groups
 
     config = load_config(str(configs.find(args.config)), {})

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                    "and plots (--plots)."),
     "verify": ("hla_bench.verify", "Check every HLA form against the explicit float64 sums."),
     "recall": ("hla_bench.recall", "Train tiny LMs per mixer on synthetic recall tasks."),
-    "tasks": ("hla_bench.recall", "The synthetic tasks: list them, show an example."),
+    "tasks": ("hla_bench.task_commands", "The synthetic tasks: list them, show an example."),
 }
 
 

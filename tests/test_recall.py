@@ -13,7 +13,7 @@ from rich.console import Console
 import tasks
 from hla_bench import registry
 from hla_bench.cli import main
-from hla_bench.recall import ConfigError, load_config, validate_config
+from hla_bench.recall_config import ConfigError, load_config, validate_config
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import dump_results
 from hla_bench.training import build_model, default_workers, run_groups, state_bytes
@@ -420,7 +420,7 @@ def test_config_validation_names_the_problem(changes, message):
 def test_configs_in_the_repository_are_valid():
     from pathlib import Path
 
-    from hla_bench.recall import plan_runs
+    from hla_bench.recall_config import plan_runs
     from hla_bench.training import plan_groups
 
     checked = []
@@ -439,7 +439,7 @@ def test_configs_in_the_repository_are_valid():
 
 
 def test_weight_decay_grid_plans_every_lr_wd_and_seed_in_one_group_per_cell(tmp_path):
-    from hla_bench.recall import plan_runs
+    from hla_bench.recall_config import plan_runs
     from hla_bench.training import plan_groups
 
     config = validate_config({
@@ -468,7 +468,7 @@ def test_weight_decay_grid_plans_every_lr_wd_and_seed_in_one_group_per_cell(tmp_
 
 
 def test_settings_are_told_apart_by_their_overrides_or_named():
-    from hla_bench.recall import plan_runs, setting_label
+    from hla_bench.recall_config import plan_runs, setting_label
 
     config = validate_config({
         "mixers": ["hla2"], "lrs": [1e-3],
@@ -482,13 +482,13 @@ def test_settings_are_told_apart_by_their_overrides_or_named():
                       "in_context_recall vocab_size=32 n_layers=4", "icr-800"]
     assert setting_label("mqar", {"seq_len": 8}) == "mqar seq_len=8"  # no overrides: as before
     # task parameters never share a name with a train or model key, so labels stay unambiguous
-    from hla_bench.recall import MODEL_FIELDS, TRAIN_FIELDS
+    from hla_bench.recall_config import MODEL_FIELDS, TRAIN_FIELDS
     for task in tasks.all_tasks():
         assert not set(task.params) & (set(MODEL_FIELDS) | set(TRAIN_FIELDS)), task.name
 
 
 def test_mixer_model_overrides_the_model_of_one_mixer(tmp_path):
-    from hla_bench.recall import plan_runs
+    from hla_bench.recall_config import plan_runs
 
     config = validate_config({
         "mixers": ["hla2", "mamba2-ssd"], "lrs": [1e-3],
@@ -512,7 +512,7 @@ def test_mixer_model_overrides_the_model_of_one_mixer(tmp_path):
 
 
 def test_run_key_reads_a_field_a_stored_run_lacks_as_its_default():
-    from hla_bench.recall import run_key
+    from hla_bench.recall_config import run_key
 
     spec = tiny_spec()
     stored = {k: v for k, v in spec.items() if k not in ("norm", "head", "metric", "decoder",
