@@ -127,10 +127,11 @@ def _check_executor(executor: str, scheduler: str | None) -> None:
     if scheduler and executor != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
     if executor == "dask":
-        from hla_bench.dask_executor import unavailable_reason
+        from hla_bench.dask_executor import scheduler_problem, unavailable_reason
 
-        if unavailable_reason():
-            raise click.UsageError(unavailable_reason())
+        problem = unavailable_reason() or (scheduler and scheduler_problem(scheduler))
+        if problem:
+            raise click.UsageError(problem)
 
 
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,

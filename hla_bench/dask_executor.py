@@ -18,6 +18,7 @@ recorded as `crashed`.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -46,6 +47,27 @@ def _distributed():
     except ImportError:
         raise DaskUnavailable(unavailable_reason()) from None
     return distributed
+
+
+def scheduler_problem(address: str, timeout: float = 5.0) -> str | None:
+    """Why `--scheduler ADDRESS` cannot serve a sweep, found before any work starts: an
+    address Dask cannot parse, or (for tcp and tls) nothing accepting a connection there
+    within `timeout` seconds. None when it looks usable (other schemes are left to Dask)."""
+    _distributed()
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+        if scheme not in ("tcp", "tls"):
+            return None
+        host, port = parse_host_port(location)
+    except ValueError as error:
+        return f"--scheduler {address!r}: {error} (expected tcp://HOST:PORT)"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        return f"--scheduler {address}: no scheduler answers there ({error})"
+    return None
 
 
 def worker_specs(gpus: int, cpu_workers: int, threads: int = 1) -> dict[str, dict]:

@@ -21,8 +21,8 @@ from rich.table import Table
 import tasks
 from hla_bench import configs, registry
 from hla_bench.processes import cuda_mps_active
-from hla_bench.recall_config import (ConfigError, check_mixer_options, load_config, plan_rows,
-                                     plan_runs, run_key, validate_config)
+from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
+                                     plan_rows, plan_runs, run_key, validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path
 from hla_bench.tables import print_table
@@ -253,10 +253,11 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if scheduler and executor != "dask":
             raise ConfigError("--scheduler needs --executor dask")
         if executor == "dask":
-            from hla_bench.dask_executor import unavailable_reason
+            from hla_bench.dask_executor import scheduler_problem, unavailable_reason
 
-            if unavailable_reason():
-                raise ConfigError(unavailable_reason())
+            problem = unavailable_reason() or (scheduler and scheduler_problem(scheduler))
+            if problem:
+                raise ConfigError(problem)
         # a dry run plans for the config's device without needing it (a GPU grid is planned
         # on a laptop); its layers' options are then not tried
         absent = dry_run and not device_visible(config["device"])
@@ -264,6 +265,7 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if not absent:
             check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
+        check_layers(specs)
         if dry_run:
             rows = plan_rows(specs, config["max_group"])
             print_table(console, plan_table(rows), lambda: plan_lines(rows))

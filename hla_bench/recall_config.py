@@ -280,6 +280,28 @@ def check_mixer_options(config: dict, device: str) -> None:
             raise ConfigError(f"mixer_options.{mixer}: the layer rejects {options}: {problem}")
 
 
+def check_layers(specs: list[dict]) -> None:
+    """Every (mixer, d_model, n_heads, options) the plan trains builds its layer, or the
+    layer's ValueError or TypeError (say d_model 64 in 3 heads, or a head dim its kernel
+    refuses) is a ConfigError before any run. Mixers that cannot run here are skipped: the
+    sweep records them as unavailable."""
+    seen = set()
+    for spec in specs:
+        options = spec["mixer_options"]
+        shape = (spec["mixer"], spec["d_model"], spec["n_heads"], repr(sorted(options.items())))
+        if shape in seen:
+            continue
+        seen.add(shape)
+        entry = registry.get(spec["mixer"])
+        if entry.unavailable_reason(options):
+            continue
+        try:
+            entry.layer(spec["d_model"], spec["n_heads"], **options)
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
+                              f"{spec['n_heads']} head(s): {error}") from None
+
+
 def load_config(path: str | None, overrides: dict) -> dict:
     """Defaults, then the YAML file, then the command-line options given (checked alike).
     Options replace what the file gives: `mixers` keeps the file's `mixer_options` and

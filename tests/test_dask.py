@@ -99,6 +99,31 @@ def test_executor_flags_are_checked_before_work(tmp_path, monkeypatch):
     assert missing.exit_code == 2 and 'pip install "hla-bench[dask]"' in missing.output
 
 
+
+def _closed_port() -> int:
+    """A local TCP port with nothing listening (bound, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("address, says", [("nowhere", "missing port number"),
+                                           ("tcp://h:abc", "expected tcp://HOST:PORT"),
+                                           ("closed", "no scheduler answers there")])
+@pytest.mark.parametrize("command", ["recall", "bench"])
+def test_a_scheduler_that_cannot_serve_is_a_usage_error_before_any_file(tmp_path, address,
+                                                                       says, command):
+    if address == "closed":
+        address = f"tcp://127.0.0.1:{_closed_port()}"
+    out = tmp_path / "x.yaml"
+    args = (SWEEP if command == "recall" else BENCH) + [
+        "--executor", "dask", "--scheduler", address, "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
 BENCH = ["bench", "--mixers", "hla2,linear-attn,sdpa", "--seq-lens", "64,128", "--modes",
          "fwd,decode", "--device", "cpu", "--repeats", "2", "--warmup", "1"]
 

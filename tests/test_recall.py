@@ -657,6 +657,21 @@ def test_option_values_a_layer_rejects_stop_the_sweep_before_any_run(tmp_path, o
     assert not (tmp_path / "o.yaml").exists()
 
 
+
+@pytest.mark.parametrize("extra,message", [
+    ({"model": {"n_heads": 3}}, "sdpa at d_model 64 with 3 head(s): d_model (64) must be divisible"),
+    ({"mixer_model": {"sdpa": {"n_heads": 5}}}, "sdpa at d_model 64 with 5 head(s)")])
+def test_a_width_its_heads_do_not_divide_stops_the_sweep_before_any_run(tmp_path, extra,
+                                                                        message):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"mixers": ["sdpa", "hla2"], "d_model": [64],
+                                      "device": "cpu", "workers": 1, **extra}))
+    for dry_run in ([], ["--dry-run"]):
+        bad = CliRunner().invoke(main, ["recall", "--config", str(config), "--out",
+                                        str(tmp_path / "o.yaml"), *dry_run])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+        assert not (tmp_path / "o.yaml").exists()
+
 def test_unwritable_out_is_refused_before_any_run(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")  # its "subfolder" cannot exist, even for root
