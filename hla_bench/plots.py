@@ -3,6 +3,7 @@ axis, saving a figure."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -19,6 +20,18 @@ def save_figure(figure: Any, path: Path, dpi: int = 110) -> Path:
     figure.savefig(path, dpi=dpi)
     plt.close(figure)
     return path
+
+
+def plots_dir_problem(out_dir: str | Path) -> str | None:
+    """Why plots cannot be written to `out_dir` (it cannot be created, or is not writable),
+    checked by creating it before any work; None when they can."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot create the plots folder {out_dir}: {error.strerror or error}"
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        return f"cannot write plots to {out_dir}: not writable"
+    return None
 
 
 def pyplot_for(out_dir: str | Path, fmt: str) -> tuple[Any, Path]:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 import tasks
 from hla_bench import configs, registry
+from hla_bench.plots import plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
                                      plan_rows, plan_runs, run_key, validate_config)
@@ -248,6 +249,8 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                                   for setting in config["settings"]]
         if task or params:
             config = validate_config(config, config_file or "options")
+        if plots_dir is not None and not dry_run and plots_dir_problem(plots_dir):
+            raise ConfigError(plots_dir_problem(plots_dir))
         if time_limit is not None and time_limit <= 0:
             raise ConfigError("--time-limit must be > 0 seconds")
         if scheduler and executor != "dask":

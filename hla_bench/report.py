@@ -22,7 +22,8 @@ from rich.table import Table
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
-from hla_bench.plots import PLOT_FORMATS, pyplot_for, save_figure, seq_len_axis
+from hla_bench.plots import (PLOT_FORMATS, plots_dir_problem, pyplot_for, save_figure,
+                             seq_len_axis)
 from hla_bench.recall_report import render_recall
 from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
@@ -429,6 +430,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         if value is not None and not compare_files:
             raise click.UsageError(f"{name} applies to --compare")
     loaded = [load_any(path) for path in files]  # every file checked before any output
+    if plots is not None and plots_dir_problem(plots):
+        raise click.UsageError(plots_dir_problem(plots))
     if only:
         loaded = [(path, kind, _only_sweeps(path, kind, data, only))
                   for path, kind, data in loaded]

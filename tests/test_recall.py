@@ -678,6 +678,9 @@ def test_unwritable_out_is_refused_before_any_run(tmp_path):
     bad = CliRunner().invoke(main, recall_args(tmp_path, "--out", str(blocker / "r.yaml")))
     assert bad.exit_code == 2 and "a-file" in bad.output, bad.output
     assert "recall sweep" not in bad.output  # refused before any run
+    plots = CliRunner().invoke(main, recall_args(tmp_path, "--plots-dir", str(blocker / "p")))
+    assert plots.exit_code == 2 and "cannot create the plots folder" in plots.output
+    assert "recall sweep" not in plots.output and not (tmp_path / "recall.yaml").exists()
 
 
 def test_recall_cli_from_config(tmp_path):

@@ -135,6 +135,13 @@ def test_report_command_on_real_run(fake_mixers, tmp_path):
     assert "6 points matched" in compared.output
     bad = runner.invoke(report.report, [str(old), "--compare"])
     assert bad.exit_code == 2 and "exactly two" in bad.output
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")  # its "subfolder" cannot exist, even for root
+    for args in ([str(old)], [str(old), str(new), "--compare"]):
+        unwritable = runner.invoke(report.report, [*args, "--plots", str(blocker / "plots")])
+        assert unwritable.exit_code == 2, unwritable.output
+        assert "cannot create the plots folder" in unwritable.output
+        assert "ratio" not in unwritable.output and "fake-fast" not in unwritable.output
 
 
 def test_report_rejects_invalid_and_unknown_kind(synthetic, tmp_path):
