@@ -28,7 +28,7 @@ from hla_bench.engine.config import (SweepConfig, default_text, is_required, loa
                                      setting_fields)
 from hla_bench.engine.records import point_key
 from hla_bench.report import render_bench
-from hla_bench.store import ResultsStore, StoreError, default_out_path
+from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.tables import print_table
 
 
@@ -154,7 +154,8 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
                                          "interleaved with the others)")
     store = open_store(out, mode, sweeps, config, environment)
     path = store.path
-    with store:
+    with store, exit_on_interrupt(store, "point", lambda text: errors.print(
+            f"[yellow]{escape(text)}[/]", soft_wrap=True)):
         if store.kept:
             errors.print(f"resuming {path}: {store.kept} point(s) kept", highlight=False)
 

@@ -25,7 +25,7 @@ from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
                                      plan_rows, plan_runs, run_key, validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
-from hla_bench.store import ResultsStore, StoreError, default_out_path
+from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.training import (assign_devices, default_workers, failed_result, plan_groups,
@@ -283,7 +283,8 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
     except (ConfigError, RecallFileError, OSError) as error:
         raise click.UsageError(str(error)) from None
 
-    with store:
+    with store, exit_on_interrupt(store, "run", lambda text: console.print(
+            f"[yellow]{escape(text)}[/]", soft_wrap=True)):
         finished = {run_key(run) for run in store.records() if run.get("status") == "ok"}
         runnable = []
         for spec in specs:

@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as dt
 import errno
 import os
@@ -679,6 +680,19 @@ class ResultsStore:
                 self.close(complete=True)
             else:
                 self.release()
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(store: "ResultsStore", noun: str, say: Callable[[str], None]):
+    """Ctrl-C inside: the file keeps its last written version (every record added so far;
+    the store's own __exit__ releases the lock), `say` tells how many records it holds and
+    how to continue, and the process exits with status 130, as shells report SIGINT."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        say(f"interrupted: {len(store)} {noun}(s) kept in {store.path}; to continue, run the "
+            f"same command with --resume --out {store.path}")
+        raise SystemExit(130) from None
 
 
 def glob_escape(text: str) -> str:

@@ -190,6 +190,35 @@ def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp
         sorted((p["mixer"], p["seq_len"]) for p in first)
 
 
+
+def test_ctrl_c_keeps_the_measured_points_says_how_to_resume_and_exits_130(
+        runner, fake_mixers, tmp_path, monkeypatch):
+    out = tmp_path / "out.yaml"
+    args = ["bench", "--mixers", "fake-fast:label=fast,fake-broken", "--seq-lens", "16,32",
+            "--modes", "fwd", "--batch", "1", "--heads", "2", "--head-dim", "8",
+            "--device", "cpu", "--warmup", "0", "--repeats", "2", "--out", str(out)]
+    original, calls = engine_runner.run_together, []
+
+    def interrupted_at_the_second_shape(points, *a):
+        calls.append(points[0].seq_len)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(points, *a)
+
+    monkeypatch.setattr(engine_runner, "run_together", interrupted_at_the_second_shape)
+    result = runner.invoke(main, args)
+    assert result.exit_code == 130, result.output
+    text = " ".join(result.output.split())
+    assert f"interrupted: 2 point(s) kept in {out}" in text
+    assert f"run the same command with --resume --out {out}" in text
+    data = results.load(out)
+    assert data["complete"] is False and {p["seq_len"] for p in data["points"]} == {16}
+    assert not Path(f"{out}.lock").exists()
+    monkeypatch.setattr(engine_runner, "run_together", original)
+    resumed = runner.invoke(main, args + ["--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert results.load(out)["complete"] is True and len(results.load(out)["points"]) == 4
+
 def test_resume_needs_out(runner, fake_mixers):
     result = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--device", "cpu", "--resume"])
     assert result.exit_code == 2 and "--resume needs --out" in result.output

@@ -672,6 +672,30 @@ def test_a_width_its_heads_do_not_divide_stops_the_sweep_before_any_run(tmp_path
         assert bad.exit_code == 2 and message in bad.output, bad.output
         assert not (tmp_path / "o.yaml").exists()
 
+
+def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_path,
+                                                                          monkeypatch):
+    from hla_bench import recall as recall_command
+
+    original = recall_command.run_groups
+
+    def interrupted_after_the_first_group(groups, workers, on_event, on_group, **options):
+        original(groups[:1], workers, on_event, on_group, **options)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recall_command, "run_groups", interrupted_after_the_first_group)
+    args = recall_args(tmp_path, "--d-model", "16,32")
+    result = CliRunner().invoke(main, args)
+    out = tmp_path / "recall.yaml"
+    assert result.exit_code == 130, result.output
+    assert f"interrupted: 2 run(s) kept in {out}" in " ".join(result.output.split())
+    data = yaml.safe_load(out.read_text())
+    assert data["complete"] is False and [r["d_model"] for r in data["runs"]] == [16, 16]
+    monkeypatch.setattr(recall_command, "run_groups", original)
+    resumed = CliRunner().invoke(main, args + ["--resume"])
+    assert resumed.exit_code == 0 and "resuming: 2 finished run(s) kept" in resumed.output
+    assert sorted(r["d_model"] for r in yaml.safe_load(out.read_text())["runs"]) == [16, 16, 32, 32]
+
 def test_unwritable_out_is_refused_before_any_run(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")  # its "subfolder" cannot exist, even for root
