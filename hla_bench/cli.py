@@ -50,6 +50,16 @@ class LazyGroup(click.Group):
             return super().get_command(ctx, name)
         return load_command(name)
 
+    def invoke(self, ctx: click.Context):
+        """Ctrl-C ends any command with status 130, as shells report SIGINT (click's own
+        handling says "Aborted!" and exits 1); commands that write results say first what
+        their file kept (`hla_bench.store.exit_on_interrupt`)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][1] if name in COMMANDS and name not in self.commands
                  else self.commands[name].get_short_help_str(formatter.width))

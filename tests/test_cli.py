@@ -45,6 +45,18 @@ def test_a_command_added_to_the_group_is_listed_and_runs():
     assert runner.invoke(group, ["nope"]).exit_code == 2
 
 
+
+def test_ctrl_c_in_any_command_exits_130():
+    group = cli.LazyGroup(name="g")
+
+    @group.command("slow")
+    def slow():
+        """A command the user stops."""
+        raise KeyboardInterrupt
+
+    result = CliRunner().invoke(group, ["slow"])
+    assert result.exit_code == 130 and "interrupted" in result.output
+
 def test_top_level_help_imports_neither_torch_nor_the_mixers():
     code = ("import sys; from hla_bench.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
