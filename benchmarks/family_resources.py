@@ -4,8 +4,8 @@ without a GPU (the method of hla2_resources.py, whose compile and read-out it us
     python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--yaml out.yaml]
 
 Each kernel launch of one bf16 forward (T = 4096, normalized) with its backward and one
-decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a
-(hla3 up to 128); an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
+decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a;
+an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
 (227 KiB for one program).
 """
 
@@ -54,8 +54,7 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
         for op in (ahla2, hla3):
             op(q, k, v, impl="triton", normalize=True)[0].sum().backward()
         q, k, v = (x.detach() for x in (q, k, v))
-        # hla3's decode step takes key dims up to 128 (mixers/hla/hla3/triton/plan.py)
-        for step in (ahla2_step, hla3_step)[:1 if D > 128 else 2]:
+        for step in (ahla2_step, hla3_step):
             step(q[:, 0], k[:, 0], v[:, 0], None, impl="triton", normalize=True)
     finally:
         del os.environ["TRITON_INTERPRET"]
@@ -81,7 +80,7 @@ def main() -> None:
                                                               f"{str(error)[:300]}"})
                 print(f"{name:22s} D={D:3d}: {rows[-1]['error']}")
                 continue
-            shown = {key: kwargs[key] for key in ("C", "BD", "BK", "BV") if key in kwargs}
+            shown = {key: kwargs[key] for key in ("C", "BD", "BR", "BK", "BV") if key in kwargs}
             rows.append({"kernel": name, "D": D, "warps": warps, **shown,
                          "registers": registers, "spill_stack_bytes": stack,
                          "shared_bytes": shared})

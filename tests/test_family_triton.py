@@ -8,6 +8,8 @@ import torch
 from hla_inputs import random_qkv
 from mixers.hla.ahla2 import ahla2, ahla2_naive, ahla2_step
 from mixers.hla.ahla2.triton import plan_launch, unsupported_reason
+from mixers.hla.hla3.triton import HLA3Plan
+from mixers.hla.hla3.triton import plan_launch as hla3_plan_launch
 from mixers.hla.hla3 import hla3, hla3_naive, hla3_step
 from mixers.reference import relative_error
 
@@ -109,10 +111,27 @@ def test_low_precision_against_float64_on_the_same_rounded_inputs(name, dtype, t
     assert o.dtype == dtype and relative_error(o.double(), ref) < tolerance
 
 
+
+@pytest.mark.parametrize("D, Dv", [(80, 24), (192, 8), (300, 130)])
+def test_hla3_decode_step_at_large_and_odd_head_dims(D, Dv):
+    """Key dims over several row blocks of 64 with a partial last one, and (Dv 130 plus the
+    ones column) two value blocks, whose programs all read S^K and one writes it."""
+    q, k, v = inputs(3, D, Dv, positive=True, B=1)
+    _, state = hla3(q[:, :2], k[:, :2], v[:, :2], impl="chunk", normalize=True,
+                    output_final_state=True)
+    out, new = hla3_step(q[:, 2], k[:, 2], v[:, 2], state, impl="triton", normalize=True)
+    want, want_state = hla3_step(q[:, 2], k[:, 2], v[:, 2], state, impl="torch", normalize=True)
+    assert relative_error(out, want) < 1e-10
+    assert new.keys() == want_state.keys()
+    for key in new:
+        assert relative_error(new[key], want_state[key]) < 1e-10, key
+
 def test_plans_and_refusals():
     assert plan_launch(24, 41, torch.bfloat16).block_d == 32
     assert plan_launch(24, 41, torch.bfloat16).block_v == 64
     assert plan_launch(256, 256, torch.bfloat16).block_v == 16
+    assert hla3_plan_launch(300, 131, torch.float64) == HLA3Plan(32, 128, 8)
+    assert hla3_plan_launch(300, 64, torch.float64) == HLA3Plan(64, 64, 8)
     q, k, v = inputs(4, 520, 8)
     assert "above 512" in unsupported_reason(q, k, v)
     for op in (ahla2, hla3):
@@ -121,8 +140,6 @@ def test_plans_and_refusals():
         assert op(*inputs(8, 16, 16), impl="auto")[0].shape == (2, 8, H, 16)  # CPU: PyTorch
     q, k, v = inputs(4, 192, 8)
     assert relative_error(hla3(q, k, v, impl="triton")[0], hla3_naive(q, k, v)) < 1e-10
-    with pytest.raises(ValueError, match="key head dim D=192 above 128"):
-        hla3_step(q[:, 0], k[:, 0], v[:, 0], impl="triton")
     q, k, v = inputs(6, 300, 8)  # above 256: five key blocks of 64
     assert relative_error(ahla2(q, k, v, impl="triton")[0], ahla2_naive(q, k, v)) < 1e-10
     with pytest.raises(ValueError, match="impl='triton' is not available for variant='paper'"):

@@ -9,10 +9,9 @@ differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`
   decode.py   the decode step
   plan.py     what the kernels support; the decode step's HLA3Plan, plan_launch
 
-Supported: any T, head dims up to 512 for the chunked op and key dims up to 128 for the
-decode step (any size, D and Dv independent), normalize, initial and final states, float16,
-bfloat16, float32 and float64 inputs. Not supported: the paper variant (its PyTorch forms
-remain).
+Supported: any T, head dims up to 512 for both forms (any size, D and Dv independent),
+normalize, initial and final states, float16, bfloat16, float32 and float64 inputs. Not
+supported: the paper variant (its PyTorch forms remain).
 """
 
 from mixers.hla.hla3.triton.chunked import hla3_triton_packed

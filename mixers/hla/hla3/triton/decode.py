@@ -1,6 +1,11 @@
 """The causal hla3 decode step: S^K <- S^K + k k^T, P <- P + k v^T, F <- F + (S^K q)(q^T P),
-o = q^T F, one program per (value block, batch x head) over packed states (the first
-program writes S^K back). New states go to buffers of their own."""
+o = q^T F, one program per (value block, batch x head) over packed states. New states go to
+buffers of their own (the first value block's program writes S^K).
+
+A program walks the key dim in blocks of rows, so no tile grows with the head dim: a first
+pass updates its columns of P and forms q^T P and k . q; a second forms each row block of
+S^K q = S^K_old q + k (k . q) over blocks of columns of S^K, then updates those rows of F and
+adds them into the output."""
 
 from __future__ import annotations
 
@@ -8,33 +13,69 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
 from mixers.hla.hla3.triton.plan import HLA3Plan
 
 
 @triton.jit
 def hla3_step_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, H, D, DV, DVP,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                     BD: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
+                     BR: tl.constexpr, NR: tl.constexpr, BV: tl.constexpr,
+                     NORMALIZE: tl.constexpr):
     acc: tl.constexpr = O.dtype.element_ty
-    pid_v, b, h, bh, dk, cols, d_ok, state, state_ok = value_block(H, D, DVP, BD, BV)
-    moment = bh * D * D + dk[:, None] * D + dk[None, :]
-    moment_ok = d_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + dk, mask=d_ok, other=0.0).to(acc)
-    k = tl.load(K + b * stride_kb + h * stride_kh + dk, mask=d_ok, other=0.0).to(acc)
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    q_at = Q + b * stride_qb + h * stride_qh
+    k_at = K + b * stride_kb + h * stride_kh
+    block = tl.arange(0, BR)
+    cols = pid_v * BV + tl.arange(0, BV)
+    col_ok = cols < DVP
     v = tl.load(V + b * stride_vb + h * stride_vh + cols, mask=cols < DV, other=0.0).to(acc)
     if NORMALIZE:
         v = tl.where(cols == DV, 1.0, v).to(acc)
-    S = tl.load(S0 + moment, mask=moment_ok, other=0.0).to(acc) + k[:, None] * k[None, :]
-    P = tl.load(P0 + state, mask=state_ok, other=0.0).to(acc) + k[:, None] * v[None, :]
-    Sq = tl.sum(S * q[None, :], 1)
-    qP = tl.sum(q[:, None] * P, 0)
-    F = tl.load(F0 + state, mask=state_ok, other=0.0).to(acc) + Sq[:, None] * qP[None, :]
-    out = tl.sum(q[:, None] * F, 0)
-    tl.store(O + bh * DVP + cols, out, mask=cols < DVP)
-    tl.store(S1 + moment, S, mask=moment_ok & (pid_v == 0))
-    tl.store(P1 + state, P, mask=state_ok)
-    tl.store(F1 + state, F, mask=state_ok)
+    states = bh.to(tl.int64) * D * DVP
+    moments = bh.to(tl.int64) * D * D
+
+    # pass 1: P <- P + k v^T on this program's columns; q^T P and k . q
+    qP = tl.zeros([BV], dtype=acc)
+    kq = tl.zeros([BR], dtype=acc)
+    for i in range(NR):
+        rows = i * BR + block
+        row_ok = rows < D
+        q = tl.load(q_at + rows, mask=row_ok, other=0.0).to(acc)
+        k = tl.load(k_at + rows, mask=row_ok, other=0.0).to(acc)
+        at = states + rows[:, None] * DVP + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        P = tl.load(P0 + at, mask=ok, other=0.0).to(acc) + k[:, None] * v[None, :]
+        tl.store(P1 + at, P, mask=ok)
+        qP += tl.sum(q[:, None] * P, 0)
+        kq += q * k
+    kq_sum = tl.sum(kq, 0)
+
+    # pass 2: per block of rows, (S^K q) there, then F's rows and their share of the output
+    out = tl.zeros([BV], dtype=acc)
+    for i in range(NR):
+        rows = i * BR + block
+        row_ok = rows < D
+        q = tl.load(q_at + rows, mask=row_ok, other=0.0).to(acc)
+        k = tl.load(k_at + rows, mask=row_ok, other=0.0).to(acc)
+        Sq = k * kq_sum
+        for j in range(NR):
+            inner = j * BR + block
+            inner_ok = inner < D
+            q_inner = tl.load(q_at + inner, mask=inner_ok, other=0.0).to(acc)
+            k_inner = tl.load(k_at + inner, mask=inner_ok, other=0.0).to(acc)
+            at = moments + rows[:, None] * D + inner[None, :]
+            ok = row_ok[:, None] & inner_ok[None, :]
+            S = tl.load(S0 + at, mask=ok, other=0.0).to(acc)
+            Sq += tl.sum(S * q_inner[None, :], 1)
+            tl.store(S1 + at, S + k[:, None] * k_inner[None, :], mask=ok & (pid_v == 0))
+        at = states + rows[:, None] * DVP + cols[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        F = tl.load(F0 + at, mask=ok, other=0.0).to(acc) + Sq[:, None] * qP[None, :]
+        tl.store(F1 + at, F, mask=ok)
+        out += tl.sum(q[:, None] * F, 0)
+    tl.store(O + bh * DVP + cols, out, mask=col_ok)
 
 
 def step(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan):
@@ -50,5 +91,6 @@ def step(q, k, v, S0, P0, F0, normalize: bool, plan: HLA3Plan):
     hla3_step_kernel[grid](
         q, k, v, S0, P0, F0, out, S1, P1, F1, H, D, Dv, width,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        BD=plan.block_d, BV=plan.block_v, NORMALIZE=normalize, num_warps=plan.warps)
+        BR=plan.block_rows, NR=triton.cdiv(D, plan.block_rows), BV=plan.block_v,
+        NORMALIZE=normalize, num_warps=plan.warps)
     return out, S1, P1, F1

@@ -1,9 +1,9 @@
 """What the hla3 Triton forms support and how the decode step launches (a frozen plan; the
 chunked op's plan is mixers/hla/chain/plan.py).
 
-The chunked op takes ahla2's rule (the same dtypes, any head dim up to 256 by power-of-two
-blocks with masked loads). The decode step's programs each carry the d x d moment S^K, so
-it takes key dims up to 128: at 256 (256 KiB in float32) S^K exceeds an SM's shared memory."""
+Both forms take ahla2's rule: the same dtypes, and head dims up to 512 by power-of-two blocks
+with masked loads. The decode step's programs walk the key dim in blocks of rows and columns
+(mixers/hla/hla3/triton/decode.py), so no tile grows with the head dim."""
 
 from __future__ import annotations
 
@@ -16,25 +16,26 @@ from mixers.hla.ahla2.triton.plan import block
 
 __all__ = ["HLA3Plan", "plan_launch", "unsupported_reason", "step_unsupported_reason"]
 
-MAX_STEP_KEY_DIM = 128
-
 
 @dataclass(frozen=True)
 class HLA3Plan:
-    """One decode step's launch: the padded key dim, the value columns each program carries
-    (the d x d moment S^K is carried whole by every program) and warps."""
+    """One decode step's launch: the rows (and columns of S^K) a program takes at a time,
+    the value columns it carries (the packed width is split over programs: each column's
+    P and F are independent, while every program reads all of S^K) and warps."""
 
-    block_d: int
+    block_rows: int
     block_v: int
     warps: int
 
 
 def plan_launch(D: int, packed_width: int, dtype: torch.dtype) -> HLA3Plan:
-    """Value blocks of 64, 32 or 16 columns and 4 or 8 warps as the key dim grows (a
-    program carries S^K, d x d, beside P and F)."""
-    block_d = block(D)
-    block_v = min(block(packed_width), 64 if block_d <= 16 else 32 if block_d <= 32 else 16)
-    return HLA3Plan(block_d=block_d, block_v=block_v, warps=4 if block_d <= 32 else 8)
+    """Up to 128 value columns a program (each reads all of S^K, so fewer programs read it
+    fewer times) and as many rows as keep a tile of P or F within 4,096 values (64 rows at
+    most); 4 warps up to 32 rows of 32 columns, else 8."""
+    block_v = min(block(packed_width), 128)
+    block_rows = min(block(D), 64, max(16, 4096 // block_v))
+    return HLA3Plan(block_rows=block_rows, block_v=block_v,
+                    warps=4 if block_rows * block_v <= 1024 else 8)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -43,9 +44,5 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
 
 
 def step_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the decode step cannot run these inputs, or None."""
-    reason = ahla2_plan.unsupported_reason(q, k, v)
-    if reason is None and q.shape[-1] > MAX_STEP_KEY_DIM:
-        return (f"key head dim D={q.shape[-1]} above {MAX_STEP_KEY_DIM} (the d x d moment S^K "
-                "of a decode program would not fit an SM)")
-    return reason
+    """Why the decode step cannot run these inputs, or None (the chunked op's rule)."""
+    return ahla2_plan.unsupported_reason(q, k, v)
