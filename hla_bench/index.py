@@ -4,8 +4,9 @@ Each `*.yaml` below DIR is read as a results file (`store.load_results`, then th
 own schema) and listed with what the file itself records: its kind, the name of its config
 (and, for bench files, the sweeps it ran), the GPU or CPU it ran on, its date, the git
 commit of the tree that ran it, whether its plan ran to the end, and how many records it
-holds. A YAML file that is not a readable results file is listed apart with the reason.
-Every other file (plots) is listed by name.
+holds. A results file that cannot be read (cut short, invalid) is listed apart with the
+reason; other YAML files (benchmark and verify outputs) apart with what their top level
+records; every other file (plots) by name.
 
 The index starts with GENERATED_LINE. An existing DIR/README.md that does not is never
 replaced: it was written by hand.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from hla_bench import recall_report, store
 from hla_bench import results as results_io
@@ -103,6 +106,25 @@ def read_entry(path: Path) -> dict[str, str]:
             "records": _records(data)}
 
 
+def output_summary(path: Path) -> str:
+    """What a YAML file that is not a results file records at its top level: its scalar
+    fields as `key value` and its lists as their lengths, in the file's order."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        return f"not readable YAML ({type(error).__name__})"
+    if not isinstance(data, dict):
+        return f"a YAML {type(data).__name__}"
+    parts = []
+    for key, value in data.items():
+        if isinstance(value, list):
+            parts.append(f"{key}: {len(value)}")
+        elif isinstance(value, (str, int, float, bool)) or value is None:
+            text = str(value)
+            parts.append(f"{key} {text if len(text) <= 80 else text[:77] + '...'}")
+    return ", ".join(parts) or "a mapping of mappings"
+
+
 COLUMNS = {"kind": "kind", "config": "config", "device": "device", "date": "date",
            "commit": "git commit", "complete": "complete", "records": "records"}
 
@@ -113,11 +135,14 @@ def index_markdown(folder: str | Path) -> tuple[str, int]:
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != INDEX_NAME
                    and not p.name.startswith("."))
-    rows, unreadable, others = [], [], []
+    rows, unreadable, outputs, others = [], [], [], []
     for path in files:
         link = path.relative_to(folder).as_posix()
         if path.suffix not in (".yaml", ".yml"):
             others.append(link)
+            continue
+        if store.file_kind(path) is None:
+            outputs.append((link, output_summary(path)))
             continue
         try:
             rows.append((link, read_entry(path)))
@@ -133,8 +158,12 @@ def index_markdown(folder: str | Path) -> tuple[str, int]:
         cells = [f"[{link}]({link})", *(entry[key] for key in COLUMNS)]
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     if unreadable:
-        lines += ["", "YAML files that are not readable results files:", ""]
+        lines += ["", "Results files that cannot be read:", ""]
         lines += [f"- [{link}]({link}): {_cell(reason)}" for link, reason in unreadable]
+    if outputs:
+        lines += ["", "Other YAML files (outputs of `benchmarks/` and `hla-bench verify`), with "
+                  "what their top level records:", ""]
+        lines += [f"- [{link}]({link}): {_cell(summary)}" for link, summary in outputs]
     if others:
         lines += ["", "Other files:", ""]
         lines += [f"- [{link}]({link})" for link in others]

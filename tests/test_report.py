@@ -258,7 +258,9 @@ def test_index_lists_each_file_from_its_own_record(tmp_path):
     (tmp_path / "cpu").mkdir()
     results.save(data, tmp_path / "cpu" / "smoke.yaml")
     store.atomic_write_text(tmp_path / "zoo.yaml", store.dump_results(_recall_doc(False)))
-    (tmp_path / "notes.yaml").write_text("a: 1\n")
+    (tmp_path / "notes.yaml").write_text("command: --x 1\nrows: [1, 2]\nnested: {a: 1}\n")
+    cut = store.dump_results(_recall_doc(False))
+    (tmp_path / "cut.yaml").write_text(cut[:len(cut) // 2])
     (tmp_path / "plot.png").write_bytes(b"png")
     result = CliRunner().invoke(report.report, ["--index", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -271,7 +273,10 @@ def test_index_lists_each_file_from_its_own_record(tmp_path):
         "2026-11-30 | ffffffffffff+dirty | yes | 2 points, 1 ok |",
         "| [zoo.yaml](zoo.yaml) | recall | zoo | NVIDIA H200 | 2026-12-03 | abc1234 | no | "
         "2 runs, 1 ok |"]
-    assert "- [notes.yaml](notes.yaml): kind: missing field" in text
+    assert "- [notes.yaml](notes.yaml): command --x 1, rows: 2\n" in text
+    cannot, other = text.split("Results files that cannot be read:")[1].split("Other YAML")
+    assert "- [cut.yaml](cut.yaml): " in cannot and "notes.yaml" not in cannot
+    assert "notes.yaml" in other and "cut.yaml" not in other
     assert "- [plot.png](plot.png)" in text
     again = CliRunner().invoke(report.report, ["--index", str(tmp_path)])
     assert again.exit_code == 0 and (tmp_path / "README.md").read_text() == text
