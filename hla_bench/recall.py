@@ -209,8 +209,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               help="Replay each training step as a CUDA graph (default on CUDA).")
 @click.option("--compile/--no-compile", "compile", default=None,
               help="Compile each group's stacked forward and backward with torch.compile "
-                   "(fused elementwise kernels; each stack size compiles once, tens of "
-                   "seconds). Default off.")
+                   "(fused elementwise kernels; a group compiles at most three times, tens of "
+                   "seconds each). Default off.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results YAML here.")
 @click.option("--resume", is_flag=True, help="Continue the --out file: keep its runs, run "
               "the missing ones (a group cut at --time-limit continues from its checkpoint).")

@@ -1,11 +1,11 @@
 """`hla-bench verify`: the HLA identity checks on random data.
 
-Every form of every HLA mixer (hla2 masked and unmasked, ahla2, hla3 causal and paper; Triton
-where the device has it) and the state paths (a run split through `initial_state`, a prefill
+Every form of every HLA mixer (hla2 masked and unmasked, ahla2, hla3 causal and paper), of
+linear attention and of Based (Triton where the device has it) and the state paths (a run split through `initial_state`, a prefill
 followed by decoder steps) are compared with the mixer's float64 reference (its operator's
 naive.py: the explicit finite sums), computed on the CPU from the same dtype-rounded inputs.
 A second table shows, as data, how far the paper's own formulas are from the corrected
-operators (spec §1.1 and §3). Every operator is reached through the registry: its op, its
+operators (docs/discrepancies.md). Every operator is reached through the registry: its op, its
 decoder and its reference.
 
 Exit code 0 when every pair that should agree does, 1 otherwise; 2 for usage errors (no

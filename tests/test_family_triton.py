@@ -63,7 +63,7 @@ def test_two_calls_chained_by_the_state_equal_one(name):
 @pytest.mark.parametrize("name, D", [(name, 20) for name in OPS] + [("hla3", 80)])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_gradients_match_the_chunk_form(name, D, normalize):
-    """Through the backward kernels; hla3 above key dim 64 through its recomputed backward."""
+    """Through the backward kernels, at a key dim of one block (20) and of two (hla3 at 80)."""
     op, _, _, options = OPS[name]
     q, k, v = inputs(29, D, 24, positive=normalize)
     _, start = op(*inputs(5, D, 24, positive=normalize, seed=1), normalize=normalize,

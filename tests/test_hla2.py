@@ -63,7 +63,7 @@ def test_every_impl_matches_explicit_sums(masked, normalize, ridge, decay, decay
 
 
 def test_explicit_sums_match_the_matrix_form_of_the_masked_decay():
-    """Against matrix forms of spec §1 (A = QK^T, L the causal mask, L_g[t, s] = g^(t-s)):
+    """Against matrix forms of the definition (A = QK^T, L the causal mask, L_g[t, s] = g^(t-s)):
     masked with decay weights g^((t-i)+(t-j)) on i <= j <= t is ((L_g*A)(L*A)^T * L_g) V."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64) for _ in "qkv")

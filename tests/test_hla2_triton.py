@@ -1,4 +1,4 @@
-"""Triton hla2 kernels vs hla2's float64 explicit sums (spec §1, mixers/hla/hla2/naive.py).
+"""Triton hla2 kernels vs hla2's float64 explicit sums (mixers/hla/hla2/naive.py).
 
 On CPU the kernels run in the Triton interpreter (tests/conftest.py) and the half-precision
 test uses fp16 (the interpreter mishandles bf16 memory); on CUDA they run natively, in bf16,

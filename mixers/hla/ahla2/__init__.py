@@ -1,4 +1,4 @@
-"""Asymmetric second-order HLA, AHLA (paper §6; spec §2).
+"""Asymmetric second-order HLA, AHLA (paper §6).
 
     o_t = sum_{j <= i <= t} g^(t - j) (q_t . k_i) (q_i . k_j) v_j
         = [((L_g * Q K^T) (L_g * Q K^T)) V]_t,   L_g[t, s] = g^(t - s) for s <= t

@@ -1,5 +1,5 @@
 """Causal linear attention with a per-head decay, in Triton: the one primitive the Triton
-forms of ahla2 and causal hla3 are built from (spec §2 and §3).
+forms of ahla2 and causal hla3 are built from (paper §6 and §7).
 
     la(q, k, v; S0, g)_t = q_t^T S_t,   S_t = g S_{t-1} + k_t v_t^T,   S_{-1} = S0
 

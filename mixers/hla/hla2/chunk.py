@@ -1,4 +1,4 @@
-"""hla2 in chunk-parallel matmul form (spec §4), for every option.
+"""hla2 in chunk-parallel matmul form (docs/kernels.md), for every option.
 
 Split the sequence into chunks of L tokens (local positions r, s, u = 1..L) with carried
 states at the chunk start, P = Q K^T, lower = [r >= s], Gam[r, s] = g^(r-s) [r >= s],

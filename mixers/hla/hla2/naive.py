@@ -1,4 +1,4 @@
-"""hla2 as explicit finite sums (spec §1, §1.1), computed in float64: the ground truth every
+"""hla2 as explicit finite sums (paper §3 and §4.3, masked; docs/discrepancies.md), computed in float64: the ground truth every
 other form (serial, scan, chunk, Triton) must reproduce, outputs and final states alike.
 
 With w(t, i, j) = (q_t . k_i)(q_j . k_i) and per-head decay g (1 without decay), from a

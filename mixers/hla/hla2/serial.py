@@ -1,4 +1,4 @@
-"""hla2 as a token-by-token recurrence (paper §3.1, §4.3; spec §1 "equivalent state").
+"""hla2 as a token-by-token recurrence (paper §3.1, §4.3: the "equivalent state").
 
 Per token, with decay g (1 when None):
 * masked:   S = g S + k k^T, A = g^2 A + (S q) v^T, o = q^T A            (+ ridge q^T C)

@@ -1,4 +1,4 @@
-"""Third-order HLA (paper §7; spec §3), two operators under distinct names.
+"""Third-order HLA (paper §7; docs/discrepancies.md), two operators under distinct names.
 
 variant="causal": the causal restriction of (W W^T W) V, W = L * Q K^T,
 

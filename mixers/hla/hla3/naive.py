@@ -12,7 +12,7 @@ def hla3_naive(q, k, v, *, variant="causal", normalize=False, eps=1e-6):
 
     causal: region_t = {u <= t, i <= u, j <= u};
     paper:  region_t = {(i, u, j) in [1..t]^3 whose maximum is attained at least twice}
-            (what the paper's Alg. 3 computes, spec §3).
+            (what the paper's Alg. 3 computes; docs/discrepancies.md).
     Normalized: divided by the same sum with v_j = 1, plus eps.
     """
     q, k, v = (x.double() for x in (q, k, v))

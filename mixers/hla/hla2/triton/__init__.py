@@ -1,7 +1,7 @@
-"""Fused Triton forms of masked hla2 (spec §4): a differentiable chunked op, hla2_triton, and
-a decode step, hla2_step_triton. Each checks that the kernels support its inputs and runs;
-mixers.hla.hla2 (hla2, hla2_step with impl="triton") validates a call once and runs the
-unchecked internals.
+"""Fused Triton forms of masked hla2 (its chunk form): a differentiable chunked op,
+hla2_triton, and a decode step, hla2_step_triton. Each checks that the kernels support its
+inputs and runs; mixers.hla.hla2 (hla2, hla2_step with impl="triton") validates a call once
+and runs the unchecked internals.
 
 One module per stage, each with its @triton.jit kernels and the host function that launches
 them; every launcher takes the call's LaunchPlan (plan.py), computed once per call from its

@@ -2,7 +2,8 @@
 helpers every kernel calls, the autotuning of the per-chunk kernels, and the host helpers of
 the launchers.
 
-Masked hla2 (spec §4) with optional per-head decay g ("masked" form, spec §1.1 corrected):
+Masked hla2 in chunk form with optional per-head decay g (the "masked" decay form,
+docs/discrepancies.md):
 S_t = g S_{t-1} + k k^T, A_t = g^2 A_{t-1} + (S_t q_t) v_t^T, o_t = q_t^T A_t. Per chunk of
 n <= C real tokens with carried state (S0, A0), local Q, K, V, local position s = 0..C-1 and
     b_s = g^(s+1),  e_s = g^(n-1-s) (0 past n),  Dm_ts = g^(t-s) (t >= s, else 0),

@@ -1,4 +1,4 @@
-"""decay_form="paper" (spec §4.3 recurrence): its own, simpler kernels and their launchers.
+"""decay_form="paper" (the paper's §4.3 recurrence): its own, simpler kernels and their launchers.
 
 S_t = g S + k k^T, C_t = g C + q v^T, G_t = g G + k k^T C_{t-1}, o_t = q^T (S_t C_t - G_t).
 Per chunk of n <= C real tokens with carried (S0, C0, G0), local positions s = 0..C-1,
