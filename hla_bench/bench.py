@@ -173,14 +173,14 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
                 time_ms = f"{r['median_ms']:.3f} ms" if r.get("median_ms") is not None else ""
                 errors.print(f"[{len(store)}] {r['sweep']} {r['mixer']} {r['mode']} "
                              f"T={r['seq_len']} {r['status']} {time_ms} {r.get('reason') or ''}",
-                             highlight=False, soft_wrap=True)
+                             markup=False, highlight=False, soft_wrap=True)
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=errors, transient=True) as progress:
             task = progress.add_task("sweep", total=None)
 
             def on_point(index: int, total: int, point) -> None:
-                progress.update(task, completed=index, total=total, description=point.describe())
+                progress.update(task, completed=index, total=total, description=escape(point.describe()))
 
             if executor == "dask":
                 from hla_bench.dask_executor import run_sweeps_dask

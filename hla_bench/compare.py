@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+from rich.markup import escape
 from rich.table import Table
 
 from hla_bench.engine.config import format_seq_len
@@ -357,14 +358,14 @@ def caption(result: dict[str, Any]) -> str:
 def comparison_table(result: dict[str, Any], old_name: str, new_name: str) -> Table:
     """The comparison as a rich table: a row per matched point, slower in red, faster in
     green; identifiers never wrap."""
-    table = Table(title=f"{old_name} -> {new_name}", caption=caption(result))
+    table = Table(title=escape(f"{old_name} -> {new_name}"), caption=escape(caption(result)))
     for name in COLUMNS:
         numeric = name in ("T", "old ms", "new ms", "ratio", "CI", "p", "memory")
         table.add_column(name, justify="right" if numeric else "left",
                          no_wrap=name in ("sweep", "mixer", "T", "ratio", "CI"),
                          overflow="fold")
     for row in result["rows"]:
-        table.add_row(*_cells(row), style=_style(row))
+        table.add_row(*(escape(cell) for cell in _cells(row)), style=_style(row))
     return table
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import configs
@@ -211,7 +212,7 @@ def setting_table(setting: str, by_mixer: dict) -> Table:
     cells = [cell for _, _, cell in _rows(by_mixer)]
     notes, grid = _table_notes(cells)
     rule = _test_rule(cells)
-    table = Table(title=setting, box=box.SIMPLE_HEAD, pad_edge=False,
+    table = Table(title=escape(setting), box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="test accuracy, mean ±std over n seeds, of the (lr, wd) chosen on "
                   "validation (val), and the mean of the test-picked one (test); d: d_model; "
                   "state: recurrent state per sequence; ctx: share of answers that are a "
@@ -232,7 +233,7 @@ def setting_table(setting: str, by_mixer: dict) -> Table:
                          no_wrap=index == 0, overflow="fold")
     for row, cell in rows:
         score = cell["score"]["mean"] if cell["score"] else None
-        row = [f"[{accuracy_style(score)}]{text}[/]" if index == 3 else text
+        row = [f"[{accuracy_style(score)}]{escape(text)}[/]" if index == 3 else escape(text)
                for index, text in enumerate(row)]
         table.add_row(*(row[index] for index in shown))
     return table
@@ -350,7 +351,7 @@ def mad_table(scores: dict, reference: dict | None) -> Table:
         table.add_column(header, justify="left" if index == 0 else "right",
                          no_wrap=index == 0, overflow="fold")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(escape(str(cell)) for cell in row))
     return table
 
 

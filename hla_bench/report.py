@@ -151,11 +151,12 @@ def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
     its values wrap between words."""
     every, rows = bench_cells(points, metric, baseline)
     shown = [every.index(label) for label in (labels or every)]
-    table = Table(title=title, caption=_caption(points, metric, every, baseline, "; "))
+    # labels, sweep names and reasons are the user's text: shown as written, never as markup
+    table = Table(title=escape(title), caption=escape(_caption(points, metric, every, baseline, "; ")))
     table.add_column("T", justify="right", no_wrap=True)
     table.add_column("batch", justify="right", no_wrap=True)
     for index in shown:
-        table.add_column(every[index], justify="right", overflow="fold",
+        table.add_column(escape(every[index]), justify="right", overflow="fold",
                          min_width=len(every[index]))
     for seq_len, batch, cells in rows:
         texts = ["" if cell is None else f"[dim]{cell}[/dim]" if isinstance(cell, str)

@@ -219,6 +219,20 @@ def test_ctrl_c_keeps_the_measured_points_says_how_to_resume_and_exits_130(
     assert resumed.exit_code == 0, resumed.output
     assert results.load(out)["complete"] is True and len(results.load(out)["points"]) == 4
 
+
+def test_labels_that_look_like_markup_are_shown_as_written(runner, fake_mixers, tmp_path):
+    out = tmp_path / "m.yaml"
+    result = runner.invoke(main, ["bench", "--mixers", "fake-fast:label=[red]x[/red],"
+                                  "fake-fast:scale=2:label=[/]", "--seq-lens", "16",
+                                  "--modes", "fwd", "--batch", "1", "--heads", "2",
+                                  "--head-dim", "8", "--device", "cpu", "--warmup", "0",
+                                  "--repeats", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for args in ([str(out)], [str(out), str(out), "--compare"]):
+        shown = runner.invoke(main, ["report", *args])
+        assert shown.exit_code == 0, shown.output
+        assert "[red]x[/red]" in shown.output and "[/]" in shown.output
+
 def test_resume_needs_out(runner, fake_mixers):
     result = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--device", "cpu", "--resume"])
     assert result.exit_code == 2 and "--resume needs --out" in result.output
