@@ -23,7 +23,8 @@ from rich.table import Table
 
 from hla_bench import configs, registry
 from hla_bench import results as results_io
-from hla_bench.engine.config import (SweepConfig, default_text, is_required, load_config,
+from hla_bench.engine.config import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
+                                     is_required, load_config,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
 from hla_bench.engine.records import point_key
@@ -261,8 +262,9 @@ def _setting_option(each) -> Callable:
     as comma-separated text and parsed by the config, so one parser serves both."""
     kind, default = each.metadata["kind"], default_text(each)
     flag = "--" + each.name.replace("_", "-")
-    types = {"count": click.IntRange(min=1), "count0": click.IntRange(min=0),
-             "seconds": click.FloatRange(min=0, min_open=True)}
+    types = {"count": click.IntRange(min=1, max=MAX_COUNT),
+             "count0": click.IntRange(min=0, max=MAX_COUNT),
+             "seconds": click.FloatRange(min=0, max=MAX_SECONDS, min_open=True)}
     if kind == "flag":
         return click.option(flag, is_flag=True, default=each.default, help=each.metadata["help"])
     return click.option(flag, type=types.get(kind, str), required=is_required(each),

@@ -8,6 +8,7 @@ group ends, so a killed or cut sweep keeps them and `--resume` goes on from ther
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -251,8 +252,9 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
             config = validate_config(config, config_file or "options")
         if plots_dir is not None and not dry_run and plots_dir_problem(plots_dir):
             raise ConfigError(plots_dir_problem(plots_dir))
-        if time_limit is not None and time_limit <= 0:
-            raise ConfigError("--time-limit must be > 0 seconds")
+        if time_limit is not None and not 0 < time_limit < math.inf:
+            raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got "
+                              f"{time_limit}")
         if scheduler and executor != "dask":
             raise ConfigError("--scheduler needs --executor dask")
         if executor == "dask":

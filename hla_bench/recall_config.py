@@ -28,10 +28,14 @@ from tasks.train import METRICS, SCHEDULES, RunSpec
 
 # --- the schema --------------------------------------------------------------------------
 
+MAX_INT = 2**31 - 1  # beyond int32 a count, width or seed is a typo
+
+
 def _int(minimum: int) -> Callable[[Any], str | None]:
     def check(value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            return f"an int >= {minimum}"
+        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                or value > MAX_INT):
+            return f"an int from {minimum} to {MAX_INT}"
         return None
     return check
 
@@ -41,6 +45,8 @@ def _number(low: float, high: float | None = None, *, open_low: bool = False,
     def check(value):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return "a number"
+        if not math.isfinite(value):
+            return "a finite number"
         if (value <= low if open_low else value < low) or (
                 high is not None and (value >= high if open_high else value > high)):
             left, right = "(" if open_low else "[", ")" if open_high else "]"
@@ -281,8 +287,8 @@ def check_mixer_options(config: dict, device: str) -> None:
 
 
 def check_layers(specs: list[dict]) -> None:
-    """Every (mixer, d_model, n_heads, options) the plan trains builds its layer, or the
-    layer's ValueError or TypeError (say d_model 64 in 3 heads, or a head dim its kernel
+    """Every (mixer, d_model, n_heads, options) the plan trains builds its layer (on the meta
+    device), or the layer's ValueError or TypeError (say d_model 64 in 3 heads, or a head dim its kernel
     refuses) is a ConfigError before any run. Mixers that cannot run here are skipped: the
     sweep records them as unavailable."""
     seen = set()
@@ -296,7 +302,8 @@ def check_layers(specs: list[dict]) -> None:
         if entry.unavailable_reason(options):
             continue
         try:
-            entry.layer(spec["d_model"], spec["n_heads"], **options)
+            with torch.device("meta"):  # shapes and checks only: no memory, any width
+                entry.layer(spec["d_model"], spec["n_heads"], **options)
         except (ValueError, TypeError) as error:
             raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
                               f"{spec['n_heads']} head(s): {error}") from None

@@ -533,7 +533,7 @@ def test_decoder_options_are_checked_when_the_sweep_decodes(runner, picky_mixers
 @pytest.mark.parametrize("line, message", [
     ("seq_lens: 64", "seq_lens must be a list (or a comma-separated string), got 64"),
     ("modes: 5", "modes must be a list (or a comma-separated string), got 5"),
-    ("repeats: true", "repeats must be a positive integer, got True"),
+    ("repeats: true", "repeats must be an integer from 1 to 2147483647, got True"),
     ("device: 5", "device must be a string, got 5"),
 ])
 def test_config_values_of_the_wrong_type_are_usage_errors(runner, fake_mixers, tmp_path,

@@ -380,10 +380,10 @@ def test_recall_file_validation():
     ({"train": {"epoch": 1}}, "unknown key epoch"),
     ({"lrs": 0.01}, "lrs must be a non-empty list"),
     ({"lrs": [-1.0]}, "lrs must be a list of a number in"),
-    ({"d_model": [0]}, "d_model must be a list of an int >= 1"),
-    ({"train": {"epochs": 0}}, "epochs must be an int >= 1"),
-    ({"train": {"batch_size": 0}}, "batch_size must be an int >= 1"),
-    ({"workers": -3}, "workers must be an int >= 1"),
+    ({"d_model": [0]}, "d_model must be a list of an int from 1 to 2147483647"),
+    ({"train": {"epochs": 0}}, "epochs must be an int from 1 to 2147483647"),
+    ({"train": {"batch_size": 0}}, "batch_size must be an int from 1 to 2147483647"),
+    ({"workers": -3}, "workers must be an int from 1 to 2147483647"),
     ({"seeds": [0, 0]}, "without duplicates"),
     ({"model": {"state_mixer": "moe"}}, "state_mixer must be one of"),
     ({"train": {"schedule": "linear"}}, "schedule must be one of"),
@@ -398,7 +398,7 @@ def test_recall_file_validation():
     ({"train": {"metric": "macro"}}, "metric must be one of micro, mad-macro"),
     ({"model": {"norm": "batch"}}, "norm must be one of layer, rms"),
     ({"model": {"head": "shared"}}, "head must be one of tied, untied"),
-    ({"model": {"swiglu_hidden": 0}}, "swiglu_hidden must be an int >= 1"),
+    ({"model": {"swiglu_hidden": 0}}, "swiglu_hidden must be an int from 1 to 2147483647"),
     ({"model": {"decoder": "mad"}}, "decoder must be one of default, mad-lab"),
     ({"mixer_model": {"hla2x": {}}}, "mixer_model names mixers not in"),
     ({"mixers": ["hla2"], "mixer_model": {"hla2": {"layers": 4}}}, "mixer_model.hla2: unknown key"),
@@ -634,10 +634,16 @@ def test_progress_into_a_pipe_is_whole_lines(tmp_path):
 
 @pytest.mark.parametrize("option,value,message", [
     ("--lrs", "-1", "lrs must be a list of a number"), ("--d-model", "0", "d_model must be"),
-    ("--epochs", "0", "epochs must be an int >= 1"), ("--batch-size", "0", "batch_size must be"),
-    ("--workers", "-3", "workers must be an int >= 1"), ("--lrs", "1e-3,,3e-3", "empty item"),
+    ("--epochs", "0", "epochs must be an int from 1 to 2147483647"), ("--batch-size", "0", "batch_size must be"),
+    ("--workers", "-3", "workers must be an int from 1 to 2147483647"), ("--lrs", "1e-3,,3e-3", "empty item"),
     ("--mixers", "no-such-mixer", "unknown mixer 'no-such-mixer'"),
     ("--seq-len", "15", "seq_len must be an even"), ("--time-limit", "-1", "--time-limit must be"),
+    ("--lrs", "nan", "lrs must be a list of a finite number"),
+    ("--lrs", "inf", "lrs must be a list of a finite number"),
+    ("--weight-decays", "nan", "weight_decays must be a list of a finite number"),
+    ("--time-limit", "nan", "--time-limit must be"), ("--time-limit", "inf", "--time-limit must be"),
+    ("--seeds", "99999999999999999999", "seeds must be a list of an int from 0"),
+    ("--d-model", "99999999999999999999", "d_model must be a list of an int from 1"),
 ])
 def test_recall_cli_rejects_bad_input_before_any_run(tmp_path, option, value, message):
     bad = CliRunner().invoke(main, recall_args(tmp_path, option, value))

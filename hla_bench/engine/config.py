@@ -40,6 +40,10 @@ DTYPES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "fp64": "float64", "float64": "float64", "double": "float64",
 }
+# Bounds of the scalar kinds: a count beyond int32 or a time budget beyond a day is a typo,
+# not a measurement (and inf would never end).
+MAX_COUNT = 2**31 - 1
+MAX_SECONDS = 86400.0
 KINDS = ("mixers", "seq_lens", "modes", "count", "count0", "seconds", "flag", "text", "label")
 _SEQ_LEN = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 # Registry options only a mixer's layer reads (the recall command's models): the op and
@@ -67,8 +71,8 @@ def parse_seq_len(text: str | int) -> int:
             raise ValueError(f"bad sequence length {text!r}: expected an integer, "
                              "optionally with a k (x1024) or m (x1048576) suffix")
         value = int(match.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[match.group(2).lower()]
-    if value <= 0:
-        raise ValueError(f"sequence length must be positive, got {text!r}")
+    if not 0 < value <= MAX_COUNT:
+        raise ValueError(f"sequence length must be from 1 to {MAX_COUNT}, got {text!r}")
     return value
 
 
@@ -424,13 +428,13 @@ def _kind_problem(kind: str, value: Any, nullable: bool) -> str | None:
     kinds are parsed, and so checked, by __post_init__)."""
     if value is None and nullable:
         return None
-    if kind == "count" and not (_is_int(value) and value > 0):
-        return "a positive integer"
-    if kind == "count0" and not (_is_int(value) and value >= 0):
-        return "a non-negative integer"
+    if kind == "count" and not (_is_int(value) and 0 < value <= MAX_COUNT):
+        return f"an integer from 1 to {MAX_COUNT}"
+    if kind == "count0" and not (_is_int(value) and 0 <= value <= MAX_COUNT):
+        return f"an integer from 0 to {MAX_COUNT}"
     if kind == "seconds" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not value > 0):
-        return "a positive number of seconds"
+                              or not 0 < value <= MAX_SECONDS):
+        return f"a number of seconds above 0, at most {MAX_SECONDS:g}"
     if kind == "flag" and not isinstance(value, bool):
         return "true or false"
     if kind in ("text", "label") and not isinstance(value, str):
