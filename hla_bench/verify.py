@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import click
@@ -26,7 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import registry
-from hla_bench.store import StoreError, atomic_write_text, check_writable
+from hla_bench.store import StoreError, atomic_write_text, check_writable, file_kind
 from hla_bench.tables import pack, print_table
 from mixers.reference import relative_error
 
@@ -290,18 +291,26 @@ def render(result: dict, console: Console) -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", "dtype_name", type=click.Choice(list(DTYPES)), default="float64",
               show_default=True, help="Input dtype of the checked forms.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=2), default=32, show_default=True,
               help="Tokens per check (the references are O(T^3) to O(T^4) sums).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--yaml", "yaml_path", type=click.Path(dir_okay=False),
-              help="Also write the results to this YAML file.")
+              help="Also write the results to this YAML file (a new one; see --overwrite).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing --yaml file (never a bench or recall results file).")
 def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
-           yaml_path: str | None) -> None:
+           yaml_path: str | None, overwrite: bool) -> None:
     """Check every HLA form against the explicit float64 sums; exit 1 on any disagreement."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device here", param_hint="--device")
     if yaml_path:
+        if file_kind(yaml_path) is not None:
+            raise click.BadParameter(f"{yaml_path} is a {file_kind(yaml_path)} results file; "
+                                     "refusing to replace it", param_hint="--yaml")
+        if Path(yaml_path).exists() and not overwrite:
+            raise click.BadParameter(f"{yaml_path} exists; give --overwrite to replace it",
+                                     param_hint="--yaml")
         try:  # before the checks run, not after
             check_writable(yaml_path)
         except StoreError as error:

@@ -88,3 +88,27 @@ def test_an_unwritable_yaml_path_is_a_usage_error_before_the_checks(tmp_path, mo
     result = CliRunner().invoke(main, [*FAST, "--yaml", str(blocker / "sub" / "v.yaml")])
     assert result.exit_code == 2 and "cannot write in" in result.output
     assert "Traceback" not in result.output
+
+
+def test_an_existing_yaml_file_is_replaced_only_with_overwrite_and_never_a_results_file(
+        tmp_path, monkeypatch):
+    import hla_bench.verify as verify
+    from hla_bench import store
+
+    monkeypatch.setattr(verify, "run_all", lambda **kw: {"passed": True, "checks": []})
+    monkeypatch.setattr(verify, "render", lambda result, console: None)
+    path = tmp_path / "v.yaml"
+    path.write_text("earlier: output\n")
+    refused = CliRunner().invoke(main, [*FAST, "--yaml", str(path)])
+    assert refused.exit_code == 2 and "give --overwrite" in refused.output
+    assert path.read_text() == "earlier: output\n"
+    replaced = CliRunner().invoke(main, [*FAST, "--yaml", str(path), "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert yaml.safe_load(path.read_text()) == {"passed": True, "checks": []}
+    results = tmp_path / "r.yaml"
+    store.atomic_write_text(results, "kind: bench\nschema_version: 2\n")
+    kept = CliRunner().invoke(main, [*FAST, "--yaml", str(results), "--overwrite"])
+    assert kept.exit_code == 2 and "is a bench results file" in kept.output
+    assert results.read_text() == "kind: bench\nschema_version: 2\n"
+    seed = CliRunner().invoke(main, [*FAST, "--seed", "99999999999999999999"])
+    assert seed.exit_code == 2 and "--seed" in seed.output
