@@ -201,7 +201,13 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
         if unknown:
             raise ConfigError(f"{at}: unknown key {', '.join(unknown)} "
                               f"(accepted: {', '.join(accepted)})")
-        entry = {"task": setting["task"], "params": dict(setting.get("params") or {})}
+        if not isinstance(setting["task"], str) or not setting["task"]:
+            raise ConfigError(f"{at}.task must be a task name, got {setting['task']!r}")
+        params = setting.get("params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{at}.params must be a mapping of task parameters, got "
+                              f"{params!r}")
+        entry = {"task": setting["task"], "params": dict(params)}
         if "name" in setting:
             problem = _str(setting["name"])
             if problem:
@@ -224,6 +230,9 @@ def _check_plan(config: dict, where: str) -> None:
             task.make("test", 1, 0, **setting["params"])
         except ValueError as error:
             raise ConfigError(f"{where}.settings[{index}]: {error}") from None
+        except TypeError as error:
+            raise ConfigError(f"{where}.settings[{index}]: a task parameter of the wrong type "
+                              f"({error}); params: {setting['params']}") from None
         label = setting_label(task.name, setting["params"], setting.get("train"),
                               setting.get("model"), setting.get("name"))
         if label in labels:
@@ -318,9 +327,12 @@ def load_config(path: str | None, overrides: dict) -> dict:
     loaded: dict = {}
     if path:
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as error:
             raise ConfigError(f"{path}: not valid YAML ({error})") from None
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte "
+                              f"{error.start})") from None
     where = path or "options"
     if not isinstance(loaded, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values")

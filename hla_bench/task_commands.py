@@ -4,13 +4,13 @@ decoded with each token colored by its role."""
 from __future__ import annotations
 
 import click
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 import tasks
+from hla_bench.engine.config import parse_value
 from hla_bench.tables import print_table
 
 ROLE_STYLES = {"key": "bold cyan", "value": "bold green", "query": "bold magenta",
@@ -25,7 +25,13 @@ def parse_params(ctx, param, values) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        params[key.replace("-", "_")] = yaml.safe_load(value)
+        key = key.replace("-", "_")
+        if key in params:
+            raise click.BadParameter(f"{key} is given twice")
+        try:
+            params[key] = parse_value(value, key)
+        except ValueError as error:
+            raise click.BadParameter(str(error)) from None
     return params
 
 

@@ -702,6 +702,33 @@ def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_pat
     assert resumed.exit_code == 0 and "resuming: 2 finished run(s) kept" in resumed.output
     assert sorted(r["d_model"] for r in yaml.safe_load(out.read_text())["runs"]) == [16, 16, 32, 32]
 
+
+@pytest.mark.parametrize("text, message", [
+    ("settings: [{task: mqar, params: 5}]", "params must be a mapping of task parameters"),
+    ("settings: [{task: 5}]", "task must be a task name, got 5"),
+    ("settings: [{task: mqar, params: {power_a: abc}}]", "a task parameter of the wrong type"),
+    (b"\xff\xfe", "not UTF-8 text")])
+def test_a_recall_config_of_wrong_types_is_a_usage_error_even_in_a_dry_run(tmp_path, text,
+                                                                           message):
+    config = tmp_path / "c.yaml"
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
+    bad = CliRunner().invoke(main, ["recall", "--config", str(config), "--dry-run"])
+    assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+@pytest.mark.parametrize("param, message", [("x=[", "is not a YAML value"),
+                                            ("seq_len=8", "seq_len is given twice")])
+def test_a_param_that_is_not_a_value_is_a_usage_error(tmp_path, param, message):
+    bad = CliRunner().invoke(main, recall_args(tmp_path, "--param", param, "--param", param))
+    assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+def test_a_param_in_exponent_form_is_a_number(tmp_path):
+    from hla_bench.task_commands import parse_params
+
+    assert parse_params(None, None, ["power_a=1e-2", "name=abc"]) == {"power_a": 0.01,
+                                                                       "name": "abc"}
+
 def test_unwritable_out_is_refused_before_any_run(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")  # its "subfolder" cannot exist, even for root

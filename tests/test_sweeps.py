@@ -125,6 +125,13 @@ def test_parse_mixer_specs():
         MixerSpec("hla2", "a", {"impl": "triton"})
     with pytest.raises(ValueError, match="key=value"):
         MixerSpec.parse("hla2:impl")
+    assert MixerSpec.parse("x:eps=1e-6").options == {"eps": 1e-6}  # YAML 1.1 reads a string
+    for text, message in (("hla2:impl=[", "is not a YAML value"),
+                          ("hla2:impl=chunk:impl=scan", "impl is given twice"),
+                          ("hla2:label=a:label=b", "label is given twice"),
+                          ("hla2:label=", "label= is empty")):
+        with pytest.raises(ValueError, match=message):
+            MixerSpec.parse(text)
     with pytest.raises(ValueError, match="unknown key 'opts'"):
         MixerSpec.from_dict({"name": "hla2", "opts": {}})
 

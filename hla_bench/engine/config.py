@@ -128,6 +128,26 @@ def dtype_name(name: str) -> str:
     return DTYPES[name]
 
 
+def parse_value(text: str, where: str) -> Any:
+    """A `key=value` value from the command line, read as YAML (`0.9`, `true`, `[0.9, 0.8]`),
+    where YAML 1.1's strings that are numbers (`1e6`) become numbers; a value that is not
+    YAML is a ValueError naming `where`."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        problem = str(error).splitlines()[0]
+        raise ValueError(f"{where}: {text!r} is not a YAML value ({problem})") from None
+    if isinstance(value, str):
+        try:
+            return float(value) if _FLOAT.match(value) else value
+        except ValueError:
+            return value
+    return value
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 @dataclass(frozen=True)
 class MixerSpec:
     """A registered mixer with option overrides, shown under `label`."""
@@ -146,12 +166,18 @@ class MixerSpec:
         label = None
         for pair in pairs:
             key, sep, value = pair.partition("=")
-            if not sep or not key.strip():
+            key = key.strip()
+            if not sep or not key:
                 raise ValueError(f"bad mixer spec {text!r}: {pair!r} is not key=value")
-            if key.strip() == "label":
+            if key in options or (key == "label" and label is not None):
+                raise ValueError(f"bad mixer spec {text!r}: {key} is given twice")
+            if key == "label":
                 label = value.strip()
+                if not label:
+                    raise ValueError(f"bad mixer spec {text!r}: label= is empty")
             else:
-                options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+                options[key] = (parse_value(value, f"bad mixer spec {text!r}")
+                                if value.strip() else "")
         return cls(name.strip(), label or name.strip(), options)
 
     @classmethod
