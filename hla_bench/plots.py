@@ -23,14 +23,23 @@ def save_figure(figure: Any, path: Path, dpi: int = 110) -> Path:
 
 
 def plots_dir_problem(out_dir: str | Path) -> str | None:
-    """Why plots cannot be written to `out_dir` (it cannot be created, or is not writable),
-    checked by creating it before any work; None when they can."""
+    """Why plots cannot be written to `out_dir`, found before any work: the folder is made
+    (as writing the plots would) and the folders this made are removed again, so a check
+    that passes leaves nothing behind; None when they can be written."""
+    path = Path(out_dir).absolute()
+    missing = [folder for folder in (path, *path.parents) if not folder.exists()]
     try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"cannot write plots to {out_dir}: not a writable folder"
     except OSError as error:
         return f"cannot create the plots folder {out_dir}: {error.strerror or error}"
-    if not os.access(out_dir, os.W_OK | os.X_OK):
-        return f"cannot write plots to {out_dir}: not writable"
+    finally:
+        for folder in missing:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
     return None
 
 

@@ -250,8 +250,6 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                                   for setting in config["settings"]]
         if task or params:
             config = validate_config(config, config_file or "options")
-        if plots_dir is not None and not dry_run and plots_dir_problem(plots_dir):
-            raise ConfigError(plots_dir_problem(plots_dir))
         if time_limit is not None and not 0 < time_limit < math.inf:
             raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got "
                               f"{time_limit}")
@@ -271,6 +269,9 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
             check_mixer_options(config, device)
         specs = assign_devices(plan_runs(config, device), device)
         check_layers(specs)
+        mode = store_mode(out, resume, overwrite)
+        if plots_dir is not None and plots_dir_problem(plots_dir):
+            raise ConfigError(plots_dir_problem(plots_dir))
         if dry_run:
             rows = plan_rows(specs, config["max_group"])
             print_table(console, plan_table(rows), lambda: plan_lines(rows))
@@ -279,7 +280,6 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                               "here: the mixer options were not tried on it, and mixers "
                               "whose packages are missing here count as unstacked")
             return
-        mode = store_mode(out, resume, overwrite)
         workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
         store = open_results(out, mode, config, device, workers, environment(device))
     except (ConfigError, RecallFileError, OSError) as error:

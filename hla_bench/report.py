@@ -418,21 +418,28 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
     With --index DIR, write the index of a results folder instead. Exit status: 0, 2 for
     a usage error, 1 when --fail-on-regression finds a regression."""
     console = Console()
+    context = click.get_current_context()
+    given = [param.opts[0] for param in context.command.params
+             if context.get_parameter_source(param.name) == click.core.ParameterSource.COMMANDLINE]
     if index_dir is not None:
         if files:
             raise click.UsageError("--index DIR takes no FILE: it reads every results file "
                                    "below DIR")
+        others = [name for name in given if name != "--index"]
+        if others:
+            raise click.UsageError(f"--index DIR takes no other option (given: "
+                                   f"{', '.join(others)})")
         write_folder_index(index_dir, console)
         return
     if not files:
         raise click.UsageError("give one or more results FILEs (or --index DIR)")
-    comparing = {"--control": control, "--fail-on-regression": fail_percent, "-k": pattern}
-    for name, value in comparing.items():
-        if value is not None and not compare_files:
+    for name in ("--control", "--fail-on-regression", "-k", "--alpha", "--memory-tolerance",
+                 "--min-change"):
+        if name in given and not compare_files:
             raise click.UsageError(f"{name} applies to --compare")
+    if "--format" in given and plots is None:
+        raise click.UsageError("--format applies to --plots")
     loaded = [load_any(path) for path in files]  # every file checked before any output
-    if plots is not None and plots_dir_problem(plots):
-        raise click.UsageError(plots_dir_problem(plots))
     if only:
         loaded = [(path, kind, _only_sweeps(path, kind, data, only))
                   for path, kind, data in loaded]
@@ -452,6 +459,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                     raise click.UsageError(
                         f"--control {control!r} is not a mixer label of {path} "
                         f"({', '.join(sorted(labels)) or 'no points'})")
+        if plots is not None and plots_dir_problem(plots):
+            raise click.UsageError(plots_dir_problem(plots))
         failed = render_comparison(loaded, console, alpha=alpha, control=control,
                                    pattern=pattern, memory_tolerance=memory_percent / 100,
                                    fail_percent=fail_percent, markdown=markdown, plots=plots,
@@ -460,6 +469,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         if failed:
             click.get_current_context().exit(1)
         return
+    if plots is not None and plots_dir_problem(plots):
+        raise click.UsageError(plots_dir_problem(plots))
     for path, kind, data in loaded:
         if markdown:
             console.print(f"<!-- {path} -->", markup=False, highlight=False, soft_wrap=True)
@@ -498,13 +509,19 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
     result = compare.compare(old, new, alpha, control, pattern, memory_tolerance, min_change)
     plain = {"markup": False, "highlight": False, "soft_wrap": True}
     if not result["rows"]:
-        console.print("no points in common" + (f" matching -k {pattern}" if pattern else ""),
-                      **plain)
+        if pattern:
+            raise click.UsageError(f"-k {pattern!r} matches no point the two files share")
+        console.print("no points in common", **plain)
+        if fail_percent is not None:
+            console.print("--fail-on-regression: nothing was compared, which fails the gate",
+                          **plain)
+            return True
     elif markdown:
         console.print(compare.comparison_markdown(result, *names), **plain)
     else:
         print_table(console, compare.comparison_table(result, *names),
                     lambda: compare.comparison_lines(result, *names))
+
     def say(line: str) -> None:  # a list item in markdown, else lines of the console's width
         for text in [f"- {line}"] if markdown else wrap(line, console.width):
             console.print(text, **plain)

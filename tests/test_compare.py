@@ -270,7 +270,20 @@ def test_output_is_deterministic_and_filtered(slowed):
     assert "2 points matched" in only_b.output and "│ slower" not in only_b.output
     assert "0 significantly slower" in only_b.output and "│ slower" in first.output
     none = _invoke(*slowed, "--compare", "-k", "zz*")
-    assert none.exit_code == 0 and "no points in common matching -k zz*" in none.output
+    assert none.exit_code == 2 and "-k 'zz*' matches no point" in none.output
+    gate = _invoke(*slowed, "--compare", "-k", "zz*", "--fail-on-regression", "0")
+    assert gate.exit_code == 2  # a typo in -k never passes a CI gate
+
+
+def test_options_that_do_nothing_in_a_mode_are_refused(slowed, tmp_path):
+    for args, message in (([slowed[0], "--alpha", "0.05"], "--alpha applies to --compare"),
+                          ([slowed[0], "--min-change", "5"], "--min-change applies to --compare"),
+                          ([slowed[0], "--memory-tolerance", "5"], "applies to --compare"),
+                          ([slowed[0], "--format", "svg"], "--format applies to --plots")):
+        result = _invoke(*args)
+        assert result.exit_code == 2 and message in result.output, result.output
+    index = _invoke("--index", str(tmp_path), "--markdown")
+    assert index.exit_code == 2 and "takes no other option (given: --markdown)" in index.output
 
 
 def test_markdown_and_plots(slowed, tmp_path):

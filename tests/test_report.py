@@ -142,6 +142,9 @@ def test_report_command_on_real_run(fake_mixers, tmp_path):
         assert unwritable.exit_code == 2, unwritable.output
         assert "cannot create the plots folder" in unwritable.output
         assert "ratio" not in unwritable.output and "fake-fast" not in unwritable.output
+    refused = runner.invoke(report.report, [str(old), "--plots", str(tmp_path / "n" / "p"),
+                                            "--baseline", "nope"])
+    assert refused.exit_code == 2 and not (tmp_path / "n").exists()  # checked, not left made
 
 
 def test_report_rejects_invalid_and_unknown_kind(synthetic, tmp_path):
