@@ -96,6 +96,9 @@ def _check(sweeps: list[SweepConfig]) -> None:
 
 def _mode(out: str | None, resume: bool, overwrite: bool) -> str:
     """The store mode of --out with --resume / --overwrite (without --out, a new file)."""
+    if out is not None and not out.strip():
+        raise click.UsageError("--out is empty: give a file, or leave --out out for a new "
+                               "file in runs/")
     if resume and overwrite:
         raise click.UsageError("give --resume or --overwrite, not both")
     if out is None:
@@ -319,6 +322,9 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
     """
     output_format = _output_format(as_json, as_yaml)
     try:
+        if config_text is not None and not config_text.strip():
+            raise ValueError("CONFIG is empty: give a file or a shipped config's name, or "
+                             "nothing for the default")
         path = configs.find(config_text) if config_text else configs.shipped(configs.DEFAULT)
     except ValueError as error:
         raise click.UsageError(str(error)) from None

@@ -43,6 +43,9 @@ PROTOCOL_KEYS = ("model", "train", "mixer_model")
 
 def store_mode(out: str | None, resume: bool, overwrite: bool) -> str:
     """The results store's mode for --out with --resume / --overwrite."""
+    if out is not None and not out.strip():
+        raise ConfigError("--out is empty: give a file, or leave --out out for a new file in "
+                          "runs/")
     if resume and overwrite:
         raise ConfigError("give --resume or --overwrite, not both")
     if out is None and (resume or overwrite):
@@ -239,6 +242,8 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                 config_file = str(configs.find(config_file))
             except ValueError as error:
                 raise ConfigError(f"--config {error}") from None
+        if task is not None and not task.strip():
+            raise ConfigError("--task is empty: give a task name (hla-bench tasks list)")
         config = load_config(config_file, options)
         params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                                                 ("vocab_size", vocab_size)) if value is not None}

@@ -690,8 +690,11 @@ def exit_on_interrupt(store: "ResultsStore", noun: str, say: Callable[[str], Non
     try:
         yield
     except KeyboardInterrupt:
-        say(f"interrupted: {len(store)} {noun}(s) kept in {store.path}; to continue, run the "
-            f"same command with --resume --out {store.path}")
+        if Path(store.path).exists():
+            say(f"interrupted: {len(store)} {noun}(s) kept in {store.path}; to continue, run "
+                f"the same command with --resume --out {store.path}")
+        else:
+            say(f"interrupted before any {noun} was written: {store.path} was not created")
         raise SystemExit(130) from None
 
 

@@ -304,6 +304,8 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     """Check every HLA form against the explicit float64 sums; exit 1 on any disagreement."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device here", param_hint="--device")
+    if yaml_path is not None and not yaml_path.strip():
+        raise click.BadParameter("is empty: give a file", param_hint="--yaml")
     if yaml_path:
         if file_kind(yaml_path) is not None:
             raise click.BadParameter(f"{yaml_path} is a {file_kind(yaml_path)} results file; "

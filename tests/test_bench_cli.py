@@ -548,3 +548,17 @@ def test_config_values_of_the_wrong_type_are_usage_errors(runner, fake_mixers, t
     config.write_text(config.read_text().replace("mixers: [fake-fast]", "mixers: 5"))
     result = runner.invoke(main, ["run", str(config)])
     assert result.exit_code == 2 and "mixers must be a list" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", ""], "CONFIG is empty"),
+    (["bench", "--mixers", "fake-fast", "--device", "cpu", "--out", ""], "--out is empty"),
+    (["recall", "--out", ""], "--out is empty"),
+    (["recall", "--task", "", "--dry-run"], "--task is empty"),
+    (["verify", "--yaml", ""], "is empty: give a file")])
+def test_an_empty_string_is_a_usage_error_not_the_default(runner, fake_mixers, tmp_path,
+                                                         monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "runs").exists()

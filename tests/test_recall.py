@@ -698,6 +698,13 @@ def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_pat
     data = yaml.safe_load(out.read_text())
     assert data["complete"] is False and [r["d_model"] for r in data["runs"]] == [16, 16]
     monkeypatch.setattr(recall_command, "run_groups", original)
+    fresh = tmp_path / "fresh.yaml"
+    monkeypatch.setattr(recall_command, "run_groups",
+                        lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    early = CliRunner().invoke(main, [*args, "--out", str(fresh)])
+    assert early.exit_code == 130 and "interrupted before any run was written" in early.output
+    assert not fresh.exists()
+    monkeypatch.setattr(recall_command, "run_groups", original)
     resumed = CliRunner().invoke(main, args + ["--resume"])
     assert resumed.exit_code == 0 and "resuming: 2 finished run(s) kept" in resumed.output
     assert sorted(r["d_model"] for r in yaml.safe_load(out.read_text())["runs"]) == [16, 16, 32, 32]
