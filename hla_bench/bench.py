@@ -330,7 +330,9 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
         raise click.UsageError(str(error)) from None
     try:
         config, sweeps = load_config(path)
-    except (ValueError, yaml.YAMLError) as error:
+    except yaml.YAMLError as error:
+        raise click.UsageError(f"{path}: not valid YAML: {configs.yaml_problem(error)}") from None
+    except ValueError as error:
         raise click.UsageError(f"{path}: {error}") from None
     except OSError as error:
         raise click.UsageError(f"cannot read {path}: {error}") from None

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import yaml
 
 import tasks
-from hla_bench import registry
+from hla_bench import configs, registry
 from hla_bench.training import plan_groups
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
 from tasks.train import METRICS, SCHEDULES, RunSpec
@@ -327,9 +326,9 @@ def load_config(path: str | None, overrides: dict) -> dict:
     loaded: dict = {}
     if path:
         try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            loaded = configs.read_yaml(path) or {}
         except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML ({error})") from None
+            raise ConfigError(f"{path}: not valid YAML: {configs.yaml_problem(error)}") from None
         except UnicodeDecodeError as error:
             raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte "
                               f"{error.start})") from None

@@ -562,3 +562,21 @@ def test_an_empty_string_is_a_usage_error_not_the_default(runner, fake_mixers, t
     result = runner.invoke(main, args)
     assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_key_given_twice_in_a_config_is_a_usage_error(runner, fake_mixers, tmp_path):
+    bench_config = tmp_path / "b.yaml"
+    bench_config.write_text("mixers: [fake-fast]\nseq_lens: [16]\nseq_lens: [32]\n")
+    result = runner.invoke(main, ["run", str(bench_config)])
+    assert result.exit_code == 2 and "the key 'seq_lens' is given twice (line 3" in result.output
+    recall_config = tmp_path / "r.yaml"
+    recall_config.write_text("lrs: [0.001]\nsettings:\n  - {task: mqar, task: mqar}\n")
+    result = runner.invoke(main, ["recall", "--config", str(recall_config), "--dry-run"])
+    assert result.exit_code == 2 and "the key 'task' is given twice (line 3" in result.output
+    merged = tmp_path / "m.yaml"  # a merge key's entries may be overridden
+    merged.write_text("device: cpu\nbatch: 1\nheads: 2\nhead_dim: 8\nwarmup: 0\nrepeats: 2\n"
+                      "modes: [fwd]\nsweeps:\n"
+                      "  - &a {name: a, mixers: [fake-fast], seq_lens: [16]}\n"
+                      "  - {<<: *a, name: b}\n")
+    ran = runner.invoke(main, ["run", str(merged), "--out", str(tmp_path / "o.yaml")])
+    assert ran.exit_code == 0, ran.output

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 DEFAULT = "cpu-smoke"
 
@@ -53,3 +56,39 @@ def find(text: str) -> Path:
 def reference(name: str) -> Path:
     """A file of `reference/` (published scores)."""
     return folder() / "reference" / name
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key written twice in one mapping (YAML keeps the
+    last silently); keys brought in by a merge (`<<: *anchor`) may be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the mapping's own construction refuses it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A config file's YAML (UTF-8), with every key of a mapping given once; yaml.YAMLError
+    or UnicodeDecodeError otherwise."""
+    return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (line and column)."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        what = " ".join(part for part in (error.context, error.problem) if part)
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(error).split())

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from hla_bench import registry
+from hla_bench.configs import read_yaml
 
 MODES = ("fwd", "fwdbwd", "decode", "prefill")
 DEFAULT_MODES = ("fwd", "fwdbwd", "decode")
@@ -510,5 +511,5 @@ def parse_config(data: Mapping[str, Any]) -> list[SweepConfig]:
 
 def load_config(path: str | Path) -> tuple[dict[str, Any], list[SweepConfig]]:
     """The raw mapping (kept verbatim in results) and the parsed sweeps."""
-    data = yaml.safe_load(Path(path).read_text())
+    data = read_yaml(path)
     return data, parse_config(data)
