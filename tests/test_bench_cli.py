@@ -580,3 +580,12 @@ def test_a_key_given_twice_in_a_config_is_a_usage_error(runner, fake_mixers, tmp
                       "  - {<<: *a, name: b}\n")
     ran = runner.invoke(main, ["run", str(merged), "--out", str(tmp_path / "o.yaml")])
     assert ran.exit_code == 0, ran.output
+
+
+@pytest.mark.parametrize("flags", [["--cuda-graph"], ["--modes", "decode", "--decode-graph"]])
+def test_cuda_graphs_on_the_cpu_are_a_usage_error_before_any_point(runner, fake_mixers,
+                                                                   tmp_path, flags):
+    result = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--seq-lens", "16",
+                                  "--device", "cpu", "--out", str(tmp_path / "o.yaml"), *flags])
+    assert result.exit_code == 2 and "need a CUDA device" in result.output, result.output
+    assert not (tmp_path / "o.yaml").exists()

@@ -437,6 +437,12 @@ class SweepConfig:
                 and device.index >= torch.cuda.device_count():
             raise ValueError(f"sweep {self.name!r}: device {self.device!r} asked for, but "
                              f"there are {torch.cuda.device_count()} CUDA device(s)")
+        graphs = [name for name, on in (("cuda_graph", self.cuda_graph),
+                                        ("decode_graph", self.decode_graph and (
+                                            "decode" in self.modes))) if on]
+        if device.type != "cuda" and graphs:
+            raise ValueError(f"sweep {self.name!r}: {' and '.join(graphs)} replay CUDA graphs, "
+                             f"which need a CUDA device (the sweep's device is {device})")
 
 
 def setting_fields() -> tuple[Field, ...]:
