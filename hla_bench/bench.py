@@ -127,6 +127,15 @@ def open_store(out: str | None, mode: str, sweeps: list[SweepConfig], config: di
         raise click.UsageError(str(error)) from None
 
 
+def _looks_like_recall(path: Path) -> bool:
+    """Whether a config file has the keys of a recall config (settings, lrs, d_model)."""
+    try:
+        data = configs.read_yaml(path)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and bool({"settings", "lrs", "d_model"} & set(data))
+
+
 def _check_executor(executor: str, scheduler: str | None) -> None:
     if scheduler and executor != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
@@ -330,10 +339,13 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
         raise click.UsageError(str(error)) from None
     try:
         config, sweeps = load_config(path)
+    except ValueError as error:
+        if _looks_like_recall(path):
+            raise click.UsageError(f"{config_text} is a recall config: run it with "
+                                   f"`hla-bench recall --config {config_text}`") from None
+        raise click.UsageError(f"{path}: {error}") from None
     except yaml.YAMLError as error:
         raise click.UsageError(f"{path}: not valid YAML: {configs.yaml_problem(error)}") from None
-    except ValueError as error:
-        raise click.UsageError(f"{path}: {error}") from None
     except OSError as error:
         raise click.UsageError(f"cannot read {path}: {error}") from None
     names = [s.name for s in sweeps]

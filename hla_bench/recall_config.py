@@ -169,6 +169,10 @@ def validate_config(loaded: Any, where: str = "config") -> dict:
         raise ConfigError(f"{where} must be a mapping of keys to values")
     allowed = set(TOP_FIELDS) | set(SECTIONS) | {"settings"}
     unknown = sorted(set(loaded) - allowed)
+    if unknown and ({"sweeps", "seq_lens", "modes"} & set(loaded)):
+        raise ConfigError(f"{where} is a bench config (it has "
+                          f"{', '.join(sorted({'sweeps', 'seq_lens', 'modes'} & set(loaded)))}): "
+                          "run it with `hla-bench run`")
     if unknown:
         raise ConfigError(f"{where}: unknown key {', '.join(unknown)} "
                           f"(accepted: {', '.join(sorted(allowed))})")

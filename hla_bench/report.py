@@ -440,6 +440,10 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
     if "--format" in given and plots is None:
         raise click.UsageError("--format applies to --plots")
     loaded = [load_any(path) for path in files]  # every file checked before any output
+    for name in ("--metric", "--baseline"):
+        if name in given and (compare_files or all(kind != "bench" for _, kind, _ in loaded)):
+            raise click.UsageError(f"{name} applies to the tables of bench files, not to "
+                                   + ("--compare" if compare_files else "recall files"))
     if only:
         loaded = [(path, kind, _only_sweeps(path, kind, data, only))
                   for path, kind, data in loaded]

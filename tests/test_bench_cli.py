@@ -589,3 +589,10 @@ def test_cuda_graphs_on_the_cpu_are_a_usage_error_before_any_point(runner, fake_
                                   "--device", "cpu", "--out", str(tmp_path / "o.yaml"), *flags])
     assert result.exit_code == 2 and "need a CUDA device" in result.output, result.output
     assert not (tmp_path / "o.yaml").exists()
+
+
+def test_a_config_of_the_other_kind_names_the_command_that_runs_it(runner):
+    bench = runner.invoke(main, ["run", "recall-cpu"])
+    assert bench.exit_code == 2 and "`hla-bench recall --config recall-cpu`" in bench.output
+    recall = runner.invoke(main, ["recall", "--config", "cpu-smoke", "--dry-run"])
+    assert recall.exit_code == 2 and "is a bench config" in recall.output

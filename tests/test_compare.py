@@ -338,3 +338,9 @@ def test_bench_and_report_print_the_spread_warning():
     text = console.export_text()
     assert "spread above 10% at 1 of 2 points (IQR / median of the samples): a T=1k" in text
     assert "±: spread above 10%, IQR / median of the samples" in " ".join(text.split())
+
+
+def test_table_options_do_not_apply_to_a_comparison(slowed):
+    for option in (["--metric", "memory"], ["--baseline", "a"]):
+        result = _invoke(*slowed, "--compare", *option)
+        assert result.exit_code == 2 and "not to --compare" in result.output, result.output
