@@ -17,6 +17,7 @@ plugin authors. Nothing here imports the harness.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -121,6 +122,10 @@ class Mixer:
             accepted = ", ".join(sorted(self.options)) or "none"
             raise ValueError(f"mixer {self.name!r} has no option {', '.join(map(repr, unknown))}"
                              f" (accepted: {accepted})")
+        for key, value in options.items():  # no option of any mixer means NaN or inf
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"mixer {self.name!r}: option {key} must be finite, got "
+                                 f"{value}")
         return {**self.options, **options}
 
     def _checked_options(self, options: Mapping[str, Any]) -> dict[str, Any]:

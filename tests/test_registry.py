@@ -45,6 +45,12 @@ def test_unknown_option_is_a_value_error_naming_it():
         get("sdpa").op(window=3)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_option_is_a_value_error_naming_it(value):
+    with pytest.raises(ValueError, match="option scale must be finite"):
+        get("sdpa").resolve_options({"scale": value})
+
+
 def test_options_override_defaults():
     assert get("linear-attn").resolve_options({"normalize": True})["normalize"] is True
     assert get("linear-attn").resolve_options({})["feature_map"] == "identity"
