@@ -530,13 +530,12 @@ class ResultsStore:
         if not path.exists():
             return None
         found = file_kind(path)
+        refusing = "refusing to resume it" if mode == "resume" else "refusing to overwrite it"
         if found not in RECORDS_KEY:
             raise StoreError(f"{path} exists and is not a results file (it does not start "
-                             f"with 'kind: {self.kind}' and a schema_version); refusing to "
-                             "overwrite it")
+                             f"with 'kind: {self.kind}' and a schema_version); {refusing}")
         if found != self.kind:
-            raise StoreError(f"{path} is a {found} results file, not {self.kind}; refusing "
-                             "to overwrite it")
+            raise StoreError(f"{path} is a {found} results file, not {self.kind}; {refusing}")
         if mode == "new":
             raise StoreError(f"{path} already exists; resume it (--resume) or replace it "
                              "(--overwrite)")

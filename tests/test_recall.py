@@ -590,6 +590,9 @@ def test_existing_out_needs_resume_or_overwrite_and_protocols_must_match(tmp_pat
         refused = CliRunner().invoke(main, recall_args(tmp_path, "--overwrite", "--out", str(target)))
         assert refused.exit_code == 2 and "refusing to overwrite it" in refused.output
         assert target.read_text() == "mixers: [sdpa]\n"
+    resumed = CliRunner().invoke(main, recall_args(tmp_path, "--resume", "--out", str(config)))
+    assert resumed.exit_code == 2 and "not a results file" in resumed.output
+    assert "refusing to resume it" in resumed.output and config.read_text() == "mixers: [sdpa]\n"
     text = path.read_text()
     path.write_text(text[: len(text) // 2])  # cut while being written
     cut = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
