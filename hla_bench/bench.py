@@ -308,6 +308,12 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
         sweep = SweepConfig.from_dict(config)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
+    context = click.get_current_context()
+    if not {"decode", "prefill"} & set(sweep.modes):
+        for name in ("decode_batch", "decode_steps", "decode_graph"):
+            if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                raise click.UsageError(f"--{name.replace('_', '-')} applies to decode and "
+                                       f"prefill points; --modes is {','.join(sweep.modes)}")
     execute(config, [sweep], out, output_format, baseline, resume, overwrite, executor, scheduler,
             isolate)
 

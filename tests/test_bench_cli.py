@@ -596,3 +596,9 @@ def test_a_config_of_the_other_kind_names_the_command_that_runs_it(runner):
     assert bench.exit_code == 2 and "`hla-bench recall --config recall-cpu`" in bench.output
     recall = runner.invoke(main, ["recall", "--config", "cpu-smoke", "--dry-run"])
     assert recall.exit_code == 2 and "is a bench config" in recall.output
+
+
+def test_decode_settings_without_decode_points_are_a_usage_error(runner, fake_mixers):
+    result = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--device", "cpu",
+                                  "--modes", "fwd", "--decode-steps", "4"])
+    assert result.exit_code == 2 and "--decode-steps applies to decode" in result.output
