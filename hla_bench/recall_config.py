@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -327,8 +328,16 @@ def load_config(path: str | None, overrides: dict) -> dict:
     `mixer_model` of those mixers only, `weight_decays` replaces the file's grid or
     `train.weight_decay`. A file that gives both `weight_decays` and `train.weight_decay`
     is refused (one of them would be ignored)."""
+    for key, value in overrides.items():  # an option's own problem names the option
+        fields = {**TOP_FIELDS, **MODEL_FIELDS, **TRAIN_FIELDS}
+        problem = fields[key][1](value) if value is not None and key in fields else None
+        if problem:
+            raise ConfigError(f"--{key.replace('_', '-')} must be {problem}, got {value!r}")
     loaded: dict = {}
     if path:
+        if not Path(path).read_text(encoding="utf-8", errors="replace").strip():
+            raise ConfigError(f"{path} is empty: a recall config is a mapping of keys to "
+                              "values (hla_bench/configs/recall-cpu.yaml is one)")
         try:
             loaded = configs.read_yaml(path) or {}
         except yaml.YAMLError as error:

@@ -636,17 +636,17 @@ def test_progress_into_a_pipe_is_whole_lines(tmp_path):
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("--lrs", "-1", "lrs must be a list of a number"), ("--d-model", "0", "d_model must be"),
-    ("--epochs", "0", "epochs must be an int from 1 to 2147483647"), ("--batch-size", "0", "batch_size must be"),
-    ("--workers", "-3", "workers must be an int from 1 to 2147483647"), ("--lrs", "1e-3,,3e-3", "empty item"),
+    ("--lrs", "-1", "--lrs must be a list of a number"), ("--d-model", "0", "--d-model must be"),
+    ("--epochs", "0", "--epochs must be an int from 1 to 2147483647"), ("--batch-size", "0", "--batch-size must be"),
+    ("--workers", "-3", "--workers must be an int from 1 to 2147483647"), ("--lrs", "1e-3,,3e-3", "empty item"),
     ("--mixers", "no-such-mixer", "unknown mixer 'no-such-mixer'"),
     ("--seq-len", "15", "seq_len must be an even"), ("--time-limit", "-1", "--time-limit must be"),
-    ("--lrs", "nan", "lrs must be a list of a finite number"),
-    ("--lrs", "inf", "lrs must be a list of a finite number"),
-    ("--weight-decays", "nan", "weight_decays must be a list of a finite number"),
+    ("--lrs", "nan", "--lrs must be a list of a finite number"),
+    ("--lrs", "inf", "--lrs must be a list of a finite number"),
+    ("--weight-decays", "nan", "--weight-decays must be a list of a finite number"),
     ("--time-limit", "nan", "--time-limit must be"), ("--time-limit", "inf", "--time-limit must be"),
-    ("--seeds", "99999999999999999999", "seeds must be a list of an int from 0"),
-    ("--d-model", "99999999999999999999", "d_model must be a list of an int from 1"),
+    ("--seeds", "99999999999999999999", "--seeds must be a list of an int from 0"),
+    ("--d-model", "99999999999999999999", "--d-model must be a list of an int from 1"),
 ])
 def test_recall_cli_rejects_bad_input_before_any_run(tmp_path, option, value, message):
     bad = CliRunner().invoke(main, recall_args(tmp_path, option, value))
@@ -844,3 +844,13 @@ def test_a_gpu_config_is_planned_without_a_gpu_and_refused_to_run(monkeypatch, t
     refused = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--out", str(out)])
     assert refused.exit_code == 2 and "no CUDA device is visible" in refused.output
     assert not out.exists()
+
+
+def test_an_option_is_blamed_by_its_own_name_and_an_empty_config_is_refused(tmp_path):
+    bad = CliRunner().invoke(main, ["recall", "--config", "recall-cpu", "--d-model", "64,64",
+                                    "--dry-run"])
+    assert bad.exit_code == 2 and "--d-model must be a list without duplicates" in bad.output
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("\n")
+    refused = CliRunner().invoke(main, ["recall", "--config", str(empty), "--dry-run"])
+    assert refused.exit_code == 2 and "is empty" in refused.output
