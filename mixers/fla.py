@@ -30,7 +30,7 @@ LAYER_OPTIONS = {"qk_norm": "l2", "short_conv": 4, "output_norm": True}
 def head_log_decay(heads: int, device) -> torch.Tensor:
     """Per-head log decay, from log(1 - 1/32) (fast) to log(1 - 1/512) (slow); cached and
     read-only."""
-    exponents = torch.linspace(5.0, 9.0, heads, dtype=torch.float64)
+    exponents = torch.linspace(5.0, 9.0, heads, dtype=torch.float64, device="cpu")
     return torch.log1p(-torch.pow(2.0, -exponents)).to(device=device, dtype=torch.float32)
 
 

@@ -854,3 +854,16 @@ def test_an_option_is_blamed_by_its_own_name_and_an_empty_config_is_refused(tmp_
     empty.write_text("\n")
     refused = CliRunner().invoke(main, ["recall", "--config", str(empty), "--dry-run"])
     assert refused.exit_code == 2 and "is empty" in refused.output
+
+
+def test_checking_a_plan_leaves_no_meta_tensor_in_any_cache():
+    """check_layers builds every layer on the meta device; a cache filled there (Mamba-2's
+    dt and A) would hand meta tensors to every later layer of that shape."""
+    from hla_bench import registry
+    from hla_bench.recall_config import check_layers, load_config, plan_runs
+
+    config = load_config(None, {"mixers": ["mamba2-ssd", "sdpa"], "d_model": [48],
+                                "device": "cpu"})
+    check_layers(plan_runs(config, "cpu"))
+    layer = registry.get("mamba2-ssd").layer(48, config["model"]["n_heads"])
+    assert {p.device.type for p in layer.parameters()} == {"cpu"}

@@ -28,11 +28,15 @@ IMPLS = ("auto", "naive", "chunk", "triton")
 def ssd_parameters(heads: int, seed: int = 0, device=None, dtype=torch.float32):
     """Per-head (dt, A) as Mamba-2 initialises them: dt log-uniform in [1e-3, 0.1],
     A uniform in [-16, -1]. Seeded, so the op and its decoder agree; cached, so decode steps
-    do not pay a host-to-device copy. Treat the returned tensors as read-only."""
+    do not pay a host-to-device copy. Treat the returned tensors as read-only. Drawn on the
+    CPU whatever the default device (a `torch.device` context would otherwise put them, and
+    the cache, on it); `device` None means the CPU."""
     generator = torch.Generator().manual_seed(seed)
-    log_dt = torch.rand(heads, generator=generator, dtype=torch.float64)
+    cpu = torch.device("cpu")
+    log_dt = torch.rand(heads, generator=generator, dtype=torch.float64, device=cpu)
     dt = torch.exp(log_dt * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    A = -(1 + 15 * torch.rand(heads, generator=generator, dtype=torch.float64))
+    A = -(1 + 15 * torch.rand(heads, generator=generator, dtype=torch.float64, device=cpu))
+    device = cpu if device is None else device
     return dt.to(device=device, dtype=dtype), A.to(device=device, dtype=dtype)
 
 
