@@ -374,8 +374,10 @@ def test_without_flock_a_live_pid_holds_the_lock_and_a_dead_one_does_not(tmp_pat
 
 
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from hla_bench.store import ResultsStore
+    # a process started in the background inherits SIGINT ignored: take Python's own handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     s = ResultsStore.open(sys.argv[1], kind="bench", key=lambda r: r["t"], settings={},
                           mode="new", header={"schema_version": 2})
     with s:
