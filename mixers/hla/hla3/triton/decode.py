@@ -17,6 +17,16 @@ from mixers.hla.hla3.triton.plan import HLA3Plan
 
 
 @triton.jit
+def key_rows(q_at, k_at, i, D, BR: tl.constexpr, acc: tl.constexpr):
+    """Block i of BR key-dim rows: (their indices, which are < D, q and k there, zero past D)."""
+    rows = i * BR + tl.arange(0, BR)
+    row_ok = rows < D
+    q = tl.load(q_at + rows, mask=row_ok, other=0.0).to(acc)
+    k = tl.load(k_at + rows, mask=row_ok, other=0.0).to(acc)
+    return rows, row_ok, q, k
+
+
+@triton.jit
 def hla3_step_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, H, D, DV, DVP,
                      stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                      BR: tl.constexpr, NR: tl.constexpr, BV: tl.constexpr,
@@ -27,7 +37,6 @@ def hla3_step_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, H, D, DV, DVP,
     b, h = bh // H, bh % H
     q_at = Q + b * stride_qb + h * stride_qh
     k_at = K + b * stride_kb + h * stride_kh
-    block = tl.arange(0, BR)
     cols = pid_v * BV + tl.arange(0, BV)
     col_ok = cols < DVP
     v = tl.load(V + b * stride_vb + h * stride_vh + cols, mask=cols < DV, other=0.0).to(acc)
@@ -40,10 +49,7 @@ def hla3_step_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, H, D, DV, DVP,
     qP = tl.zeros([BV], dtype=acc)
     kq = tl.zeros([BR], dtype=acc)
     for i in range(NR):
-        rows = i * BR + block
-        row_ok = rows < D
-        q = tl.load(q_at + rows, mask=row_ok, other=0.0).to(acc)
-        k = tl.load(k_at + rows, mask=row_ok, other=0.0).to(acc)
+        rows, row_ok, q, k = key_rows(q_at, k_at, i, D, BR, acc)
         at = states + rows[:, None] * DVP + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
         P = tl.load(P0 + at, mask=ok, other=0.0).to(acc) + k[:, None] * v[None, :]
@@ -55,16 +61,10 @@ def hla3_step_kernel(Q, K, V, S0, P0, F0, O, S1, P1, F1, H, D, DV, DVP,
     # pass 2: per block of rows, (S^K q) there, then F's rows and their share of the output
     out = tl.zeros([BV], dtype=acc)
     for i in range(NR):
-        rows = i * BR + block
-        row_ok = rows < D
-        q = tl.load(q_at + rows, mask=row_ok, other=0.0).to(acc)
-        k = tl.load(k_at + rows, mask=row_ok, other=0.0).to(acc)
+        rows, row_ok, q, k = key_rows(q_at, k_at, i, D, BR, acc)
         Sq = k * kq_sum
         for j in range(NR):
-            inner = j * BR + block
-            inner_ok = inner < D
-            q_inner = tl.load(q_at + inner, mask=inner_ok, other=0.0).to(acc)
-            k_inner = tl.load(k_at + inner, mask=inner_ok, other=0.0).to(acc)
+            inner, inner_ok, q_inner, k_inner = key_rows(q_at, k_at, j, D, BR, acc)
             at = moments + rows[:, None] * D + inner[None, :]
             ok = row_ok[:, None] & inner_ok[None, :]
             S = tl.load(S0 + at, mask=ok, other=0.0).to(acc)
