@@ -140,9 +140,9 @@ def _check_executor(executor: str, scheduler: str | None) -> None:
     if scheduler and executor != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
     if executor == "dask":
-        from hla_bench.dask_executor import scheduler_problem, unavailable_reason
+        from hla_bench.dask_executor import executor_problem
 
-        problem = unavailable_reason() or (scheduler and scheduler_problem(scheduler))
+        problem = executor_problem(scheduler)
         if problem:
             raise click.UsageError(problem)
 

@@ -49,6 +49,11 @@ def _distributed():
     return distributed
 
 
+def executor_problem(scheduler: str | None) -> str | None:
+    """Why `--executor dask` (with `--scheduler`, when given) cannot run a sweep, or None."""
+    return unavailable_reason() or (scheduler_problem(scheduler) if scheduler else None)
+
+
 def scheduler_problem(address: str, timeout: float = 5.0) -> str | None:
     """Why `--scheduler ADDRESS` cannot serve a sweep, found before any work starts: an
     address Dask cannot parse, or (for tcp and tls) nothing accepting a connection there

@@ -261,9 +261,9 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if scheduler and executor != "dask":
             raise ConfigError("--scheduler needs --executor dask")
         if executor == "dask":
-            from hla_bench.dask_executor import scheduler_problem, unavailable_reason
+            from hla_bench.dask_executor import executor_problem
 
-            problem = unavailable_reason() or (scheduler and scheduler_problem(scheduler))
+            problem = executor_problem(scheduler)
             if problem:
                 raise ConfigError(problem)
         # a dry run plans for the config's device without needing it (a GPU grid is planned
@@ -275,8 +275,9 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         specs = assign_devices(plan_runs(config, device), device)
         check_layers(specs)
         mode = store_mode(out, resume, overwrite)
-        if plots_dir is not None and plots_dir_problem(plots_dir):
-            raise ConfigError(plots_dir_problem(plots_dir))
+        problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
+        if problem:
+            raise ConfigError(problem)
         if dry_run:
             rows = plan_rows(specs, config["max_group"])
             print_table(console, plan_table(rows), lambda: plan_lines(rows))

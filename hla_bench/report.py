@@ -453,6 +453,9 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
             if kind == "bench" and baseline not in labels:
                 raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of "
                                        f"{path} ({', '.join(sorted(labels)) or 'no points'})")
+    problem = plots_dir_problem(plots) if plots is not None else None
+    if problem:  # the check leaves no folder behind, so its place among the checks is free
+        raise click.UsageError(problem)
     if compare_files:
         if len(loaded) != 2 or any(kind != "bench" for _, kind, _ in loaded):
             raise click.UsageError("--compare takes exactly two bench results files")
@@ -463,8 +466,6 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                     raise click.UsageError(
                         f"--control {control!r} is not a mixer label of {path} "
                         f"({', '.join(sorted(labels)) or 'no points'})")
-        if plots is not None and plots_dir_problem(plots):
-            raise click.UsageError(plots_dir_problem(plots))
         failed = render_comparison(loaded, console, alpha=alpha, control=control,
                                    pattern=pattern, memory_tolerance=memory_percent / 100,
                                    fail_percent=fail_percent, markdown=markdown, plots=plots,
@@ -473,8 +474,6 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         if failed:
             click.get_current_context().exit(1)
         return
-    if plots is not None and plots_dir_problem(plots):
-        raise click.UsageError(plots_dir_problem(plots))
     for path, kind, data in loaded:
         if markdown:
             console.print(f"<!-- {path} -->", markup=False, highlight=False, soft_wrap=True)

@@ -307,8 +307,9 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     if yaml_path is not None and not yaml_path.strip():
         raise click.BadParameter("is empty: give a file", param_hint="--yaml")
     if yaml_path:
-        if file_kind(yaml_path) is not None:
-            raise click.BadParameter(f"{yaml_path} is a {file_kind(yaml_path)} results file; "
+        kind = file_kind(yaml_path)
+        if kind is not None:
+            raise click.BadParameter(f"{yaml_path} is a {kind} results file; "
                                      "refusing to replace it", param_hint="--yaml")
         if Path(yaml_path).exists() and not overwrite:
             raise click.BadParameter(f"{yaml_path} exists; give --overwrite to replace it",
