@@ -272,6 +272,10 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         device = config["device"] if absent else resolve_device(config["device"])
         if not absent:
             check_mixer_options(config, device)
+            if not device.startswith("cuda"):
+                if options.get("graphs"):
+                    raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
+                config["graphs"] = False  # nothing is replayed off CUDA: the header says so
         specs = assign_devices(plan_runs(config, device), device)
         check_layers(specs)
         mode = store_mode(out, resume, overwrite)

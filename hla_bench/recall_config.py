@@ -106,7 +106,8 @@ TRAIN_FIELDS = {
     "schedule": ("warmup-cosine", _choice(SCHEDULES)),
     "warmup_frac": (0.1, _number(0, 1)),
     "weight_decay": (0.1, _number(0)),
-    "stop_accuracy": (0.99, _number(0, open_low=True, high=None)),
+    # an accuracy: 1 never stops early (no accuracy exceeds it); above 1 is a typo (99)
+    "stop_accuracy": (0.99, _number(0, 1, open_low=True, open_high=False)),
     "shuffle": (True, _bool),
     "metric": ("micro", _choice(METRICS)),
     "test_at_best_val": (False, _bool),

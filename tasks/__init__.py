@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 IGNORE = -100
+MAX_PARAM = 2**31 - 1  # the largest int a task parameter takes (token ids, lengths, counts)
 SPLITS = ("train", "test")
 VAL_LABELS = ("train", "test")
 
@@ -92,6 +93,10 @@ class Task:
         if unknown:
             raise ValueError(f"task {self.name!r} has no parameter {', '.join(map(repr, unknown))}"
                              f" (accepted: {', '.join(sorted(self.params))})")
+        for name, value in params.items():
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_PARAM:
+                raise ValueError(f"task {self.name!r}: {name} must be at most {MAX_PARAM} "
+                                 f"(token ids and lengths are int32), got {value}")
         return {**self.params, **params}
 
     def make(self, split: str, num_examples: int, seed: int = 0,

@@ -393,6 +393,7 @@ def test_recall_file_validation():
     ({"settings": [{"task": "mqar", "trian": {}}]}, "unknown key trian"),
     ({"bogus": 1}, "unknown key bogus"),
     ({"weight_decays": [-0.1]}, "weight_decays must be a list of a number in"),
+    ({"train": {"stop_accuracy": 99}}, r"stop_accuracy must be a number in \(0, 1\]"),
     ({"weight_decays": [0.1], "settings": [{"task": "mqar", "train": {"weight_decay": 0.0}}]},
      r"settings\[0\].train.weight_decay: the config has a `weight_decays` grid"),
     ({"train": {"metric": "macro"}}, "metric must be one of micro, mad-macro"),
@@ -539,6 +540,7 @@ def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
     assert all(run["status"] == "ok" and run["curve"] and run["group_size"] == 4
                for run in data["runs"])
     assert {"python", "torch"} <= set(data["environment"]) and data["complete"] is True
+    assert data["config"]["graphs"] is False  # nothing is replayed on the CPU
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "recall_accuracy_vs_d_model.png", "recall_accuracy_vs_state.png"]
     console = Console(record=True, width=200)
@@ -854,6 +856,9 @@ def test_an_option_is_blamed_by_its_own_name_and_an_empty_config_is_refused(tmp_
     empty.write_text("\n")
     refused = CliRunner().invoke(main, ["recall", "--config", str(empty), "--dry-run"])
     assert refused.exit_code == 2 and "is empty" in refused.output
+    graphs = CliRunner().invoke(main, ["recall", "--config", "recall-cpu", "--device", "cpu",
+                                       "--graphs", "--dry-run"])
+    assert graphs.exit_code == 2 and "--graphs replays CUDA graphs" in graphs.output
 
 
 def test_checking_a_plan_leaves_no_meta_tensor_in_any_cache():

@@ -64,6 +64,10 @@ def test_unknown_param_and_bad_count_are_rejected():
         tasks.get("mqar").make("train", 4, seq_length=64)
     with pytest.raises(ValueError, match="num_examples"):
         tasks.get("mqar").make("train", 0)
+    with pytest.raises(ValueError, match="vocab_size must be at most 2147483647"):
+        tasks.get("mqar").make("train", 4, vocab_size=2**31)
+    with pytest.raises(ValueError, match="seq_len must be at most"):
+        tasks.get("selective_copying").resolve_params({"seq_len": -2**40})
 
 
 # MQAR ------------------------------------------------------------------------------------------
