@@ -112,14 +112,18 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         final = {key: x.clone() for key, x in state.items()} if output_final_state else None
         return v.new_zeros(B, 0, H, Dv), final
     phi = FEATURE_MAPS[feature_map]
+    out_dtype, features = v.dtype, state["S"].shape[-2]
+    if resolve_impl(impl, "chunk", q, lambda: triton_unsupported(q, v, features)) == "triton":
+        # The kernels read 16-bit inputs as they are (tl.dot's tf32 holds them exactly), so
+        # the identity map costs no copy; another map runs in the compute dtype first.
+        inputs = (q, k, v) if feature_map == "identity" else (phi(q.to(dtype)), phi(k.to(dtype)),
+                                                             v.to(dtype))
+        return _triton(FiniteInputs(*inputs), state, normalize, eps, chunk_size, q.dtype,
+                       out_dtype, output_final_state)
     # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
-    guard, out_dtype = FiniteInputs(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)), v.dtype
-    features = state["S"].shape[-2]
-    if resolve_impl(impl, "chunk", q, lambda: triton_unsupported(q, v, features)) == "triton":
-        return _triton(guard, state, normalize, eps, chunk_size, q.dtype, out_dtype,
-                       output_final_state)
+    guard = FiniteInputs(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype))
     q, k, v = (pad_to_multiple(x, chunk_size) for x in guard.inputs)
     N, C = q.shape[1] // chunk_size, chunk_size
     q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
@@ -142,8 +146,9 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 def _triton(guard, state, normalize, eps, chunk_size, input_dtype, out_dtype,
             output_final_state):
-    """linear_attn through the chain's link: the features and values (compute dtype) with a
-    column of ones for the denominator when normalized; z is the state's ones column."""
+    """linear_attn through the chain's link: the features and values (as given: 16-bit
+    inputs of the identity map, else the compute dtype) with a column of ones for the
+    denominator when normalized; z is the state's ones column."""
     from mixers.hla.chain.link import linear_attention_packed
 
     S0 = state["S"]

@@ -101,6 +101,36 @@ def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, no
         assert relative_error(got, want_grad) < 1e-12
 
 
+def test_the_link_takes_16_bit_inputs_as_they_are(monkeypatch):
+    """linear_attn(impl="triton") in bf16 hands q, k, v to the link without a float32 copy:
+    outputs and gradients come back in bf16, within bf16 rounding of the float64 chunk form
+    on the same rounded inputs; the state (float32) closer still."""
+    from mixers.hla.chain import link
+    from mixers.linear_attn import linear_attn
+
+    received, apply = [], link._Link.apply
+    monkeypatch.setattr(link._Link, "apply", lambda q, k, v, *rest: (
+        received.append({q.dtype, k.dtype, v.dtype}) or apply(q, k, v, *rest)))
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (0.3 * torch.randn(B, 40, H, d, generator=gen).to(torch.bfloat16)
+               for d in (24, 24, 20))
+    weights = torch.randn(B, 40, H, 20, generator=gen, dtype=torch.float64)
+    results = {}
+    for impl, dtype in (("triton", torch.bfloat16), ("chunk", torch.float64)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        o, state = linear_attn(*leaves, impl=impl, chunk_size=16, output_final_state=True)
+        (o.double() * weights).sum().backward()
+        results[impl] = (o, state["S"], [x.grad for x in leaves])
+    (o, S, grads), (want_o, want_S, want_grads) = results["triton"], results["chunk"]
+    assert received == [{torch.bfloat16}]
+    assert o.dtype == torch.bfloat16 and {g.dtype for g in grads} == {torch.bfloat16}
+    assert relative_error(o.double(), want_o) < 1e-2
+    assert relative_error(S.double(), want_S) < 1e-4
+    for got, want in zip(grads, want_grads):
+        assert relative_error(got.double(), want) < 1e-2
+
+
 def test_a_chained_call_notes_its_launch_plan():
     """What the harness records in a point's `resolved`: the form and the chain's plan."""
     from mixers.dispatch import noting

@@ -38,7 +38,7 @@ class _Link(torch.autograd.Function):
 
 def linear_attention_packed(q, k, v, S0, ones: bool, chunk_size: int,
                             input_dtype: torch.dtype):
-    """`[B, T, H, F]` features q, k and `[B, T, H, Dv]` v (in the compute dtype), packed
+    """`[B, T, H, F]` features q, k and `[B, T, H, Dv]` v (any float dtype), packed
     start state `[B, H, F, Dv + ones]` -> (packed outputs `[B, T, H, Dv + ones]`, final
     state); `input_dtype` (the dtype the caller's inputs came in) sets tl.dot's precision."""
     return _Link.apply(q, k, v, S0, ones, chunk_size, input_dtype)
