@@ -20,8 +20,10 @@ of the finite inputs, and the gradient of the non-finite entry itself is NaN (tr
 steps on silently cleaned inputs). Masked chunk products alone cannot keep this: a masked-
 out later row still enters a matmul as 0 * NaN = NaN. So the PyTorch forms compute on the
 finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and set the
-outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the hla2
-Triton kernels keep the rule inside the kernels (hla2/triton/common.py). Not held to it:
+outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the
+Triton kernels of hla2 and of the chain (ahla2, causal hla3) keep the rule inside the
+kernels, with no pass over the inputs (hla2/triton/common.py, mixers/hla/chain). Not held
+to it:
 PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the backward
 spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged; and
 finite inputs so large that the operators' products overflow.
@@ -262,3 +264,46 @@ def resolve_impl(impl: str, fallback: str, q: torch.Tensor,
         impl = "triton"
     note(impl=impl)
     return impl
+
+
+def normalize_grads(do, o, den, eps):
+    """(dn, dden) of o = n / (den + eps) for the upstream do ([B, T, H, Dv], den [B, T, H]):
+    dn = do / (den + eps), dden = -(do . o) / (den + eps), both in o's dtype (float32 at
+    least). NaN and inf entries of o and den (outputs poisoned by a non-finite input) pass
+    no gradient on, so a zero upstream there stays zero instead of becoming 0 * NaN, and the
+    inputs before the bad token keep their gradients (the non-finite rule); a NaN upstream
+    still reaches dn and dden. Costs one more pass over o than the plain formulas."""
+    acc = torch.promote_types(o.dtype, torch.float32)
+    den = den.to(acc)
+    scale = torch.where(torch.isfinite(den), 1.0 / (den + eps), 0.0)
+    o, do = torch.nan_to_num(o.to(acc), nan=0.0, posinf=0.0, neginf=0.0), do.to(acc)
+    dden = -(do * o).sum(-1) * scale
+    return do * scale.unsqueeze(-1), dden
+
+
+class Normalized(torch.autograd.Function):
+    """o = n / (den + eps) with the backward of normalize_grads (n [.., Dv], den [..])."""
+
+    @staticmethod
+    def forward(ctx, n, den, eps):
+        o = n / (den + eps).unsqueeze(-1)
+        ctx.save_for_backward(o, den)
+        ctx.eps = eps
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        o, den = ctx.saved_tensors
+        dn, dden = normalize_grads(do, o, den, ctx.eps)
+        return dn.to(o.dtype), dden.to(den.dtype), None
+
+
+def kernel_read_out(o: torch.Tensor, normalize: bool, eps: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Packed outputs `[..., Dv(+1)]` of kernels that keep the non-finite rule inside (rows
+    from a non-finite token on are NaN) -> o in `dtype`: when normalized, numerator /
+    (denominator + eps) through Normalized, whose backward passes a zero upstream gradient
+    at a poisoned row on as zero."""
+    if normalize:
+        o = Normalized.apply(o[..., :-1], o[..., -1], eps)
+    return o.to(dtype)

@@ -1,6 +1,7 @@
-"""Tiles the family's Triton kernels share (mixers/hla/chain and the ahla2 and hla3 decode
-steps): a decode program's block of value columns, the masked loads of token rows, and the
-offsets of packed `[B, T, H, W]` rows."""
+"""Tiles the family's Triton kernels share (mixers/hla/hla2/triton, mixers/hla/chain and the
+ahla2 and hla3 decode steps): a decode program's block of value columns, the masked loads of
+token rows, the offsets of packed `[B, T, H, W]` rows, and the non-finite rule's reads and
+poisons (mixers/hla/common.py)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,27 @@ def packed_offsets(b, t, h, T, H, DVP, cols):
     """Offsets of rows t, columns `cols` of head h of batch row b in a packed
     `[B, T, H, DVP]` tensor (the outputs and their gradients)."""
     return ((b * T + t[:, None]).to(tl.int64) * H + h) * DVP + cols[None, :]
+
+
+@triton.jit
+def finite(x):
+    """x with its NaN and inf entries read as 0."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0).to(x.dtype)
+
+
+@triton.jit
+def bad_rows(x):
+    """[rows] fp32: 1 where a row of x has a NaN or inf entry, else 0."""
+    return tl.max(tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), axis=1)
+
+
+@triton.jit
+def poison_rows(bad):
+    """[rows] fp32: NaN at the bad rows, 0 elsewhere (bad: 1 at a bad row)."""
+    return tl.where(bad > 0, float("nan"), 0.0)
+
+
+@triton.jit
+def poison_from(bad):
+    """[rows] fp32: NaN from the first bad row on, 0 before it (bad: 1 at a bad row)."""
+    return tl.where(tl.cumsum(bad, axis=0) > 0, float("nan"), 0.0)

@@ -25,7 +25,8 @@ from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_decay,
-                               check_eps, check_flag, check_qkv, check_state, resolve_impl)
+                               check_eps, check_flag, check_qkv, check_state, kernel_read_out,
+                               resolve_impl)
 
 __all__ = ["ahla2", "ahla2_step", "ahla2_naive", "ahla2_state_bytes", "ahla2_flops"]
 
@@ -84,14 +85,13 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
         final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
         return q.new_zeros(B, 0, H, Dv), final
     impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
+    if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
+        from mixers.hla.ahla2.triton import ahla2_triton_packed
+        o, P, E = opaque(ahla2_triton_packed, q, k, v, P0, E0, decay, normalize, chunk_size)
+        o = kernel_read_out(o, normalize, eps, q.dtype)
+        return o, (_state_dict(P, E, normalize) if output_final_state else None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     q_in, k_in, v_in = guard.inputs
-    if impl == "triton":
-        from mixers.hla.ahla2.triton import ahla2_triton_packed
-        o, P, E = opaque(ahla2_triton_packed, q_in, k_in, v_in, P0, E0, decay, normalize,
-                         chunk_size)
-        o = guard.outputs(read_out(o, normalize, eps, q.dtype))
-        return o, (guard.state(_state_dict(P, E, normalize)) if output_final_state else None)
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "chunk":

@@ -6,15 +6,19 @@ its end state (grad_states.py), summing over value blocks (NV of them):
     dQ = g_in * (dO S^T) + M K
     dK = g_out * (V dS^T) + M^T Q
 
-added into `[B, T, H, DK]` buffers (the links of a chain share one dq and one dk)."""
+added into `[B, T, H, DK]` buffers (the links of a chain share one dq and one dk).
+Non-finite entries of Q, K and V read as 0 and the causal mask selects, so a zero upstream
+gradient at the rows a non-finite token poisoned leaves every earlier row's gradient exact;
+POISON_Q (POISON_K) adds NaN to the rows of dq (dk) whose q (k) had one: set for the
+operator's own inputs, not for a link's inputs that an earlier link computed."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import load_values, packed_offsets
+from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
+from mixers.hla.tiles import bad_rows, finite, load_values, packed_offsets, poison_rows
 
 
 @triton.jit
@@ -23,12 +27,15 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
                            stride_vb, stride_vt, stride_vh,
                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                            NV: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
+                           POISON_Q: tl.constexpr, POISON_K: tl.constexpr,
                            PRECISION: tl.constexpr):
     acc: tl.constexpr = DQ.dtype.element_ty
     chunk, pid_k, b, h, bh, t, t_ok = chunk_program(H, T, C)
     rk = pid_k * BK + tl.arange(0, BK)
     q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh,
                              stride_kb, stride_kt, stride_kh, acc)
+    bad_q, bad_k = bad_rows(q), bad_rows(k)
+    q, k = finite(q), finite(k)
     M = tl.zeros([C, C], dtype=acc)
     dq = tl.zeros([C, BK], dtype=acc)
     dk = tl.zeros([C, BK], dtype=acc)
@@ -36,7 +43,8 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
         rv = i * BV + tl.arange(0, BV)
         dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
                      mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
-        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
+        v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV,
+                               ONES, acc))
         at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
         tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
         S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
@@ -45,9 +53,13 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
         dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
         dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
     weights, g_in, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
-    M = M * weights
+    M = causal(M, weights, C)
     dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
     dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
+    if POISON_Q:
+        dq += poison_rows(bad_q)[:, None]
+    if POISON_K:
+        dk += poison_rows(bad_k)[:, None]
     at = packed_offsets(b, t, h, T, H, DK, rk)
     tl.store(DQ + at, tl.load(DQ + at, mask=rows_ok, other=0.0) + dq, mask=rows_ok)
     tl.store(DK_OUT + at, tl.load(DK_OUT + at, mask=rows_ok, other=0.0) + dk, mask=rows_ok)

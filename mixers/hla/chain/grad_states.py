@@ -6,7 +6,8 @@ final state (zero when none):
 
 storing, for each chunk, the gradient of its end state before the update; after the first
 chunk dS is the gradient of the start state S0. Steps of the power-of-two loop past the
-chunks load zeros and decay by 1."""
+chunks load zeros and decay by 1. Non-finite entries of Q read as 0 (a zero upstream
+gradient at a poisoned row stays zero instead of becoming 0 * NaN)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import decay_terms, load_state, state_offsets, walk_program
-from mixers.hla.tiles import load_rows, packed_offsets
+from mixers.hla.tiles import finite, load_rows, packed_offsets
 
 
 @triton.jit
@@ -32,8 +33,8 @@ def chain_grad_states_kernel(Q, LOG_G, DO, DS1, ENDS, DS0, T, H, DK, W, NT,
         tl.store(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv), dS, mask=tile_ok & real)
         t = chunk * C + tl.arange(0, C)
         t_ok = (t < T) & real
-        q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk,
-                      t_ok[:, None] & (rk < DK)[None, :], acc)
+        q = finite(load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk,
+                             t_ok[:, None] & (rk < DK)[None, :], acc))
         dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
                      mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
         _, g_in, _, g_n = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)

@@ -5,23 +5,26 @@ key blocks (NK of them):
     dV = g_out * (K dS) + (weights * Q K^T)^T dO
 
 added into a `[B, T, H, DV]` buffer for the real value columns (a column of ones has no
-gradient; hla3's first link, whose values are its keys, adds into dk)."""
+gradient; hla3's first link, whose values are its keys, adds into dk). Non-finite entries
+of Q and K read as 0 and the causal mask selects; POISON_V adds NaN to the rows of dv whose
+v had a non-finite entry (set where v is the operator's own input)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import packed_offsets
+from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
+from mixers.hla.tiles import bad_rows, finite, load_rows, packed_offsets, poison_rows
 
 
 @triton.jit
-def chain_grad_values_kernel(Q, K, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, NT,
+def chain_grad_values_kernel(Q, K, V, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, NT,
                              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                             stride_vb, stride_vt, stride_vh,
                              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                              NK: tl.constexpr, HAS_DECAY: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             POISON_V: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = DV_OUT.dtype.element_ty
     chunk, pid_v, b, h, bh, t, t_ok = chunk_program(H, T, C)
     rv = pid_v * BV + tl.arange(0, BV)
@@ -31,6 +34,7 @@ def chain_grad_values_kernel(Q, K, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, NT,
         rk = i * BK + tl.arange(0, BK)
         q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh,
                                  stride_kb, stride_kt, stride_kh, acc)
+        q, k = finite(q), finite(k)
         dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
                      mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
         scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -38,6 +42,10 @@ def chain_grad_values_kernel(Q, K, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, NT,
     weights, _, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     values_ok = t_ok[:, None] & (rv < DV)[None, :]
     dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok, other=0.0).to(acc)
-    dv = dv * g_out[:, None] + tl.dot(tl.trans(scores * weights), dO, input_precision=PRECISION)
+    dv = dv * g_out[:, None] + tl.dot(tl.trans(causal(scores, weights, C)), dO,
+                                      input_precision=PRECISION)
+    if POISON_V:
+        v = load_rows(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, values_ok, acc)
+        dv += poison_rows(bad_rows(v))[:, None]
     at = packed_offsets(b, t, h, T, H, DV, rv)
     tl.store(DV_OUT + at, tl.load(DV_OUT + at, mask=values_ok, other=0.0) + dv, mask=values_ok)

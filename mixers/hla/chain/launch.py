@@ -61,11 +61,13 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
 
 
 def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
-             plan: ChainPlan, want_dS0: bool):
+             plan: ChainPlan, want_dS0: bool, poison: tuple[bool, bool, bool] = (True, True, True)):
     """Adds the link's gradients into float buffers: dq and dk `[B, T, H, DK]`, dv
     `[B, T, H, DV]` (each may be shared with other links), given the gradients of its
     outputs `[B, T, H, DV + ones]` and of its final state (or None). Returns the gradient
-    of its start state when `want_dS0`, else None."""
+    of its start state when `want_dS0`, else None. `poison` (for q, k, v): NaN is added to
+    the gradient rows of that input's non-finite rows; False for an input an earlier link
+    computed, whose gradient goes on to that link's backward."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     W = DV + ones
@@ -83,8 +85,9 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
         HAS_DS1=grad_S1 is not None, **common)
     chain_grad_keys_kernel[(NT, triton.cdiv(DK, plan.block_k), B * H)](
         q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NV=triton.cdiv(W, plan.block_v), ONES=ones, **common)
+        NV=triton.cdiv(W, plan.block_v), ONES=ones, POISON_Q=poison[0], POISON_K=poison[1],
+        **common)
     chain_grad_values_kernel[(NT, triton.cdiv(DV, plan.block_v), B * H)](
-        q, k, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k),
-        NK=triton.cdiv(DK, plan.block_k), **common)
+        q, k, v, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k, v),
+        NK=triton.cdiv(DK, plan.block_k), POISON_V=poison[2], **common)
     return dS0 if want_dS0 else None

@@ -3,15 +3,18 @@ block, batch x head), from the chunk's start state S (states.py):
 
     O = g_in * (Q S) + (weights * Q K^T) V
 
-The key dim is summed over blocks of BK in a loop (NK of them)."""
+The key dim is summed over blocks of BK in a loop (NK of them). Non-finite entries of V read
+as 0 and NaN is added to the rows from the first such row of the chunk on; the causal mask
+selects, so a NaN q or k row reaches only its own and later rows (a non-finite token of an
+earlier chunk reaches this one through its start state)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import load_values, packed_offsets
+from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
+from mixers.hla.tiles import bad_rows, finite, load_values, packed_offsets, poison_from
 
 
 @triton.jit
@@ -36,6 +39,8 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
         scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
     weights, g_in, _, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
-    out = out * g_in[:, None] + tl.dot(scores * weights, v, input_precision=PRECISION)
+    out = (out * g_in[:, None]
+           + tl.dot(causal(scores, weights, C), finite(v), input_precision=PRECISION)
+           + poison_from(bad_rows(v))[:, None])
     tl.store(O + packed_offsets(b, t, h, T, H, W, rv), out,
              mask=t_ok[:, None] & (rv < W)[None, :])

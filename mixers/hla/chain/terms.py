@@ -35,6 +35,14 @@ def decay_terms(chunk, T, LOG_G, h, C: tl.constexpr, HAS_DECAY: tl.constexpr,
 
 
 @triton.jit
+def causal(x, weights, C: tl.constexpr):
+    """weights * x on and below the diagonal, 0 above it, by selection: a later row's NaN
+    or inf reads 0 there, not 0 * NaN (the non-finite rule)."""
+    rows = tl.arange(0, C)
+    return tl.where(rows[:, None] >= rows[None, :], x * weights, 0.0)
+
+
+@triton.jit
 def state_offsets(bh, NT, chunk, DK, W, rk, rv):
     """Offsets of one chunk's `[DK, W]` tile (rows rk, columns rv) in a per-chunk state
     buffer `[B * H, NT, DK, W]`."""

@@ -28,7 +28,8 @@ from mixers.dispatch import opaque
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
-                               check_flag, check_qkv, check_state, resolve_impl)
+                               check_flag, check_qkv, check_state, kernel_read_out,
+                               resolve_impl)
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.naive import hla3_naive
 from mixers.hla.hla3.scan import hla3_scan
@@ -115,16 +116,13 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
         impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
     else:
         impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
+    if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
+        from mixers.hla.hla3.triton import hla3_triton_packed
+        o, *carries = opaque(hla3_triton_packed, q, k, v, *carries, normalize, chunk_size)
+        o = kernel_read_out(o, normalize, eps, q.dtype)
+        return o, (_state_dict(carries, variant, normalize) if output_final_state else None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     q_in, k_in, v_in = guard.inputs
-    if impl == "triton":
-        from mixers.hla.hla3.triton import hla3_triton_packed
-        o, *carries = opaque(hla3_triton_packed, q_in, k_in, v_in, *carries, normalize,
-                             chunk_size)
-        o = guard.outputs(read_out(o, normalize, eps, q.dtype))
-        if not output_final_state:
-            return o, None
-        return o, guard.state(_state_dict(carries, variant, normalize))
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "chunk":

@@ -6,7 +6,8 @@ over the same queries, keys and decay,
 as one differentiable op. The forward keeps X (`[B, T, H, Dv(+1)]`) and both links' chunk
 start states (`[B * H, NT, D, Dv(+1)]` each, in the compute dtype) when a gradient will be
 asked for; the backward runs the links in reverse, adding dq and dk of both into one
-buffer each."""
+buffer each. X is computed, so the second link's backward adds no NaN to dX's rows (its
+non-finite rows read as 0 there; the first link's backward poisons v's own rows)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class _AHLA2Chain(torch.autograd.Function):
         dk, dX = torch.zeros_like(dq), torch.zeros_like(X)
         dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
         dE0 = chain.backward(q, k, X, ctx.log_g, False, E_starts, grad_out, grad_E, dq, dk, dX,
-                             ctx.plan, want_dS0=True)
+                             ctx.plan, want_dS0=True, poison=(True, True, False))
         dP0 = chain.backward(q, k, v, ctx.log_g, ctx.normalize, P_starts, dX, grad_P, dq, dk,
                              dv, ctx.plan, want_dS0=True)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dP0, dE0, None, None, None
@@ -55,5 +56,6 @@ class _AHLA2Chain(torch.autograd.Function):
 def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int = 64):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states
     `[B, H, D, Dv(+1)]` in the compute dtype -> (packed outputs `[B, T, H, Dv(+1)]`, P, E).
-    Inputs are taken as given (the caller checks them and applies the non-finite rule)."""
+    Inputs are taken as given (the caller checks them); the kernels keep the non-finite rule
+    (mixers/hla/chain): read the outputs out with mixers.hla.common.kernel_read_out."""
     return _AHLA2Chain.apply(q, k, v, P0, E0, decay, normalize, chunk_size)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from mixers.hla.common import normalize_grads
 from mixers.hla.hla2.triton.backward import _final_grads, _masked_backward
-from mixers.hla.hla2.triton.common import _cdiv, _normalize_grads, _shape_args
+from mixers.hla.hla2.triton.common import _cdiv, _shape_args
 from mixers.hla.hla2.triton.increments import _chunk_increments
 from mixers.hla.hla2.triton.output import _chunk_output
 from mixers.hla.hla2.triton.paper import _hla2_paper
@@ -73,7 +74,7 @@ class _HLA2Masked(torch.autograd.Function):
         dden = None
         if ctx.normalize:  # o = n / (den + eps): dn = do / (den + eps), dden = -(do . o) / ..
             o, den = saved
-            dn, dden = _normalize_grads(do, o, den, ctx.eps)
+            dn, dden = normalize_grads(do, o, den, ctx.eps)
             do, dden = dn.to(q.dtype), dden.contiguous()
         want_init_grad = any(ctx.needs_input_grad[3:6])
         final_grads = _final_grads(q, D, DV, ctx.normalize, (gs1, ga1, gan1))

@@ -53,7 +53,7 @@ its outputs from the first non-finite token on, and its final states after one, 
 None of this touches the scans' loops; the per-chunk kernels spend a compare and a select or
 two per loaded entry (v in the output kernel, q, k, v in the backward) and a select per
 C x C entry of the output's mixing matrix. Normalize's division passes a zero upstream
-gradient at a poisoned output on as zero (_normalize_grads).
+gradient at a poisoned output on as zero (normalize_grads in mixers/hla/common.py).
 """
 
 import os
@@ -61,6 +61,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 
 
 def _autotuned(warps, key, first_only=None):
@@ -146,30 +147,6 @@ def _load_columns(ptr, i_b, i_h, t, T, cols, H: tl.constexpr, W: tl.constexpr,
 def _load_den(ptr, i_b, i_h, t, T, H: tl.constexpr):
     """[len(t)] entries of a [B, T, H] fp32 tensor; past T zero."""
     return tl.load(ptr + (i_b * T + t).to(tl.int64) * H + i_h, mask=t < T, other=0.0)
-
-
-@triton.jit
-def _finite(x):
-    """x with its NaN and inf entries read as 0 (see "Non-finite inputs" above)."""
-    return tl.where(tl.abs(x) < float("inf"), x, 0.0).to(x.dtype)
-
-
-@triton.jit
-def _bad_rows(x):
-    """[rows] fp32: 1 where a row of x has a NaN or inf entry, else 0."""
-    return tl.max(tl.where(tl.abs(x) < float("inf"), 0.0, 1.0), axis=1)
-
-
-@triton.jit
-def _poison_rows(bad):
-    """[rows] fp32: NaN at the bad rows, 0 elsewhere (bad: 1 at a bad row)."""
-    return tl.where(bad > 0, float("nan"), 0.0)
-
-
-@triton.jit
-def _poison_from(bad):
-    """[rows] fp32: NaN from the first bad row on, 0 before it (bad: 1 at a bad row)."""
-    return tl.where(tl.cumsum(bad, axis=0) > 0, float("nan"), 0.0)
 
 
 @triton.jit
@@ -269,34 +246,6 @@ def _state_tensor(state: dict, key: str) -> torch.Tensor:
     return x
 
 
-def _normalize_grads(do, o, den, eps):
-    """(dn, dden) of o = n / (den + eps) for the upstream do ([B, T, H, Dv], den [B, T, H]):
-    dn = do / (den + eps), dden = -(do . o) / (den + eps), both fp32. NaN and inf entries
-    of o and den (outputs poisoned by a non-finite input) pass no gradient on, so a zero
-    upstream there stays zero instead of becoming 0 * NaN, and the inputs before the bad
-    token keep their gradients (the non-finite rule); a NaN upstream still reaches dn and
-    dden. Costs one more pass over o than the plain formulas."""
-    scale = torch.where(torch.isfinite(den), 1.0 / (den + eps), 0.0)
-    o = torch.nan_to_num(o.float(), nan=0.0, posinf=0.0, neginf=0.0)
-    dden = -(do.float() * o).sum(-1) * scale
-    return do.float() * scale.unsqueeze(-1), dden
-
-
-class _Normalized(torch.autograd.Function):
-    """o = n / (den + eps) with the backward of _normalize_grads (n [.., Dv], den [..])."""
-
-    @staticmethod
-    def forward(ctx, n, den, eps):
-        o = n / (den + eps).unsqueeze(-1)
-        ctx.save_for_backward(o, den)
-        ctx.eps = eps
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        o, den = ctx.saved_tensors
-        dn, dden = _normalize_grads(do, o, den, ctx.eps)
-        return dn.to(o.dtype), dden.to(den.dtype), None
 
 
 def _shape_args(q, v, log2g, normalize, plan):

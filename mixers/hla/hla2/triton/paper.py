@@ -25,10 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.hla2.triton.common import (_Normalized, _bad_rows, _block, _cdiv, _dim_ok,
-                                           _finite, _load_tokens, _loop_bound, _mat_offsets,
-                                           _overwrite_barrier, _poison_from, _poison_rows,
-                                           _state_tensor, _store_tokens, _tile_ok)
+from mixers.hla.common import Normalized
+from mixers.hla.hla2.triton.common import (_block, _cdiv, _dim_ok, _load_tokens, _loop_bound,
+                                           _mat_offsets, _overwrite_barrier, _state_tensor,
+                                           _store_tokens, _tile_ok)
+from mixers.hla.tiles import (bad_rows as _bad_rows, finite as _finite,
+                              poison_from as _poison_from, poison_rows as _poison_rows)
 
 
 @triton.jit
@@ -419,7 +421,7 @@ def _hla2_paper(q, k, v, *, normalize, eps, decay, initial_state, output_final_s
     log2g = torch.log2(decay.float()).contiguous()
     o, s1, c1, g1 = _HLA2Paper.apply(q, k, v_in, s0, c0, g0, log2g, plan, output_final_state)
     if normalize:
-        o = _Normalized.apply(o[..., :DV].float(), o[..., DV].float(), eps).to(q.dtype)
+        o = Normalized.apply(o[..., :DV].float(), o[..., DV].float(), eps).to(q.dtype)
     if not output_final_state:
         return o, None
     final = {"S": s1, "C": c1[..., :DV].contiguous(), "G": g1[..., :DV].contiguous()}

@@ -9,7 +9,8 @@ for any state the op makes; S^K goes in and out transposed, so that a start stat
 not symmetric is read, and differentiated, as the PyTorch forms read it.
 The forward keeps Y, R and the three links' chunk start states when a gradient will be
 asked for; the backward runs the links in reverse: the last link's key gradient is dY, its
-value gradient dR, and the first link adds its value gradient into dk."""
+value gradient dR, and the first link adds its value gradient into dk. Y and R are
+computed, so the last link's backward adds no NaN to their gradients' rows."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class _HLA3Chain(torch.autograd.Function):
         dk, dY, dR = torch.zeros_like(dq), torch.zeros_like(dq), torch.zeros_like(R)
         dv = torch.zeros(v.shape, dtype=R.dtype, device=v.device)
         dF0 = chain.backward(q, Y, R, None, False, F_starts, grad_out, grad_F, dq, dY, dR,
-                             values_plan, want_dS0=True)
+                             values_plan, want_dS0=True, poison=(True, False, False))
         dP0 = chain.backward(q, k, v, None, ctx.normalize, P_starts, dR, grad_P, dq, dk, dv,
                              values_plan, want_dS0=True)
         dS0 = chain.backward(q, k, k, None, False, S_starts, dY,
@@ -58,6 +59,7 @@ class _HLA3Chain(torch.autograd.Function):
 def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states (S^K
     `[B, H, D, D]`, P and F `[B, H, D, Dv(+1)]`) in the compute dtype -> (packed outputs
-    `[B, T, H, Dv(+1)]`, S, P, F). Inputs are taken as given (the caller checks them and
-    applies the non-finite rule)."""
+    `[B, T, H, Dv(+1)]`, S, P, F). Inputs are taken as given (the caller checks them); the
+    kernels keep the non-finite rule (mixers/hla/chain): read the outputs out with
+    mixers.hla.common.kernel_read_out."""
     return _HLA3Chain.apply(q, k, v, S0, P0, F0, normalize, chunk_size)
