@@ -5,7 +5,7 @@ chunked linear attention: which plan the family's ops should take on this GPU.
 
 bf16, 16 heads, 65,536 tokens a call (batch = 65536 // T), no decay, no start state. For
 each plan (the default of plan_chain, then one change at a time: value blocks of 32, 4
-warps, 3 pipeline stages, chunks of 32) the forward (`forward`) and the forward with its
+warps, 3 pipeline stages, chunks of 32, scan programs of 64 entries) the forward (`forward`) and the forward with its
 backward (`forward` keeping the chunk states, then `backward`) are timed with the
 harness's method (hla_bench.engine.timing.time_calls: a quarter second of samples, the L2
 cache flushed between them); fla's `chunk_linear_attn` (normalize off) where it imports.
@@ -33,7 +33,8 @@ def variants(D: int) -> dict:
             "block_v 32": dataclasses.replace(base, block_v=32),
             "4 warps": dataclasses.replace(base, warps=4),
             "3 stages": dataclasses.replace(base, stages=3),
-            "chunk 32": dataclasses.replace(base, chunk=32)}
+            "chunk 32": dataclasses.replace(base, chunk=32),
+            "scan blocks of 64": dataclasses.replace(base, scan_block=64)}
 
 
 def link_calls(q, k, v, plan):
@@ -106,7 +107,7 @@ def main() -> None:
                         row["ratio_to_fla"] = round(row["median_ms"]
                                                     / reference[mode]["median_ms"], 3)
                     rows.append(row)
-            for row in rows[-12:]:
+            for row in rows[-14:]:
                 if row["D"] == D and row["T"] == T:
                     print(f"D={D:3d} T={T:6d} {row['mode']:6s} {row['plan']:22s} "
                           f"{row['median_ms']:8.3f} ms  spread {row['spread'] or 0:.1%}  "

@@ -27,7 +27,8 @@ from mixers.hla.hla3 import hla3, hla3_step
 from mixers.hla.hla3.triton import decode as hla3_decode
 
 # (module, kernel name): every kernel of the family
-KERNELS = [(chain_launch, "chain_states_kernel"), (chain_launch, "chain_output_kernel"),
+KERNELS = [(chain_launch, "chain_states_kernel"), (chain_launch, "chain_scan_kernel"),
+           (chain_launch, "chain_output_kernel"),
            (chain_launch, "chain_grad_states_kernel"), (chain_launch, "chain_grad_keys_kernel"),
            (chain_launch, "chain_grad_values_kernel"),
            (ahla2_decode, "ahla2_step_kernel"), (hla3_decode, "hla3_step_kernel")]

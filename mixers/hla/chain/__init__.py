@@ -15,13 +15,13 @@ link are y_u = S^K_u q_u and its values r_u = q_u^T P_u, so its state is F_t = s
 y_u r_u^T, the recurrence of mixers/hla/hla3 (F_t = F_{t-1} + (S^K_t q_t)(q_t^T P_t)). The
 links' final states are the operators' states: (P, E) and (S^K, P, F).
 
-  plan.py         ChainPlan, plan_chain: chunk, key and value blocks, warps
-  terms.py        a chunk's decay weights
-  states.py       forward: each chunk's start state, one program per (key block, value
-                  block, batch x head) walking the chunks
+  plan.py         ChainPlan, plan_chain: chunk, key and value blocks, warps, the scan's launch
+  terms.py        a chunk's decay weights and causal mask
+  states.py       forward: every chunk's increment of the state at once
+  scan.py         the scan over chunks (forward and reverse) that turns increments into
+                  each chunk's start state (or the gradient of its end state), in place
   output.py       forward: every chunk's outputs at once from its start state
-  grad_states.py  backward: the gradient of each chunk's end state, walking the chunks
-                  last to first
+  grad_states.py  backward: every chunk's increment of the state gradient at once
   grad_keys.py    backward: dq and dk of every chunk at once (added into buffers shared
                   by the links of a chain)
   grad_values.py  backward: dv of every chunk at once

@@ -11,6 +11,7 @@ from mixers.hla.chain.grad_states import chain_grad_states_kernel
 from mixers.hla.chain.grad_values import chain_grad_values_kernel
 from mixers.hla.chain.output import chain_output_kernel
 from mixers.hla.chain.plan import ChainPlan
+from mixers.hla.chain.scan import chain_scan_kernel
 from mixers.hla.chain.states import chain_states_kernel
 
 
@@ -26,9 +27,21 @@ def strides(*tensors) -> tuple[int, ...]:
 
 
 def launch_options(plan: ChainPlan, has_decay: bool) -> dict:
-    """The compile-time arguments every kernel of a link takes from its plan."""
+    """The compile-time arguments every chunk kernel of a link takes from its plan."""
     return dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=has_decay,
                 PRECISION=plan.precision, num_warps=plan.warps, num_stages=plan.stages)
+
+
+def scan(buffer, log_g, start, end, T: int, plan: ChainPlan, reverse: bool) -> None:
+    """The chunk scan (scan.py) of a per-chunk buffer `[B * H, NT, DK, W]` of increments,
+    in place, from `start` (`[B, H, DK, W]` or None: zeros) into `end`."""
+    BH, NT, DK, W = buffer.shape
+    size = DK * W
+    chain_scan_kernel[(triton.cdiv(size, plan.scan_block), BH)](
+        buffer, log_g if log_g is not None else end, start if start is not None else end, end,
+        T, end.shape[1], NT, size, C=plan.chunk, BLOCK=plan.scan_block,
+        NT_BOUND=triton.next_power_of_2(NT), REVERSE=reverse, HAS_DECAY=log_g is not None,
+        HAS_X0=start is not None, num_warps=plan.scan_warps)
 
 
 def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
@@ -44,24 +57,27 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     NT = triton.cdiv(T, plan.chunk)
     if listening():  # the launch plan, for the results' `resolved`
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
-                        f"{plan.warps} warps, {plan.stages} stages, {plan.precision}")
+                        f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, scan "
+                        f"blocks of {plan.scan_block}")
     starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
     S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     out = torch.empty(B, T, H, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else S1
     common = launch_options(plan, log_g is not None)
-    chain_states_kernel[(triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v), B * H)](
-        k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W, NT,
-        *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones, HAS_S0=S0 is not None,
-        **common)
+    NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
+    chain_states_kernel[(NT, NK * NV, B * H)](k, v, gate, starts, T, H, DK, DV, W, NT, NV,
+                                              *strides(k, v), ONES=ones, **common)
+    scan(starts, log_g, S0.contiguous() if S0 is not None else None, S1, T, plan,
+         reverse=False)
     chain_output_kernel[(NT, triton.cdiv(W, plan.block_v), B * H)](
         q, k, v, gate, starts, out, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NK=triton.cdiv(DK, plan.block_k), ONES=ones, **common)
+        NK=NK, ONES=ones, **common)
     return out, S1, starts if keep_starts else None
 
 
 def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
-             plan: ChainPlan, want_dS0: bool, poison: tuple[bool, bool, bool] = (True, True, True)):
+             plan: ChainPlan, want_dS0: bool,
+             poison: tuple[bool, bool, bool] = (True, True, True)):
     """Adds the link's gradients into float buffers: dq and dk `[B, T, H, DK]`, dv
     `[B, T, H, DV]` (each may be shared with other links), given the gradients of its
     outputs `[B, T, H, DV + ones]` and of its final state (or None). Returns the gradient
@@ -78,16 +94,15 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else dS0
     common = launch_options(plan, log_g is not None)
-    chain_grad_states_kernel[(triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v),
-                              B * H)](
-        q, gate, grad_out, grad_S1.to(dtype).contiguous() if grad_S1 is not None else dS0,
-        ends, dS0, T, H, DK, W, NT, *strides(q), NT_BOUND=triton.next_power_of_2(NT),
-        HAS_DS1=grad_S1 is not None, **common)
+    NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
+    chain_grad_states_kernel[(NT, NK * NV, B * H)](q, gate, grad_out, ends, T, H, DK, W, NT, NV,
+                                                   *strides(q), **common)
+    scan(ends, log_g, grad_S1.to(dtype).contiguous() if grad_S1 is not None else None, dS0, T,
+         plan, reverse=True)
     chain_grad_keys_kernel[(NT, triton.cdiv(DK, plan.block_k), B * H)](
         q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NV=triton.cdiv(W, plan.block_v), ONES=ones, POISON_Q=poison[0], POISON_K=poison[1],
-        **common)
+        NV=NV, ONES=ones, POISON_Q=poison[0], POISON_K=poison[1], **common)
     chain_grad_values_kernel[(NT, triton.cdiv(DV, plan.block_v), B * H)](
         q, k, v, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NK=triton.cdiv(DK, plan.block_k), POISON_V=poison[2], **common)
+        NK=NK, POISON_V=poison[2], **common)
     return dS0 if want_dS0 else None

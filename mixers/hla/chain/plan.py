@@ -27,7 +27,8 @@ def block(size: int, cap: int = 64) -> int:
 class ChainPlan:
     """Tokens per chunk, the key and value columns a program holds (larger head dims loop
     over blocks or spread over programs), warps per program, the software pipeline's stages
-    (loads issued that many loop steps ahead), and tl.dot's input precision:
+    (loads issued that many loop steps ahead), tl.dot's input precision, and the chunk
+    scan's launch (entries and warps per program). Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
     chained calls round to it), exact for float32 and float64."""
 
@@ -37,6 +38,8 @@ class ChainPlan:
     warps: int
     stages: int
     precision: str
+    scan_block: int = 256   # state entries per program of the chunk scan (scan.py)
+    scan_warps: int = 2
 
 
 def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,

@@ -1,40 +1,34 @@
-"""Forward, first stage: the start state of every chunk. One program per (key block, value
-block, batch x head) walks the chunks in order:
+"""Forward, first stage: every chunk's increment of the state at once, one program per
+(chunk, key block x value block, batch x head):
 
-    S <- g^n S + K^T (g_out * V)        (n the chunk's real tokens, g_out[i] = g^(n - 1 - i))
+    dS_c = K_c^T (g_out * V_c)        (g_out[i] = g^(n - 1 - i), n the chunk's real tokens)
 
-storing each chunk's start state before its update, and the final state after the last.
-The loop's bound is a compile-time power of two (one compile per bucket of T; the Triton
-interpreter cannot loop to a runtime bound): steps past the last chunk load zeros, decay by
-g^0 and change nothing.
-"""
+stored in the chunk's entry of the per-chunk buffer, which the scan (scan.py) then turns
+into the chunk's start state. A non-finite k or v makes its chunk's increment, and through
+the scan every later chunk's state, non-finite."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import decay_terms, load_state, state_offsets, walk_program
+from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
 from mixers.hla.tiles import load_rows, load_values
 
 
 @triton.jit
-def chain_states_kernel(K, V, LOG_G, S0, STARTS, S1, T, H, DK, DV, W, NT,
+def chain_states_kernel(K, V, LOG_G, STATES, T, H, DK, DV, W, NT, NV,
                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        NT_BOUND: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
-                        HAS_S0: tl.constexpr, PRECISION: tl.constexpr):
-    acc: tl.constexpr = S1.dtype.element_ty
-    b, h, bh, rk, rv, tile_ok, final = walk_program(H, DK, W, BK, BV)
-    S = load_state(S0, final, tile_ok, HAS_S0, BK, BV, acc)
-    for chunk in range(NT_BOUND):
-        tl.store(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv), S,
-                 mask=tile_ok & (chunk < NT))
-        t = chunk * C + tl.arange(0, C)
-        t_ok = t < T
-        k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk,
-                      t_ok[:, None] & (rk < DK)[None, :], acc)
-        v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
-        _, _, g_out, g_n = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
-        S = S * g_n + tl.dot(tl.trans(k * g_out[:, None]), v, input_precision=PRECISION)
-    tl.store(S1 + final, S, mask=tile_ok)
+                        ONES: tl.constexpr, HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
+    acc: tl.constexpr = STATES.dtype.element_ty
+    chunk, block, b, h, bh, t, t_ok = chunk_program(H, T, C)
+    rk = (block // NV) * BK + tl.arange(0, BK)
+    rv = (block % NV) * BV + tl.arange(0, BV)
+    k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk,
+                  t_ok[:, None] & (rk < DK)[None, :], acc)
+    v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
+    _, _, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    increment = tl.dot(tl.trans(k * g_out[:, None]), v, input_precision=PRECISION)
+    tl.store(STATES + state_offsets(bh, NT, chunk, DK, W, rk, rv), increment,
+             mask=(rk < DK)[:, None] & (rv < W)[None, :])
