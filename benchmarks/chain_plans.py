@@ -114,7 +114,7 @@ def main() -> None:
                           f"x fla {row.get('ratio_to_fla', '-')}", flush=True)
     if args.yaml:
         with open(args.yaml, "w") as f:
-            yaml.safe_dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            yaml.safe_dump({"gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
                             "rows": rows}, f, sort_keys=False)
 
 

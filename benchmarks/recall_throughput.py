@@ -7,7 +7,8 @@ config's learning rates train exactly `--steps` steps each (no evaluation, no ea
 each mode, all at once on the GPU: one process per run alone, one process per group
 stacked. Throughput is the runs' total steps over the wall time from the first timed step
 to the last (setup, data generation and warm-up are excluded: each worker reports when its
-timed steps began and ended). Writes one YAML with both rates per cell and their ratio.
+timed steps began and ended, and the workers of a mode start their timed steps together,
+once all have warmed up). Writes one YAML with both rates per cell and their ratio.
 
     python benchmarks/recall_throughput.py --config zoology-smoke \
         --cells 64:64,256:128 --steps 150 --out throughput.yaml
@@ -28,8 +29,20 @@ import yaml
 WARMUP_STEPS = 5
 
 
-def _init(threads: int) -> None:
+_START = None  # with every item of a pool at once: the barrier its workers pass after warm-up
+
+
+def _init(threads: int, barrier=None) -> None:
+    global _START
     torch.set_num_threads(threads)
+    _START = barrier
+
+
+def _together() -> None:
+    """Wait for every worker of the pool to finish its warm-up (compilation, capture), so
+    that the timed steps of all of them overlap and the rate measures them sharing the GPU."""
+    if _START is not None:
+        _START.wait()
 
 
 def _alone(spec: dict, steps: int) -> dict:
@@ -62,6 +75,7 @@ def _alone(spec: dict, steps: int) -> dict:
     for index in range(WARMUP_STEPS):
         step(index)
     torch.cuda.synchronize()
+    _together()
     start = time.time()
     for index in range(steps):
         step(index)
@@ -80,6 +94,7 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
     started = time.perf_counter()
     trainer.train_to(WARMUP_STEPS)  # eager warm-up steps (compilation) and the capture
     warmup_s = time.perf_counter() - started
+    _together()
     start = time.time()
     trainer.train_to(WARMUP_STEPS + steps)
     return {"start": start, "end": time.time(), "model_steps": steps * len(group),
@@ -131,10 +146,14 @@ def _rate(reports: list[dict]) -> dict:
 
 
 def _pool(function, items, workers: int, *args) -> list[dict]:
+    """function(item, *args) for each item on `workers` processes; when they run every item
+    at once, their timed steps start together (_together)."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
-                             initargs=(max(1, 16 // workers),)) as pool:
-        return list(pool.map(function, items, *([a] * len(items) for a in args)))
+    with context.Manager() as manager:
+        barrier = manager.Barrier(workers) if workers == len(items) > 1 else None
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
+                                 initargs=(max(1, 16 // workers), barrier)) as pool:
+            return list(pool.map(function, items, *([a] * len(items) for a in args)))
 
 
 def main() -> None:

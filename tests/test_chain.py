@@ -140,4 +140,4 @@ def test_a_chained_call_notes_its_launch_plan():
     with noting() as notes:
         ahla2(q, k, v, impl="triton")
     assert notes == {"impl": "triton", "chain_plan":
-                     "chunk 64, blocks 32 x 32, 8 warps, 2 stages, ieee, scan blocks of 256"}
+                     "chunk 64, blocks 32 x 32, 4 warps, 2 stages, ieee, scan blocks of 256"}

@@ -46,13 +46,12 @@ def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
                chunk_size: int = 64) -> ChainPlan:
     """Chunks of 64 tokens (16 in float64, whose tiles take twice the registers; a smaller
     power of two when the caller asks for one), blocks of up to 64 key and value columns,
-    8 warps and 2 pipeline stages. Compiled for sm_90a (benchmarks/family_resources.py) no
-    kernel spills at head dims 16 to 512, the largest takes 168 KiB of shared memory (the
-    dq / dk kernel) and at most 232 registers a thread; at 4 warps the walks and the
-    gradient kernels reach 255 registers and spill."""
+    4 warps and 2 pipeline stages (on an H200, benchmarks/chain_plans.py: 4 warps take
+    0.8x the time of 8 at D = 64 and 128; value blocks of 32, 3 stages and chunks of 32
+    are no faster)."""
     chunk = 16 if dtype == torch.float64 else 64
     if chunk_size in (16, 32) and chunk_size < chunk:
         chunk = chunk_size
     precision = "tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee"
-    return ChainPlan(chunk=chunk, block_k=block(key_dim), block_v=block(value_width), warps=8,
+    return ChainPlan(chunk=chunk, block_k=block(key_dim), block_v=block(value_width), warps=4,
                      stages=2, precision=precision)
