@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from mixers.dispatch import opaque
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
-                               check_flag, check_qkv, exclusive_cumsum, pad_to_multiple,
-                               resolve_impl)
+                               check_flag, check_qkv, exclusive_cumsum, kernel_read_out,
+                               pad_to_multiple, resolve_impl)
 
 IMPLS = ("auto", "chunk", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -118,8 +118,8 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         # the identity map costs no copy; another map runs in the compute dtype first.
         inputs = (q, k, v) if feature_map == "identity" else (phi(q.to(dtype)), phi(k.to(dtype)),
                                                              v.to(dtype))
-        return _triton(FiniteInputs(*inputs), state, normalize, eps, chunk_size, q.dtype,
-                       out_dtype, output_final_state)
+        return _triton(inputs, state, normalize, eps, chunk_size, q.dtype, out_dtype,
+                       output_final_state)
     # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
@@ -144,24 +144,28 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return guard.outputs(o.to(out_dtype)), (guard.state(final) if output_final_state else None)
 
 
-def _triton(guard, state, normalize, eps, chunk_size, input_dtype, out_dtype,
+def _triton(inputs, state, normalize, eps, chunk_size, input_dtype, out_dtype,
             output_final_state):
     """linear_attn through the chain's link: the features and values (as given: 16-bit
     inputs of the identity map, else the compute dtype) with a column of ones for the
-    denominator when normalized; z is the state's ones column."""
+    denominator when normalized; z is the state's ones column. The kernels keep the
+    non-finite rule (mixers/hla/chain); the state never reads q, so a final state asked for
+    is set to NaN here for a (batch, head) with a non-finite query, as the rule asks."""
     from mixers.hla.chain.link import linear_attention_packed
 
     S0 = state["S"]
     if normalize:
         S0 = torch.cat([S0, state["z"].unsqueeze(-1)], dim=-1)
-    out, S1 = opaque(linear_attention_packed, *guard.inputs, S0, normalize, chunk_size,
-                     input_dtype)
+    out, S1 = opaque(linear_attention_packed, *inputs, S0, normalize, chunk_size, input_dtype)
+    o = kernel_read_out(out, normalize, eps, out_dtype)
+    if not output_final_state:
+        return o, None
     Dv = state["S"].shape[-1]
-    o, final = out, {"S": S1}
-    if normalize:
-        o = out[..., :Dv] / (out[..., Dv:] + eps)
-        final = {"S": S1[..., :Dv], "z": S1[..., Dv]}
-    return guard.outputs(o.to(out_dtype)), (guard.state(final) if output_final_state else None)
+    final = {"S": S1[..., :Dv], "z": S1[..., Dv]} if normalize else {"S": S1}
+    q = inputs[0]
+    bad = ~torch.isfinite(q.sum(-1, dtype=S1.dtype)).all(1)            # [B, H]
+    return o, {key: torch.where(bad.view(*bad.shape, *(1,) * (x.dim() - 2)), torch.nan, x)
+               for key, x in final.items()}
 
 
 def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1e-6,

@@ -82,6 +82,8 @@ TORCH_FORMS = {
     "linear-attn": _op(linear_attn, chunk_size=16),
     "linear-attn-elu1-normalize": _op(linear_attn, chunk_size=16, feature_map="elu1",
                                       normalize=True),
+    "linear-attn-triton-elu1-normalize": _op(linear_attn, impl="triton", chunk_size=16,
+                                             feature_map="elu1", normalize=True),
     "mamba2-chunk": _ssd("chunk"),
     "mamba2-naive": _ssd("naive"),
 }
@@ -192,8 +194,10 @@ def test_non_finite_input_changes_only_later_outputs(name, which, value):
 
 # (form, value): NaN everywhere; inf for the PyTorch forms and for one form of each Triton
 # kernel family (the kernels test NaN and inf alike; the interpreter's backward is slow).
-# ahla2's and hla3's Triton forms are chains of one linear-attention kernel: one family.
-CHAIN_FORMS = ("ahla2-triton", "ahla2-triton-decay-normalize", "hla3-triton-normalize")
+# ahla2's and hla3's Triton forms are chains of one linear-attention kernel, the kernel of
+# linear_attn's: one family.
+CHAIN_FORMS = ("ahla2-triton", "ahla2-triton-decay-normalize", "hla3-triton-normalize",
+               "linear-attn-triton-elu1-normalize")
 INF_KERNEL_FORMS = ("hla2-triton", "hla2-triton-paper-decay", "ahla2-triton")
 BACKWARD_CASES = [(name, value) for name in FORMS
                   for value in ("nan", "inf")
