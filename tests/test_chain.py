@@ -25,12 +25,19 @@ def token_by_token(q, k, v, S0, decay, ones):
     return torch.stack(outputs, 1), S
 
 
-@pytest.mark.parametrize("T, D, Dv", [(37, 24, 40), (21, 80, 70)],
-                         ids=["one-block", "two-blocks"])
-@pytest.mark.parametrize("decay", [None, DECAY], ids=["plain", "decay"])
-@pytest.mark.parametrize("ones", [False, True], ids=["values", "ones-column"])
-@pytest.mark.parametrize("start", [False, True], ids=["zero-start", "start"])
-def test_a_link_equals_its_token_by_token_sum(T, D, Dv, decay, ones, start):
+# Every pair of the four options (head dims of one block or two, decay, a ones column, a
+# start state) in some case, and all four together.
+LINK_CASES = [(blocks, decay, ones, start) for blocks, decay, ones, start in (
+    (False, False, False, False), (False, True, True, True), (True, False, True, True),
+    (True, True, False, True), (True, True, True, False), (True, True, True, True))]
+
+
+@pytest.mark.parametrize("two_blocks, with_decay, ones, start", LINK_CASES, ids=[
+    "-".join(name for name, on in zip(("two-blocks", "decay", "ones-column", "start"), case)
+             if on) or "plain" for case in LINK_CASES])
+def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, start):
+    T, D, Dv = (21, 80, 70) if two_blocks else (37, 24, 40)
+    decay = DECAY if with_decay else None
     gen = torch.Generator().manual_seed(0)
     q, k, v = (0.3 * torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
                for d in (D, D, Dv))
@@ -68,8 +75,8 @@ def test_plans():
     assert plan_chain(24, 21, torch.bfloat16, chunk_size=128).chunk == 64
 
 
-@pytest.mark.parametrize("feature_map", ["identity", "elu1", "relu", "taylor"])
-@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("feature_map, normalize", [
+    ("identity", False), ("identity", True), ("elu1", True), ("relu", False), ("taylor", True)])
 def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, normalize):
     """linear_attn(impl="triton"): the link on phi's features (the denominator as a column of
     ones), from a start state, against the token-by-token form; gradients against the

@@ -60,8 +60,9 @@ def test_two_calls_chained_by_the_state_equal_one(name):
         assert relative_error(end[key], whole_state[key]) < 1e-10, key
 
 
-@pytest.mark.parametrize("name, D", [(name, 20) for name in OPS] + [("hla3", 80)])
-@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("name, D, normalize", [(name, 20, normalize) for name in OPS
+                                                 for normalize in (False, True)]
+                         + [("hla3", 80, True)])
 def test_gradients_match_the_chunk_form(name, D, normalize):
     """Through the backward kernels, at a key dim of one block (20) and of two (hla3 at 80)."""
     op, _, _, options = OPS[name]

@@ -21,23 +21,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk_at(step, NT, REVERSE: tl.constexpr):
-    """The chunk a scan's step visits (clamped into range for steps past the last)."""
-    if REVERSE:
-        chunk = tl.maximum(NT - 1 - step, 0)
-    else:
-        chunk = tl.minimum(step, NT - 1)
-    return chunk
-
-
-@triton.jit
-def _increment(BUF, bh, step, NT, SIZE, at, ok, REVERSE: tl.constexpr):
-    """The increment a step reads (zeros past the last chunk)."""
-    where = (bh.to(tl.int64) * NT + _chunk_at(step, NT, REVERSE)) * SIZE + at
-    return tl.load(BUF + where, mask=ok & (step < NT), other=0.0)
-
-
-@triton.jit
 def chain_scan_kernel(BUF, LOG_G, X0, X1, T, H, NT, SIZE, C: tl.constexpr,
                       BLOCK: tl.constexpr, NT_BOUND: tl.constexpr, REVERSE: tl.constexpr,
                       HAS_DECAY: tl.constexpr, HAS_X0: tl.constexpr):
@@ -46,6 +29,8 @@ def chain_scan_kernel(BUF, LOG_G, X0, X1, T, H, NT, SIZE, C: tl.constexpr,
     at = pid * BLOCK + tl.arange(0, BLOCK)
     ok = at < SIZE
     head = bh.to(tl.int64) * SIZE + at
+    first = bh.to(tl.int64) * NT * SIZE + at  # entry (bh, chunk 0); chunk c is c * stride on
+    stride = (at * 0).to(tl.int64) + SIZE     # in int64: NT * SIZE may pass 2^31
     if HAS_X0:
         x = tl.load(X0 + head, mask=ok, other=0.0).to(acc)
     else:
@@ -53,18 +38,26 @@ def chain_scan_kernel(BUF, LOG_G, X0, X1, T, H, NT, SIZE, C: tl.constexpr,
     if HAS_DECAY:
         log_g = tl.load(LOG_G + bh % H).to(acc)
     # The increments of the next four steps are in flight while a step runs: a load stalls
-    # only where its value is used, four steps after it was issued.
-    ahead0 = _increment(BUF, bh, 0, NT, SIZE, at, ok, REVERSE)
-    ahead1 = _increment(BUF, bh, 1, NT, SIZE, at, ok, REVERSE)
-    ahead2 = _increment(BUF, bh, 2, NT, SIZE, at, ok, REVERSE)
-    ahead3 = _increment(BUF, bh, 3, NT, SIZE, at, ok, REVERSE)
+    # only where its value is used, four steps after it was issued. Step s visits chunk
+    # s (NT - 1 - s in reverse), clamped into range past the last; those steps read zeros.
+    # (No helper calls in the loop: each costs a module patch under the interpreter.)
+    sign = -1 if REVERSE else 1
+    origin = NT - 1 if REVERSE else 0
+    ahead0 = tl.load(BUF + first + origin * stride, mask=ok & (0 < NT), other=0.0)
+    ahead1 = tl.load(BUF + first + tl.minimum(tl.maximum(origin + sign * 1, 0), NT - 1) * stride,
+                     mask=ok & (1 < NT), other=0.0)
+    ahead2 = tl.load(BUF + first + tl.minimum(tl.maximum(origin + sign * 2, 0), NT - 1) * stride,
+                     mask=ok & (2 < NT), other=0.0)
+    ahead3 = tl.load(BUF + first + tl.minimum(tl.maximum(origin + sign * 3, 0), NT - 1) * stride,
+                     mask=ok & (3 < NT), other=0.0)
     for step in range(NT_BOUND):
         increment = ahead0
         ahead0, ahead1, ahead2 = ahead1, ahead2, ahead3
-        ahead3 = _increment(BUF, bh, step + 4, NT, SIZE, at, ok, REVERSE)
-        chunk = _chunk_at(step, NT, REVERSE)
+        far = tl.minimum(tl.maximum(origin + sign * (step + 4), 0), NT - 1)
+        ahead3 = tl.load(BUF + first + far * stride, mask=ok & (step + 4 < NT), other=0.0)
+        chunk = tl.minimum(tl.maximum(origin + sign * step, 0), NT - 1)
         real = step < NT
-        tl.store(BUF + (bh.to(tl.int64) * NT + chunk) * SIZE + at, x, mask=ok & real)
+        tl.store(BUF + first + chunk * stride, x, mask=ok & real)
         if HAS_DECAY:
             n = tl.minimum(T - chunk * C, C).to(acc)
             x = x * tl.where(real, tl.exp(n * log_g), 1.0) + increment
