@@ -52,7 +52,7 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
         M += tl.dot(dO, tl.trans(v), input_precision=PRECISION)
         dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
         dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
-    weights, g_in, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    weights, g_in, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     M = causal(M, weights, C)
     dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
     dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)

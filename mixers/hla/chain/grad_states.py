@@ -29,7 +29,7 @@ def chain_grad_states_kernel(Q, LOG_G, DO, ENDS, T, H, DK, W, NT, NV,
                          t_ok[:, None] & (rk < DK)[None, :], acc))
     dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
                  mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
-    _, g_in, _, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    _, g_in, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     increment = tl.dot(tl.trans(q * g_in[:, None]), dO, input_precision=PRECISION)
     tl.store(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv), increment,
              mask=(rk < DK)[:, None] & (rv < W)[None, :])

@@ -39,7 +39,7 @@ def chain_grad_values_kernel(Q, K, V, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, 
                      mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
         scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
         dv += tl.dot(k, dS, input_precision=PRECISION)
-    weights, _, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    weights, _, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     values_ok = t_ok[:, None] & (rv < DV)[None, :]
     dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok, other=0.0).to(acc)
     dv = dv * g_out[:, None] + tl.dot(tl.trans(causal(scores, weights, C)), dO,

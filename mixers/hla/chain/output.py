@@ -37,7 +37,7 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
                     mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
         out += tl.dot(q, S, input_precision=PRECISION)
         scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    weights, g_in, _, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    weights, g_in, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
     out = (out * g_in[:, None]
            + tl.dot(causal(scores, weights, C), finite(v), input_precision=PRECISION)

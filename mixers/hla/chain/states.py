@@ -28,7 +28,7 @@ def chain_states_kernel(K, V, LOG_G, STATES, T, H, DK, DV, W, NT, NV,
     k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk,
                   t_ok[:, None] & (rk < DK)[None, :], acc)
     v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
-    _, _, g_out, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
+    _, _, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     increment = tl.dot(tl.trans(k * g_out[:, None]), v, input_precision=PRECISION)
     tl.store(STATES + state_offsets(bh, NT, chunk, DK, W, rk, rv), increment,
              mask=(rk < DK)[:, None] & (rv < W)[None, :])

@@ -11,9 +11,10 @@ from mixers.hla.tiles import load_rows
 @triton.jit
 def decay_terms(chunk, T, LOG_G, h, C: tl.constexpr, HAS_DECAY: tl.constexpr,
                 acc: tl.constexpr):
-    """(weights, g_in, g_out, g_n) of chunk `chunk` (n = its real tokens): the causal
-    weights g^(s - i) for i <= s (else 0), g_in[s] = g^(s + 1), g_out[i] = g^(n - 1 - i)
-    (0 past T) and g^n; without decay the causal mask, ones, and g_out still 0 past T."""
+    """(weights, g_in, g_out) of chunk `chunk` (n = its real tokens): the causal weights
+    g^(s - i) for i <= s (else 0), g_in[s] = g^(s + 1) and g_out[i] = g^(n - 1 - i) (0 past
+    T); without decay the causal mask, ones, and g_out still 0 past T. (The scan forms the
+    chunk's g^n itself.)"""
     rows = tl.arange(0, C)
     causal = rows[:, None] >= rows[None, :]
     n = tl.maximum(tl.minimum(T - chunk * C, C), 0)
@@ -25,13 +26,11 @@ def decay_terms(chunk, T, LOG_G, h, C: tl.constexpr, HAS_DECAY: tl.constexpr,
         g_in = tl.exp((rows + 1).to(acc) * log_g)
         g_out = tl.where(inside, tl.exp(tl.maximum(n - 1 - rows, 0).to(acc) * log_g),
                          0.0).to(acc)
-        g_n = tl.exp(n.to(acc) * log_g)
     else:
         weights = tl.where(causal, 1.0, 0.0).to(acc)
         g_in = tl.full([C], 1.0, acc)
         g_out = tl.where(inside, 1.0, 0.0).to(acc)
-        g_n = tl.full([], 1.0, acc)
-    return weights, g_in, g_out, g_n
+    return weights, g_in, g_out
 
 
 @triton.jit
