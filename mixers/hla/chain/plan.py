@@ -47,8 +47,8 @@ def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
     """Chunks of 64 tokens (16 in float64, whose tiles take twice the registers; a smaller
     power of two when the caller asks for one), blocks of up to 64 key and value columns,
     4 warps and 2 pipeline stages (on an H200, benchmarks/chain_plans.py: 4 warps take
-    0.8x the time of 8 at D = 64 and 128; value blocks of 32, 3 stages and chunks of 32
-    are no faster)."""
+    0.69x to 0.87x the time of 8 at D = 64 and 128; docs/kernels.md gives the other changes
+    it tried)."""
     chunk = 16 if dtype == torch.float64 else 64
     if chunk_size in (16, 32) and chunk_size < chunk:
         chunk = chunk_size
