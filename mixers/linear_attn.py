@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from mixers.dispatch import opaque
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
                                check_flag, check_qkv, exclusive_cumsum, kernel_read_out,
-                               pad_to_multiple, resolve_impl)
+                               pad_to_multiple, poison, resolve_impl)
 
 IMPLS = ("auto", "chunk", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,6 +80,11 @@ def _initial(initial_state, shapes, device, dtype) -> dict[str, torch.Tensor]:
     return {key: value.to(dtype) for key, value in initial_state.items()}
 
 
+def features_of(phi, q, k, v, dtype):
+    """(phi(q), phi(k), v) in the compute dtype `dtype`."""
+    return phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype)
+
+
 def triton_unsupported(q: torch.Tensor, v: torch.Tensor, features: int) -> str | None:
     """Why the Triton link (mixers/hla/chain) cannot run these inputs, or None."""
     if q.dtype not in TRITON_DTYPES or v.dtype != q.dtype:
@@ -116,14 +121,13 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if resolve_impl(impl, "chunk", q, lambda: triton_unsupported(q, v, features)) == "triton":
         # The kernels read 16-bit inputs as they are (tl.dot's tf32 holds them exactly), so
         # the identity map costs no copy; another map runs in the compute dtype first.
-        inputs = (q, k, v) if feature_map == "identity" else (phi(q.to(dtype)), phi(k.to(dtype)),
-                                                             v.to(dtype))
+        inputs = (q, k, v) if feature_map == "identity" else features_of(phi, q, k, v, dtype)
         return _triton(inputs, state, normalize, eps, chunk_size, q.dtype, out_dtype,
                        output_final_state)
     # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
-    guard = FiniteInputs(phi(q.to(dtype)), phi(k.to(dtype)), v.to(dtype))
+    guard = FiniteInputs(*features_of(phi, q, k, v, dtype))
     q, k, v = (pad_to_multiple(x, chunk_size) for x in guard.inputs)
     N, C = q.shape[1] // chunk_size, chunk_size
     q, k, v = (x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B,H,N,C,*]
@@ -162,10 +166,8 @@ def _triton(inputs, state, normalize, eps, chunk_size, input_dtype, out_dtype,
         return o, None
     Dv = state["S"].shape[-1]
     final = {"S": S1[..., :Dv], "z": S1[..., Dv]} if normalize else {"S": S1}
-    q = inputs[0]
-    bad = ~torch.isfinite(q.sum(-1, dtype=S1.dtype)).all(1)            # [B, H]
-    return o, {key: torch.where(bad.view(*bad.shape, *(1,) * (x.dim() - 2)), torch.nan, x)
-               for key, x in final.items()}
+    bad = ~torch.isfinite(inputs[0].sum(-1, dtype=S1.dtype)).all(1)    # [B, H]
+    return o, {key: poison(x, bad) for key, x in final.items()}
 
 
 def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1e-6,

@@ -155,6 +155,13 @@ class _FinitePart(torch.autograd.Function):
         return grad.masked_fill(bad.unsqueeze(-1), torch.nan), None
 
 
+def poison(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x + (NaN where mask, else 0), mask broadcast over x's trailing dims (an addition:
+    a broadcast one is a cheaper pass than masked_fill's)."""
+    nan = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask, torch.nan)
+    return x + nan.view(*mask.shape, *(1,) * (x.dim() - mask.dim()))
+
+
 class FiniteInputs:
     """The non-finite rule of the PyTorch forms (see the module docstring).
 
@@ -191,13 +198,6 @@ class FiniteInputs:
             out = out | bad
         return out.expand(-1, -1, heads)
 
-    @staticmethod
-    def _poison(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x + (NaN where mask, else 0), mask broadcast over x's trailing dims (an addition:
-        a broadcast one is a cheaper pass than masked_fill's)."""
-        nan = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask, torch.nan)
-        return x + nan.view(*mask.shape, *(1,) * (x.dim() - mask.dim()))
-
     def outputs(self, o: torch.Tensor) -> torch.Tensor:
         bad = self._bad_tokens(o.shape[2])                       # [B, T, H]
         # from the first bad token on: the first True along T by argmax (a reduction; a
@@ -207,14 +207,14 @@ class FiniteInputs:
             return o
         first = torch.where(bad.any(1), bad.to(torch.uint8).argmax(1), T)  # [B, H]
         seen = torch.arange(T, device=bad.device)[None, :, None] >= first[:, None, :]
-        return self._poison(o, seen)
+        return poison(o, seen)
 
     def state(self, state):
         if state is None:
             return None
         if isinstance(state, dict):
             return {key: self.state(x) for key, x in state.items()}
-        return self._poison(state, self._bad_tokens(state.shape[1]).any(1))  # [B, heads]
+        return poison(state, self._bad_tokens(state.shape[1]).any(1))  # [B, heads]
 
 
 def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
