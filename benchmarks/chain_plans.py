@@ -1,11 +1,12 @@
 """One link of the HLA chain (mixers/hla/chain) under several launch plans, beside fla's
 chunked linear attention: which plan the family's ops should take on this GPU.
 
-    python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 8192,65536] [--yaml out.yaml]
+    python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 2048,8192,65536] [--yaml out.yaml]
 
 bf16, 16 heads, 65,536 tokens a call (batch = 65536 // T), no decay, no start state. For
-each plan (the default of plan_chain, then one change at a time: value blocks of 32, 4
-warps, 3 pipeline stages, chunks of 32, scan programs of 64 entries) the forward (`forward`) and the forward with its
+each plan (the default of plan_chain, then one change at a time: value blocks of 32, 8
+warps, 3 pipeline stages, chunks of 32, scan programs of 64 entries, the states walked
+instead of increments + scan) the forward (`forward`) and the forward with its
 backward (`forward` keeping the chunk states, then `backward`) are timed with the
 harness's method (hla_bench.engine.timing.time_calls: a quarter second of samples, the L2
 cache flushed between them); fla's `chunk_linear_attn` (normalize off) where it imports.
@@ -31,10 +32,11 @@ def variants(D: int) -> dict:
     base = plan_chain(D, D, torch.bfloat16)
     return {"default": base,
             "block_v 32": dataclasses.replace(base, block_v=32),
-            "4 warps": dataclasses.replace(base, warps=4),
+            "8 warps": dataclasses.replace(base, warps=8),
             "3 stages": dataclasses.replace(base, stages=3),
             "chunk 32": dataclasses.replace(base, chunk=32),
-            "scan blocks of 64": dataclasses.replace(base, scan_block=64)}
+            "scan blocks of 64": dataclasses.replace(base, scan_block=64),
+            "states walked": dataclasses.replace(base, walk_from=1)}
 
 
 def link_calls(q, k, v, plan):
@@ -82,7 +84,7 @@ def measure(fn) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seq-lens", default="8192,65536")
+    parser.add_argument("--seq-lens", default="2048,8192,65536")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -90,6 +92,7 @@ def main() -> None:
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
         for T in (int(t) for t in args.seq_lens.split(",")):
+            first = len(rows)
             gen = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(TOKENS // T, T, HEADS, D, device="cuda", generator=gen,
                                    dtype=torch.bfloat16).div_(D ** 0.5) for _ in range(3))
@@ -107,11 +110,10 @@ def main() -> None:
                         row["ratio_to_fla"] = round(row["median_ms"]
                                                     / reference[mode]["median_ms"], 3)
                     rows.append(row)
-            for row in rows[-14:]:
-                if row["D"] == D and row["T"] == T:
-                    print(f"D={D:3d} T={T:6d} {row['mode']:6s} {row['plan']:22s} "
-                          f"{row['median_ms']:8.3f} ms  spread {row['spread'] or 0:.1%}  "
-                          f"x fla {row.get('ratio_to_fla', '-')}", flush=True)
+            for row in rows[first:]:
+                print(f"D={D:3d} T={T:6d} {row['mode']:6s} {row['plan']:22s} "
+                      f"{row['median_ms']:8.3f} ms  spread {row['spread'] or 0:.1%}  "
+                      f"x fla {row.get('ratio_to_fla', '-')}", flush=True)
     if args.yaml:
         with open(args.yaml, "w") as f:
             yaml.safe_dump({"gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),

@@ -1,10 +1,11 @@
 """Registers, spills and shared memory of the ahla2 and hla3 Triton kernels on Hopper,
 without a GPU (the method of hla2_resources.py, whose compile and read-out it uses).
 
-    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--yaml out.yaml]
+    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--walked] [--yaml out.yaml]
 
 Each kernel launch of one bf16 forward (T = 4096, normalized) with its backward and one
-decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a;
+decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a
+(`--walked`: with the links' states walked, mixers/hla/chain/walk.py);
 an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
 (227 KiB for one program).
 """
@@ -23,6 +24,7 @@ from hla2_resources import compile_launch, resource_usage
 from mixers.hla.ahla2 import ahla2, ahla2_step
 from mixers.hla.ahla2.triton import decode as ahla2_decode
 from mixers.hla.chain import launch as chain_launch
+from mixers.hla.chain.plan import ChainPlan
 from mixers.hla.hla3 import hla3, hla3_step
 from mixers.hla.hla3.triton import decode as hla3_decode
 
@@ -31,11 +33,13 @@ KERNELS = [(chain_launch, "chain_states_kernel"), (chain_launch, "chain_scan_ker
            (chain_launch, "chain_output_kernel"),
            (chain_launch, "chain_grad_states_kernel"), (chain_launch, "chain_grad_keys_kernel"),
            (chain_launch, "chain_grad_values_kernel"),
+           (chain_launch, "chain_walk_kernel"), (chain_launch, "chain_grad_walk_kernel"),
            (ahla2_decode, "ahla2_step_kernel"), (hla3_decode, "hla3_step_kernel")]
 
 
-def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
-    """[(kernel name, JITFunction, args, kwargs)] of a forward and a step of both ops."""
+def capture(D: int, T: int = 4096, H: int = 2, walked: bool = False) -> list[tuple]:
+    """[(kernel name, JITFunction, args, kwargs)] of a forward and a step of both ops (with
+    the states walked: every plan's `walks` answers yes)."""
     launches = []
 
     class Recorder:
@@ -49,6 +53,9 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
     for module, name, fn in saved:
         setattr(module, name, Recorder(name, fn))
     os.environ["TRITON_INTERPRET"] = "1"  # the dispatchers' device check; nothing runs
+    walks = ChainPlan.walks
+    if walked:
+        ChainPlan.walks = lambda self, programs: True
     try:
         q, k, v = (torch.randn(1, T, H, D, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -59,6 +66,7 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
             step(q[:, 0], k[:, 0], v[:, 0], None, impl="triton", normalize=True)
     finally:
         del os.environ["TRITON_INTERPRET"]
+        ChainPlan.walks = walks
         for module, name, fn in saved:
             setattr(module, name, fn)
     return launches
@@ -67,11 +75,13 @@ def capture(D: int, T: int = 4096, H: int = 2) -> list[tuple]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default="64,128,256,512")
+    parser.add_argument("--walked", action="store_true",
+                        help="the links' states walked instead of increments + scan")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
-        for name, fn, call_args, kwargs in capture(D):
+        for name, fn, call_args, kwargs in capture(D, walked=args.walked):
             warps = kwargs.get("num_warps", 4)
             try:
                 registers, stack, shared = resource_usage(

@@ -3,6 +3,8 @@ per-head decay, start and final states) under the interpreter, against the float
 by token sum of its definition: outputs, final state, and the gradients of q, k, v and the
 start state, at head dims that span several blocks and a partial last chunk."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,17 +27,18 @@ def token_by_token(q, k, v, S0, decay, ones):
     return torch.stack(outputs, 1), S
 
 
-# Every pair of the four options (head dims of one block or two, decay, a ones column, a
-# start state) in some case, and all four together.
-LINK_CASES = [(blocks, decay, ones, start) for blocks, decay, ones, start in (
-    (False, False, False, False), (False, True, True, True), (True, False, True, True),
-    (True, True, False, True), (True, True, True, False), (True, True, True, True))]
+# Every pair of the five options (head dims of one block or two, decay, a ones column, a
+# start state, states walked instead of increments + scan) in some case.
+LINK_CASES = [
+    (False, False, False, False, False), (False, True, True, True, True),
+    (True, False, True, True, True), (True, True, False, True, True),
+    (True, True, True, False, True), (True, True, True, True, False)]
+OPTIONS = ("two-blocks", "decay", "ones-column", "start", "walked")
 
 
-@pytest.mark.parametrize("two_blocks, with_decay, ones, start", LINK_CASES, ids=[
-    "-".join(name for name, on in zip(("two-blocks", "decay", "ones-column", "start"), case)
-             if on) or "plain" for case in LINK_CASES])
-def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, start):
+@pytest.mark.parametrize("two_blocks, with_decay, ones, start, walked", LINK_CASES, ids=[
+    "-".join(name for name, on in zip(OPTIONS, case) if on) or "plain" for case in LINK_CASES])
+def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, start, walked):
     T, D, Dv = (21, 80, 70) if two_blocks else (37, 24, 40)
     decay = DECAY if with_decay else None
     gen = torch.Generator().manual_seed(0)
@@ -44,6 +47,7 @@ def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, star
     W = Dv + ones
     S0 = torch.randn(B, H, D, W, generator=gen, dtype=torch.float64) if start else None
     plan = plan_chain(D, W, torch.float64, chunk_size=16)
+    plan = dataclasses.replace(plan, walk_from=1 if walked else None)
     log_g = torch.log(decay) if decay is not None else None
     out, S1, starts = forward(q, k, v, S0, log_g, ones, plan, torch.float64, keep_starts=True)
 

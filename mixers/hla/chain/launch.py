@@ -13,6 +13,7 @@ from mixers.hla.chain.output import chain_output_kernel
 from mixers.hla.chain.plan import ChainPlan
 from mixers.hla.chain.scan import chain_scan_kernel
 from mixers.hla.chain.states import chain_states_kernel
+from mixers.hla.chain.walk import chain_grad_walk_kernel, chain_walk_kernel
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -57,18 +58,26 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     NT = triton.cdiv(T, plan.chunk)
     if listening():  # the launch plan, for the results' `resolved`
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
-                        f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, scan "
-                        f"blocks of {plan.scan_block}")
+                        f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
+                        + ("states walked" if plan.walks(B * H * triton.cdiv(DK, plan.block_k)
+                                                         * triton.cdiv(W, plan.block_v))
+                           else f"scan blocks of {plan.scan_block}"))
     starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
     S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     out = torch.empty(B, T, H, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else S1
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
-    chain_states_kernel[(NT, NK * NV, B * H)](k, v, gate, starts, T, H, DK, DV, W, NT, NV,
-                                              *strides(k, v), ONES=ones, **common)
-    scan(starts, log_g, S0.contiguous() if S0 is not None else None, S1, T, plan,
-         reverse=False)
+    if plan.walks(NK * NV * B * H):
+        chain_walk_kernel[(NK, NV, B * H)](
+            k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W,
+            NT, *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones,
+            HAS_S0=S0 is not None, **common)
+    else:
+        chain_states_kernel[(NT, NK * NV, B * H)](k, v, gate, starts, T, H, DK, DV, W, NT, NV,
+                                                  *strides(k, v), ONES=ones, **common)
+        scan(starts, log_g, S0.contiguous() if S0 is not None else None, S1, T, plan,
+             reverse=False)
     chain_output_kernel[(NT, triton.cdiv(W, plan.block_v), B * H)](
         q, k, v, gate, starts, out, T, H, DK, DV, W, NT, *strides(q, k, v),
         NK=NK, ONES=ones, **common)
@@ -95,10 +104,16 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     gate = log_g if log_g is not None else dS0
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
-    chain_grad_states_kernel[(NT, NK * NV, B * H)](q, gate, grad_out, ends, T, H, DK, W, NT, NV,
-                                                   *strides(q), **common)
-    scan(ends, log_g, grad_S1.to(dtype).contiguous() if grad_S1 is not None else None, dS0, T,
-         plan, reverse=True)
+    dS1 = grad_S1.to(dtype).contiguous() if grad_S1 is not None else None
+    if plan.walks(NK * NV * B * H):
+        chain_grad_walk_kernel[(NK, NV, B * H)](
+            q, gate, grad_out, dS1 if dS1 is not None else dS0, ends, dS0, T, H, DK, W, NT,
+            *strides(q), NT_BOUND=triton.next_power_of_2(NT), HAS_DS1=dS1 is not None,
+            **common)
+    else:
+        chain_grad_states_kernel[(NT, NK * NV, B * H)](q, gate, grad_out, ends, T, H, DK, W, NT,
+                                                       NV, *strides(q), **common)
+        scan(ends, log_g, dS1, dS0, T, plan, reverse=True)
     chain_grad_keys_kernel[(NT, triton.cdiv(DK, plan.block_k), B * H)](
         q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT, *strides(q, k, v),
         NV=NV, ONES=ones, POISON_Q=poison[0], POISON_K=poison[1], **common)

@@ -27,8 +27,10 @@ def block(size: int, cap: int = 64) -> int:
 class ChainPlan:
     """Tokens per chunk, the key and value columns a program holds (larger head dims loop
     over blocks or spread over programs), warps per program, the software pipeline's stages
-    (loads issued that many loop steps ahead), tl.dot's input precision, and the chunk
-    scan's launch (entries and warps per program). Precision:
+    (loads issued that many loop steps ahead), tl.dot's input precision, the chunk
+    scan's launch (entries and warps per program), and when the states are walked
+    instead (walk.py: when a walk's programs, key blocks x value blocks x batch x heads,
+    number at least `walk_from`; None: never). Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
     chained calls round to it), exact for float32 and float64."""
 
@@ -40,6 +42,11 @@ class ChainPlan:
     precision: str
     scan_block: int = 256   # state entries per program of the chunk scan (scan.py)
     scan_warps: int = 2
+    walk_from: int | None = None
+
+    def walks(self, programs: int) -> bool:
+        """Whether a link whose walk would launch `programs` programs walks its states."""
+        return self.walk_from is not None and programs >= self.walk_from
 
 
 def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
