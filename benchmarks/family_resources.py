@@ -1,11 +1,13 @@
 """Registers, spills and shared memory of the ahla2 and hla3 Triton kernels on Hopper,
 without a GPU (the method of hla2_resources.py, whose compile and read-out it uses).
 
-    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--walked] [--yaml out.yaml]
+    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--walked] [--scores-once]
+                                          [--yaml out.yaml]
 
 Each kernel launch of one bf16 forward (T = 4096, normalized) with its backward and one
 decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a
-(`--walked`: with the links' states walked, mixers/hla/chain/walk.py);
+(`--walked`: with the links' states walked, mixers/hla/chain/walk.py; `--scores-once`: the
+output kernels forming Q K^T once for all value blocks);
 an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
 (227 KiB for one program).
 """
@@ -77,11 +79,15 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128,256,512")
     parser.add_argument("--walked", action="store_true",
                         help="the links' states walked instead of increments + scan")
+    parser.add_argument("--scores-once", action="store_true",
+                        help="the output kernels form Q K^T once for all value blocks")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
         for name, fn, call_args, kwargs in capture(D, walked=args.walked):
+            if args.scores_once and name == "chain_output_kernel":
+                kwargs = {**kwargs, "SCORES_ONCE": True}
             warps = kwargs.get("num_warps", 4)
             try:
                 registers, stack, shared = resource_usage(

@@ -59,6 +59,7 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     if listening():  # the launch plan, for the results' `resolved`
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
                         f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
+                        + ("scores once, " if plan.scores_once else "")
                         + ("states walked" if plan.walks(B * H * triton.cdiv(DK, plan.block_k)
                                                          * triton.cdiv(W, plan.block_v))
                            else f"scan blocks of {plan.scan_block}"))
@@ -78,9 +79,9 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
                                                   *strides(k, v), ONES=ones, **common)
         scan(starts, log_g, S0.contiguous() if S0 is not None else None, S1, T, plan,
              reverse=False)
-    chain_output_kernel[(NT, triton.cdiv(W, plan.block_v), B * H)](
+    chain_output_kernel[(NT, 1 if plan.scores_once else NV, B * H)](
         q, k, v, gate, starts, out, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NK=NK, ONES=ones, **common)
+        NK=NK, NV=NV, SCORES_ONCE=plan.scores_once, ONES=ones, **common)
     return out, S1, starts if keep_starts else None
 
 

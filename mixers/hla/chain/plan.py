@@ -30,7 +30,9 @@ class ChainPlan:
     (loads issued that many loop steps ahead), tl.dot's input precision, the chunk
     scan's launch (entries and warps per program), and when the states are walked
     instead (walk.py: when a walk's programs, key blocks x value blocks x batch x heads,
-    number at least `walk_from`; None: never). Precision:
+    number at least `walk_from`; None: never), and whether one output program covers
+    every value block of its chunk (output.py: Q K^T formed once, not once per value
+    block). Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
     chained calls round to it), exact for float32 and float64."""
 
@@ -43,6 +45,7 @@ class ChainPlan:
     scan_block: int = 256   # state entries per program of the chunk scan (scan.py)
     scan_warps: int = 2
     walk_from: int | None = None
+    scores_once: bool = False
 
     def walks(self, programs: int) -> bool:
         """Whether a link whose walk would launch `programs` programs walks its states."""
