@@ -1,7 +1,7 @@
 """One link of the HLA chain (mixers/hla/chain) under several launch plans, beside fla's
 chunked linear attention: which plan the family's ops should take on this GPU.
 
-    python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 2048,8192,65536] [--yaml out.yaml]
+    python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 256,2048,8192,65536] [--yaml out.yaml]
 
 bf16, 16 heads, 65,536 tokens a call (batch = 65536 // T), no decay, no start state. For
 each plan (the default of plan_chain, then one change at a time: value blocks of 32, 8
@@ -87,7 +87,7 @@ def measure(fn) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seq-lens", default="2048,8192,65536")
+    parser.add_argument("--seq-lens", default="256,2048,8192,65536")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
