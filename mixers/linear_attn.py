@@ -160,7 +160,8 @@ def _triton(inputs, state, normalize, eps, chunk_size, input_dtype, out_dtype,
     S0 = state["S"]
     if normalize:
         S0 = torch.cat([S0, state["z"].unsqueeze(-1)], dim=-1)
-    out, S1 = opaque(linear_attention_packed, *inputs, S0, normalize, chunk_size, input_dtype)
+    out, S1 = opaque(linear_attention_packed, *inputs, S0, normalize, chunk_size, input_dtype,
+                     out_dtype)
     o = kernel_read_out(out, normalize, eps, out_dtype)
     if not output_final_state:
         return o, None

@@ -116,15 +116,20 @@ def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, no
 
 
 def test_the_link_takes_16_bit_inputs_as_they_are(monkeypatch):
-    """linear_attn(impl="triton") in bf16 hands q, k, v to the link without a float32 copy:
-    outputs and gradients come back in bf16, within bf16 rounding of the float64 chunk form
-    on the same rounded inputs; the state (float32) closer still."""
+    """linear_attn(impl="triton") in bf16 hands q, k, v to the link without a float32 copy,
+    and the link's kernel writes the outputs in bf16 (no float32 buffer to cast): outputs
+    and gradients come back in bf16, within bf16 rounding of the float64 chunk form on the
+    same rounded inputs; the state (float32) closer still."""
     from mixers.hla.chain import link
     from mixers.linear_attn import linear_attn
 
     received, apply = [], link._Link.apply
-    monkeypatch.setattr(link._Link, "apply", lambda q, k, v, *rest: (
-        received.append({q.dtype, k.dtype, v.dtype}) or apply(q, k, v, *rest)))
+
+    def spy(q, k, v, *rest):
+        out, S1 = apply(q, k, v, *rest)
+        received.append(({q.dtype, k.dtype, v.dtype}, out.dtype))
+        return out, S1
+    monkeypatch.setattr(link._Link, "apply", spy)
 
     gen = torch.Generator().manual_seed(3)
     q, k, v = (0.3 * torch.randn(B, 40, H, d, generator=gen).to(torch.bfloat16)
@@ -137,7 +142,7 @@ def test_the_link_takes_16_bit_inputs_as_they_are(monkeypatch):
         (o.double() * weights).sum().backward()
         results[impl] = (o, state["S"], [x.grad for x in leaves])
     (o, S, grads), (want_o, want_S, want_grads) = results["triton"], results["chunk"]
-    assert received == [{torch.bfloat16}]
+    assert received == [({torch.bfloat16}, torch.bfloat16)]
     assert o.dtype == torch.bfloat16 and {g.dtype for g in grads} == {torch.bfloat16}
     assert relative_error(o.double(), want_o) < 1e-2
     assert relative_error(S.double(), want_S) < 1e-4

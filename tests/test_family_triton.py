@@ -112,6 +112,24 @@ def test_low_precision_against_float64_on_the_same_rounded_inputs(name, dtype, t
     assert o.dtype == dtype and relative_error(o.double(), ref) < tolerance
 
 
+@pytest.mark.parametrize("name", ["ahla2", "hla3"])
+def test_unnormalized_16_bit_outputs_come_from_the_last_link_as_they_are(name, monkeypatch):
+    """Not normalized, the last link's kernel writes bf16 outputs itself (the links before
+    it keep float32 intermediates): nothing is cast after it, and the outputs stay within
+    bf16 rounding of float64 on the same rounded inputs."""
+    from mixers.hla import chain
+
+    written, forward = [], chain.forward
+    monkeypatch.setattr(chain, "forward", lambda *args, **kwargs: (
+        lambda result: written.append(result[0].dtype) or result)(forward(*args, **kwargs)))
+    op, naive, _, options = OPS[name]
+    q, k, v = inputs(40, 24, 16, dtype=torch.bfloat16)
+    o = op(q, k, v, impl="triton", **options)[0]
+    assert written[-1] == torch.bfloat16 and set(written[:-1]) == {torch.float32}
+    ref = naive(q.double(), k.double(), v.double(), **options)
+    assert o.dtype == torch.bfloat16 and relative_error(o.double(), ref) < 1e-2
+
+
 
 @pytest.mark.parametrize("D, Dv", [(80, 24), (192, 8), (300, 130)])
 def test_hla3_decode_step_at_large_and_odd_head_dims(D, Dv):

@@ -46,11 +46,12 @@ def scan(buffer, log_g, start, end, T: int, plan: ChainPlan, reverse: bool) -> N
 
 
 def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
-            keep_starts: bool = False):
+            keep_starts: bool = False, out_dtype: torch.dtype | None = None):
     """la(q, k, v; S0, g) on `[B, T, H, DK]` q, k and `[B, T, H, DV]` v (last dims
     contiguous; v gets a column of ones after its last when `ones`): the outputs
-    `[B, T, H, DV + ones]` and final state `[B, H, DK, DV + ones]` in `dtype`, and with
-    `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None).
+    `[B, T, H, DV + ones]` (in `out_dtype`, default `dtype`: the kernel rounds its `dtype`
+    results once as it stores them) and final state `[B, H, DK, DV + ones]` in `dtype`, and
+    with `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None).
     S0: `[B, H, DK, DV + ones]` or None (zeros); log_g: `[H]` in `dtype` or None (no decay)."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
@@ -65,7 +66,7 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
                            else f"scan blocks of {plan.scan_block}"))
     starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
     S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
-    out = torch.empty(B, T, H, W, dtype=dtype, device=q.device)
+    out = torch.empty(B, T, H, W, dtype=out_dtype or dtype, device=q.device)
     gate = log_g if log_g is not None else S1
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)

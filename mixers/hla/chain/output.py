@@ -28,7 +28,7 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         NK: tl.constexpr, NV: tl.constexpr, SCORES_ONCE: tl.constexpr,
                         ONES: tl.constexpr, HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
-    acc: tl.constexpr = O.dtype.element_ty
+    acc: tl.constexpr = STARTS.dtype.element_ty  # O may be narrower: rounded as stored
     chunk, pid_v, b, h, bh, t, t_ok = chunk_program(H, T, C)
     weights, g_in, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     scores = tl.zeros([C, C], dtype=acc)

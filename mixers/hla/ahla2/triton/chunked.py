@@ -31,7 +31,8 @@ class _AHLA2Chain(torch.autograd.Function):
         log_g = log_decay(decay, dtype)
         keep = any(ctx.needs_input_grad[:5])
         X, P1, P_starts = chain.forward(q, k, v, P0, log_g, normalize, plan, dtype, keep)
-        out, E1, E_starts = chain.forward(q, k, X, E0, log_g, False, plan, dtype, keep)
+        out, E1, E_starts = chain.forward(q, k, X, E0, log_g, False, plan, dtype, keep,
+                                          out_dtype=dtype if normalize else q.dtype)
         if keep:
             ctx.save_for_backward(q, k, v, X, P_starts, E_starts)
         ctx.log_g, ctx.normalize, ctx.plan = log_g, normalize, plan
@@ -55,7 +56,8 @@ class _AHLA2Chain(torch.autograd.Function):
 
 def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int = 64):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states
-    `[B, H, D, Dv(+1)]` in the compute dtype -> (packed outputs `[B, T, H, Dv(+1)]`, P, E).
+    `[B, H, D, Dv(+1)]` in the compute dtype -> (packed outputs `[B, T, H, Dv(+1)]`, in the
+    compute dtype when normalized and in q's dtype when not, P, E).
     Inputs are taken as given (the caller checks them); the kernels keep the non-finite rule
     (mixers/hla/chain): read the outputs out with mixers.hla.common.kernel_read_out."""
     return _AHLA2Chain.apply(q, k, v, P0, E0, decay, normalize, chunk_size)

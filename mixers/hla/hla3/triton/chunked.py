@@ -31,7 +31,8 @@ class _HLA3Chain(torch.autograd.Function):
         keep = any(ctx.needs_input_grad[:6])
         Y, S1, S_starts = chain.forward(q, k, k, S0.mT, None, False, keys_plan, dtype, keep)
         R, P1, P_starts = chain.forward(q, k, v, P0, None, normalize, values_plan, dtype, keep)
-        out, F1, F_starts = chain.forward(q, Y, R, F0, None, False, values_plan, dtype, keep)
+        out, F1, F_starts = chain.forward(q, Y, R, F0, None, False, values_plan, dtype, keep,
+                                          out_dtype=dtype if normalize else q.dtype)
         if keep:
             ctx.save_for_backward(q, k, v, Y, R, S_starts, P_starts, F_starts)
         ctx.normalize, ctx.plans = normalize, (keys_plan, values_plan)
@@ -59,7 +60,8 @@ class _HLA3Chain(torch.autograd.Function):
 def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states (S^K
     `[B, H, D, D]`, P and F `[B, H, D, Dv(+1)]`) in the compute dtype -> (packed outputs
-    `[B, T, H, Dv(+1)]`, S, P, F). Inputs are taken as given (the caller checks them); the
+    `[B, T, H, Dv(+1)]`, in the compute dtype when normalized and in q's dtype when not, S,
+    P, F). Inputs are taken as given (the caller checks them); the
     kernels keep the non-finite rule (mixers/hla/chain): read the outputs out with
     mixers.hla.common.kernel_read_out."""
     return _HLA3Chain.apply(q, k, v, S0, P0, F0, normalize, chunk_size)
