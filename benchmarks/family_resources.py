@@ -57,7 +57,7 @@ def capture(D: int, T: int = 4096, H: int = 2, walked: bool = False) -> list[tup
     os.environ["TRITON_INTERPRET"] = "1"  # the dispatchers' device check; nothing runs
     walks = ChainPlan.walks
     if walked:
-        ChainPlan.walks = lambda self, programs: True
+        ChainPlan.walks = lambda self, chunks, programs: True
     try:
         q, k, v = (torch.randn(1, T, H, D, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))

@@ -50,7 +50,8 @@ def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, star
     W = Dv + ones
     S0 = torch.randn(B, H, D, W, generator=gen, dtype=torch.float64) if start else None
     plan = plan_chain(D, W, torch.float64, chunk_size=16)
-    plan = dataclasses.replace(plan, walk_from=1 if walked else None, scores_once=scores_once)
+    plan = dataclasses.replace(plan, walk_chunks=0, walk_from=1 if walked else None,
+                               scores_once=scores_once)
     log_g = torch.log(decay) if decay is not None else None
     out, S1, starts = forward(q, k, v, S0, log_g, ones, plan, torch.float64, keep_starts=True)
 
@@ -159,4 +160,8 @@ def test_a_chained_call_notes_its_launch_plan():
     with noting() as notes:
         ahla2(q, k, v, impl="triton")
     assert notes == {"impl": "triton", "chain_plan":
-                     "chunk 64, blocks 32 x 32, 4 warps, 2 stages, ieee, scan blocks of 256"}
+                     "chunk 64, blocks 32 x 32, 4 warps, 2 stages, ieee, states walked"}
+    q, k, v = (torch.randn(1, 330, H, 24) for _ in range(3))  # 6 chunks: increments + scan
+    with noting() as notes:
+        ahla2(q, k, v, impl="triton")
+    assert notes["chain_plan"].endswith("ieee, scan blocks of 256")

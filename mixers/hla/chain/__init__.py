@@ -15,7 +15,8 @@ link are y_u = S^K_u q_u and its values r_u = q_u^T P_u, so its state is F_t = s
 y_u r_u^T, the recurrence of mixers/hla/hla3 (F_t = F_{t-1} + (S^K_t q_t)(q_t^T P_t)). The
 links' final states are the operators' states: (P, E) and (S^K, P, F).
 
-  plan.py         ChainPlan, plan_chain: chunk, key and value blocks, warps, the scan's launch
+  plan.py         ChainPlan, plan_chain: chunk, key and value blocks, warps, the scan's launch,
+                  when a link walks
   terms.py        a chunk's decay weights and causal mask
   states.py       forward: every chunk's increment of the state at once
   scan.py         the scan over chunks (forward and reverse) that turns increments into
@@ -25,6 +26,8 @@ links' final states are the operators' states: (P, E) and (S^K, P, F).
   grad_keys.py    backward: dq and dk of every chunk at once (added into buffers shared
                   by the links of a chain)
   grad_values.py  backward: dv of every chunk at once
+  walk.py         the states of a short link (or their gradients) by walking the chunks,
+                  in place of states.py (grad_states.py) and scan.py
   launch.py       forward() and backward() of one link: the launches above
 
 Inputs are read in place from `[B, T, H, *]` tensors (last dim contiguous); rows past T and

@@ -61,7 +61,8 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
                         f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
                         + ("scores once, " if plan.scores_once else "")
-                        + ("states walked" if plan.walks(B * H * triton.cdiv(DK, plan.block_k)
+                        + ("states walked" if plan.walks(NT, B * H
+                                                         * triton.cdiv(DK, plan.block_k)
                                                          * triton.cdiv(W, plan.block_v))
                            else f"scan blocks of {plan.scan_block}"))
     starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
@@ -70,7 +71,7 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     gate = log_g if log_g is not None else S1
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
-    if plan.walks(NK * NV * B * H):
+    if plan.walks(NT, NK * NV * B * H):
         chain_walk_kernel[(NK, NV, B * H)](
             k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W,
             NT, *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones,
@@ -107,7 +108,7 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
     dS1 = grad_S1.to(dtype).contiguous() if grad_S1 is not None else None
-    if plan.walks(NK * NV * B * H):
+    if plan.walks(NT, NK * NV * B * H):
         chain_grad_walk_kernel[(NK, NV, B * H)](
             q, gate, grad_out, dS1 if dS1 is not None else dS0, ends, dS0, T, H, DK, W, NT,
             *strides(q), NT_BOUND=triton.next_power_of_2(NT), HAS_DS1=dS1 is not None,

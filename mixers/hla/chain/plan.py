@@ -28,9 +28,10 @@ class ChainPlan:
     """Tokens per chunk, the key and value columns a program holds (larger head dims loop
     over blocks or spread over programs), warps per program, the software pipeline's stages
     (loads issued that many loop steps ahead), tl.dot's input precision, the chunk
-    scan's launch (entries and warps per program), and when the states are walked
-    instead (walk.py: when a walk's programs, key blocks x value blocks x batch x heads,
-    number at least `walk_from`; None: never), and whether one output program covers
+    scan's launch (entries and warps per program), when the states are walked instead
+    (walk.py: when a link has at most `walk_chunks` chunks, or when a walk's programs, key
+    blocks x value blocks x batch x heads, number at least `walk_from`; None: never), and
+    whether one output program covers
     every value block of its chunk (output.py: Q K^T formed once, not once per value
     block). Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
@@ -44,12 +45,15 @@ class ChainPlan:
     precision: str
     scan_block: int = 256   # state entries per program of the chunk scan (scan.py)
     scan_warps: int = 2
+    walk_chunks: int = 4    # a walk of this few steps does the increments' work, no more
     walk_from: int | None = None
     scores_once: bool = False
 
-    def walks(self, programs: int) -> bool:
-        """Whether a link whose walk would launch `programs` programs walks its states."""
-        return self.walk_from is not None and programs >= self.walk_from
+    def walks(self, chunks: int, programs: int) -> bool:
+        """Whether a link of `chunks` chunks whose walk would launch `programs` programs
+        walks its states."""
+        return chunks <= self.walk_chunks or (self.walk_from is not None
+                                              and programs >= self.walk_from)
 
 
 def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
