@@ -1,7 +1,8 @@
 """One link of the HLA chain (mixers/hla/chain) under several launch plans, beside fla's
 chunked linear attention: which plan the family's ops should take on this GPU.
 
-    python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 256,2048,8192,65536] [--yaml out.yaml]
+    python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 256,2048,8192,65536]
+                                     [--plans NAME,...] [--yaml out.yaml]
 
 bf16, 16 heads, 65,536 tokens a call (batch = 65536 // T), no decay, no start state. For
 each plan (the default of plan_chain, then one change at a time: value blocks of 32, 8
@@ -39,7 +40,7 @@ def variants(D: int) -> dict:
             "scan blocks of 64": dataclasses.replace(base, scan_block=64),
             "states walked": dataclasses.replace(base, walk_from=1),
             "scores once": dataclasses.replace(base, scores_once=True),
-            "scores once, 8 warps": dataclasses.replace(base, scores_once=True, warps=8)}
+            "scores once at 8 warps": dataclasses.replace(base, scores_once=True, warps=8)}
 
 
 def link_calls(q, k, v, plan):
@@ -88,8 +89,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seq-lens", default="256,2048,8192,65536")
+    parser.add_argument("--plans", help="only these plans (names as printed, comma-separated)")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
+    unknown = set(args.plans.split(",")) - set(variants(64)) if args.plans else set()
+    if unknown:
+        parser.error(f"unknown plans {sorted(unknown)}; known: {', '.join(variants(64))}")
     if not torch.cuda.is_available():
         sys.exit("chain_plans.py needs a CUDA device")
     rows = []
@@ -107,6 +112,8 @@ def main() -> None:
                     rows.append({"plan": "fla chunk_linear_attn", "D": D, "T": T, "mode": mode,
                                  **reference[mode]})
             for name, plan in variants(D).items():
+                if args.plans and name not in args.plans.split(","):
+                    continue
                 for mode, fn in zip(("fwd", "fwdbwd"), link_calls(q, k, v, plan)):
                     row = {"plan": name, "D": D, "T": T, "mode": mode, **measure(fn)}
                     if mode in reference:
