@@ -7,8 +7,8 @@ chunked linear attention: which plan the family's ops should take on this GPU.
 bf16, 16 heads, 65,536 tokens a call (batch = 65536 // T), no decay, no start state. For
 each plan (the default of plan_chain, then one change at a time: value blocks of 32, 8
 warps, 3 pipeline stages, chunks of 32, scan programs of 64 entries, the states walked
-instead of increments + scan, Q K^T formed once for all value blocks, at 4 and 8 warps)
-the forward (`forward`) and the forward with its
+instead of increments + scan, Q K^T formed once for all value blocks, the backward's dq,
+dk and dv in one launch, the last two at 4 and 8 warps) the forward (`forward`) and the forward with its
 backward (`forward` keeping the chunk states, then `backward`) are timed with the
 harness's method (hla_bench.engine.timing.time_calls: a quarter second of samples, the L2
 cache flushed between them); fla's `chunk_linear_attn` (normalize off) where it imports.
@@ -40,7 +40,10 @@ def variants(D: int) -> dict:
             "scan blocks of 64": dataclasses.replace(base, scan_block=64),
             "states walked": dataclasses.replace(base, walk_from=1),
             "scores once": dataclasses.replace(base, scores_once=True),
-            "scores once at 8 warps": dataclasses.replace(base, scores_once=True, warps=8)}
+            "scores once at 8 warps": dataclasses.replace(base, scores_once=True, warps=8),
+            "fused backward": dataclasses.replace(base, fused_backward=True),
+            "fused backward at 8 warps": dataclasses.replace(base, fused_backward=True,
+                                                             warps=8)}
 
 
 def link_calls(q, k, v, plan):

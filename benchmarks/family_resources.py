@@ -1,13 +1,13 @@
 """Registers, spills and shared memory of the ahla2 and hla3 Triton kernels on Hopper,
 without a GPU (the method of hla2_resources.py, whose compile and read-out it uses).
 
-    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--walked] [--scores-once]
+    python benchmarks/family_resources.py [--head-dims 64,128,256,512] [--plan FIELD=VALUE ...]
                                           [--yaml out.yaml]
 
 Each kernel launch of one bf16 forward (T = 4096, normalized) with its backward and one
 decode step per head dim, with D = Dv, is captured instead of run and compiled for sm_90a
-(`--walked`: with the links' states walked, mixers/hla/chain/walk.py; `--scores-once`: the
-output kernels forming Q K^T once for all value blocks);
+(`--plan` sets fields of every link's ChainPlan, e.g. `--plan walk_from=1 --plan
+scores_once=true --plan fused_backward=true --plan warps=8`);
 an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
 (227 KiB for one program).
 """
@@ -15,6 +15,7 @@ an H100 / H200 SM has 65,536 registers and 228 KiB of shared memory
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -26,7 +27,7 @@ from hla2_resources import compile_launch, resource_usage
 from mixers.hla.ahla2 import ahla2, ahla2_step
 from mixers.hla.ahla2.triton import decode as ahla2_decode
 from mixers.hla.chain import launch as chain_launch
-from mixers.hla.chain.plan import ChainPlan
+from mixers.hla import chain
 from mixers.hla.hla3 import hla3, hla3_step
 from mixers.hla.hla3.triton import decode as hla3_decode
 
@@ -36,12 +37,13 @@ KERNELS = [(chain_launch, "chain_states_kernel"), (chain_launch, "chain_scan_ker
            (chain_launch, "chain_grad_states_kernel"), (chain_launch, "chain_grad_keys_kernel"),
            (chain_launch, "chain_grad_values_kernel"),
            (chain_launch, "chain_walk_kernel"), (chain_launch, "chain_grad_walk_kernel"),
+           (chain_launch, "chain_grad_fused_kernel"),
            (ahla2_decode, "ahla2_step_kernel"), (hla3_decode, "hla3_step_kernel")]
 
 
-def capture(D: int, T: int = 4096, H: int = 2, walked: bool = False) -> list[tuple]:
-    """[(kernel name, JITFunction, args, kwargs)] of a forward and a step of both ops (with
-    the states walked: every plan's `walks` answers yes)."""
+def capture(D: int, T: int = 4096, H: int = 2, plan: dict | None = None) -> list[tuple]:
+    """[(kernel name, JITFunction, args, kwargs)] of a forward and a step of both ops, the
+    links' plans with the fields of `plan` set."""
     launches = []
 
     class Recorder:
@@ -55,9 +57,8 @@ def capture(D: int, T: int = 4096, H: int = 2, walked: bool = False) -> list[tup
     for module, name, fn in saved:
         setattr(module, name, Recorder(name, fn))
     os.environ["TRITON_INTERPRET"] = "1"  # the dispatchers' device check; nothing runs
-    walks = ChainPlan.walks
-    if walked:
-        ChainPlan.walks = lambda self, chunks, programs: True
+    planned = chain.plan_chain
+    chain.plan_chain = lambda *args: dataclasses.replace(planned(*args), **(plan or {}))
     try:
         q, k, v = (torch.randn(1, T, H, D, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
@@ -68,7 +69,7 @@ def capture(D: int, T: int = 4096, H: int = 2, walked: bool = False) -> list[tup
             step(q[:, 0], k[:, 0], v[:, 0], None, impl="triton", normalize=True)
     finally:
         del os.environ["TRITON_INTERPRET"]
-        ChainPlan.walks = walks
+        chain.plan_chain = planned
         for module, name, fn in saved:
             setattr(module, name, fn)
     return launches
@@ -77,17 +78,20 @@ def capture(D: int, T: int = 4096, H: int = 2, walked: bool = False) -> list[tup
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default="64,128,256,512")
-    parser.add_argument("--walked", action="store_true",
-                        help="the links' states walked instead of increments + scan")
-    parser.add_argument("--scores-once", action="store_true",
-                        help="the output kernels form Q K^T once for all value blocks")
+    parser.add_argument("--plan", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a ChainPlan field for every link (repeatable)")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
+    fields = {field.name: field for field in dataclasses.fields(chain.ChainPlan)}
+    plan = {}
+    for item in args.plan:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            parser.error(f"--plan {item!r}: FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        plan[name] = yaml.safe_load(value)
     rows = []
     for D in (int(d) for d in args.head_dims.split(",")):
-        for name, fn, call_args, kwargs in capture(D, walked=args.walked):
-            if args.scores_once and name == "chain_output_kernel":
-                kwargs = {**kwargs, "SCORES_ONCE": True}
+        for name, fn, call_args, kwargs in capture(D, plan=plan):
             warps = kwargs.get("num_warps", 4)
             try:
                 registers, stack, shared = resource_usage(
@@ -106,7 +110,8 @@ def main() -> None:
     if args.yaml:
         with open(args.yaml, "w") as f:
             yaml.safe_dump({"command": " ".join(sys.argv[1:]), "target": "sm_90a",
-                            "triton": triton.__version__, "rows": rows}, f, sort_keys=False)
+                            "triton": triton.__version__, "plan": plan, "rows": rows}, f,
+                           sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -27,21 +27,25 @@ def token_by_token(q, k, v, S0, decay, ones):
     return torch.stack(outputs, 1), S
 
 
-# Every pair of the five options (head dims of one block or two, decay, a ones column, a
-# start state, states walked instead of increments + scan) in some case; the sixth, Q K^T
-# formed once for both value blocks of a chunk, in three of the four two-block cases.
+# Every pair of the seven options (head dims of one block or two, decay, a ones column, a
+# start state, states walked instead of increments + scan, Q K^T formed once for all value
+# blocks, the backward in one launch) in some case, each of the two values of each.
 LINK_CASES = [
-    (False, False, False, False, False, False), (False, True, True, True, True, False),
-    (True, False, True, True, True, True), (True, True, False, True, True, False),
-    (True, True, True, False, True, True), (True, True, True, True, False, True)]
-OPTIONS = ("two-blocks", "decay", "ones-column", "start", "walked", "scores-once")
+    (False, False, False, False, False, False, False),
+    (True, False, True, True, False, False, True),
+    (True, True, False, True, True, False, False),
+    (False, False, True, False, True, True, False),
+    (False, True, False, True, False, True, True),
+    (True, True, True, False, True, True, True)]
+OPTIONS = ("two-blocks", "decay", "ones-column", "start", "walked", "scores-once",
+           "fused-backward")
 
 
-@pytest.mark.parametrize("two_blocks, with_decay, ones, start, walked, scores_once", LINK_CASES,
-                         ids=["-".join(name for name, on in zip(OPTIONS, case) if on) or "plain"
-                              for case in LINK_CASES])
+@pytest.mark.parametrize("two_blocks, with_decay, ones, start, walked, scores_once, fused",
+                         LINK_CASES, ids=["-".join(name for name, on in zip(OPTIONS, case) if on)
+                                          or "plain" for case in LINK_CASES])
 def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, start, walked,
-                                              scores_once):
+                                              scores_once, fused):
     T, D, Dv = (21, 80, 70) if two_blocks else (37, 24, 40)
     decay = DECAY if with_decay else None
     gen = torch.Generator().manual_seed(0)
@@ -51,7 +55,7 @@ def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, star
     S0 = torch.randn(B, H, D, W, generator=gen, dtype=torch.float64) if start else None
     plan = plan_chain(D, W, torch.float64, chunk_size=16)
     plan = dataclasses.replace(plan, walk_chunks=0, walk_from=1 if walked else None,
-                               scores_once=scores_once)
+                               scores_once=scores_once, fused_backward=fused)
     log_g = torch.log(decay) if decay is not None else None
     out, S1, starts = forward(q, k, v, S0, log_g, ones, plan, torch.float64, keep_starts=True)
 

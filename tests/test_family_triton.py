@@ -2,6 +2,8 @@
 final state, gradients, continuation and the decode step against the float64 explicit sums
 and the PyTorch forms, at head dims that are not powers of two and partial last chunks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,11 +62,20 @@ def test_two_calls_chained_by_the_state_equal_one(name):
         assert relative_error(end[key], whole_state[key]) < 1e-10, key
 
 
-@pytest.mark.parametrize("name, D, normalize", [(name, 20, normalize) for name in OPS
-                                                 for normalize in (False, True)]
-                         + [("hla3", 80, True)])
-def test_gradients_match_the_chunk_form(name, D, normalize):
-    """Through the backward kernels, at a key dim of one block (20) and of two (hla3 at 80)."""
+@pytest.mark.parametrize("name, D, normalize, fused", [(name, 20, normalize, False)
+                                                        for name in OPS
+                                                        for normalize in (False, True)]
+                         + [("hla3", 80, True, False), ("hla3", 80, False, True)])
+def test_gradients_match_the_chunk_form(name, D, normalize, fused, monkeypatch):
+    """Through the backward kernels, at a key dim of one block (20) and of two (hla3 at 80);
+    `fused`: dq, dk and dv in one launch (grad_fused.py), where hla3's first link adds its
+    value gradient into the buffer of its key gradient."""
+    if fused:
+        from mixers.hla import chain
+
+        plan_chain = chain.plan_chain
+        monkeypatch.setattr(chain, "plan_chain", lambda *args: dataclasses.replace(
+            plan_chain(*args), fused_backward=True))
     op, _, _, options = OPS[name]
     q, k, v = inputs(29, D, 24, positive=normalize)
     _, start = op(*inputs(5, D, 24, positive=normalize, seed=1), normalize=normalize,

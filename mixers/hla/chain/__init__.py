@@ -26,6 +26,7 @@ links' final states are the operators' states: (P, E) and (S^K, P, F).
   grad_keys.py    backward: dq and dk of every chunk at once (added into buffers shared
                   by the links of a chain)
   grad_values.py  backward: dv of every chunk at once
+  grad_fused.py   backward: dq, dk and dv of a chunk in one program (a plan's option)
   walk.py         the states of a short link (or their gradients) by walking the chunks,
                   in place of states.py (grad_states.py) and scan.py
   launch.py       forward() and backward() of one link: the launches above

@@ -6,6 +6,7 @@ import torch
 import triton
 
 from mixers.dispatch import listening, note
+from mixers.hla.chain.grad_fused import chain_grad_fused_kernel
 from mixers.hla.chain.grad_keys import chain_grad_keys_kernel
 from mixers.hla.chain.grad_states import chain_grad_states_kernel
 from mixers.hla.chain.grad_values import chain_grad_values_kernel
@@ -61,6 +62,7 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
                         f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
                         + ("scores once, " if plan.scores_once else "")
+                        + ("fused backward, " if plan.fused_backward else "")
                         + ("states walked" if plan.walks(NT, B * H
                                                          * triton.cdiv(DK, plan.block_k)
                                                          * triton.cdiv(W, plan.block_v))
@@ -117,10 +119,17 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
         chain_grad_states_kernel[(NT, NK * NV, B * H)](q, gate, grad_out, ends, T, H, DK, W, NT,
                                                        NV, *strides(q), **common)
         scan(ends, log_g, dS1, dS0, T, plan, reverse=True)
-    chain_grad_keys_kernel[(NT, triton.cdiv(DK, plan.block_k), B * H)](
-        q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NV=NV, ONES=ones, POISON_Q=poison[0], POISON_K=poison[1], **common)
-    chain_grad_values_kernel[(NT, triton.cdiv(DV, plan.block_v), B * H)](
-        q, k, v, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NK=NK, POISON_V=poison[2], **common)
+    if plan.fused_backward:
+        chain_grad_fused_kernel[(NT, 1, B * H)](
+            q, k, v, gate, starts, ends, grad_out, dq, dk, dv, T, H, DK, DV, W, NT,
+            *strides(q, k, v), NK=NK, NV=NV, ONES=ones, POISON_Q=poison[0],
+            POISON_K=poison[1], POISON_V=poison[2], **common)
+    else:
+        chain_grad_keys_kernel[(NT, NK, B * H)](
+            q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT,
+            *strides(q, k, v), NV=NV, ONES=ones, POISON_Q=poison[0], POISON_K=poison[1],
+            **common)
+        chain_grad_values_kernel[(NT, triton.cdiv(DV, plan.block_v), B * H)](
+            q, k, v, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k, v),
+            NK=NK, POISON_V=poison[2], **common)
     return dS0 if want_dS0 else None

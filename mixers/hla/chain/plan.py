@@ -33,7 +33,8 @@ class ChainPlan:
     blocks x value blocks x batch x heads, number at least `walk_from`; None: never), and
     whether one output program covers
     every value block of its chunk (output.py: Q K^T formed once, not once per value
-    block). Precision:
+    block), and whether the backward's dq, dk and dv come from one launch (grad_fused.py:
+    Q K^T and dO V^T formed once a chunk) instead of two. Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
     chained calls round to it), exact for float32 and float64."""
 
@@ -48,6 +49,7 @@ class ChainPlan:
     walk_chunks: int = 4    # a walk of this few steps does the increments' work, no more
     walk_from: int | None = None
     scores_once: bool = False
+    fused_backward: bool = False
 
     def walks(self, chunks: int, programs: int) -> bool:
         """Whether a link of `chunks` chunks whose walk would launch `programs` programs
