@@ -122,6 +122,9 @@ FORMS = {name: (op, torch.float64, 4 if name.startswith("hla3-paper") else 16)
          for name, op in TORCH_FORMS.items()}
 FORMS.update({name: (op, torch.float32, 16) for name, op in TRITON_FORMS.items()})
 FORMS["sdpa"] = (sdpa_attention, torch.float64, 16)
+if TRITON:  # float64 takes hla2's chain of two linear attentions, not its fused kernels
+    FORMS["hla2-triton-chain-decay-normalize"] = (
+        _op(hla2, impl="triton", chunk_size=16, decay=DECAY, normalize=True), torch.float64, 16)
 
 
 def _inputs(name, seed=0):
@@ -177,7 +180,7 @@ def _state_tensors(state):
 # ahla2's and hla3's Triton forms are chains of one linear-attention kernel, linear_attn's:
 # one family, whose kernels read NaN and inf through the same test (|x| < inf).
 CHAIN_FORMS = ("ahla2-triton", "ahla2-triton-decay-normalize", "hla3-triton-normalize",
-               "linear-attn-triton-elu1-normalize")
+               "linear-attn-triton-elu1-normalize", "hla2-triton-chain-decay-normalize")
 # (form, value): NaN and inf for every form, but for the chain inf in one form only.
 FORWARD_CASES = [(name, value) for name in FORMS for value in ("nan", "inf")
                  if value == "nan" or name not in CHAIN_FORMS[1:]]

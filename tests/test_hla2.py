@@ -269,7 +269,7 @@ def _error_cases():
         (good, dict(initial_state={"S": state["S"]}), r"initial_state must be a dict with keys"),
         (good, dict(initial_state=state, normalize=True), "initial_state must be a dict with keys"),
         (good, dict(initial_state=dict(state, A=state["A"][..., :2])), r"initial_state\['A'\]"),
-        (good, dict(impl="triton"), "impl='triton'"),
+        (good, dict(impl="triton", ridge=0.5), "impl='triton' cannot run.*ridge"),
         (dict(good, k=k[:, :, :1], v=v[:, :, :1]), dict(decay=torch.tensor([0.9, 0.8])),
          "decay must be the same for every head"),
     ]

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from mixers.dispatch import opaque
+from mixers.dispatch import note, opaque
 from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
                                check_decay, check_eps, check_flag, check_qkv, check_state,
                                resolve_impl)
@@ -54,14 +54,19 @@ def _check_state(state, shapes: dict, dtype, device, name: str) -> dict | None:
 
 def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay,
                         step=False) -> str | None:
-    """Why the Triton form (the chunked op, or the decode step) cannot run these inputs, or
-    None (imports the kernels lazily)."""
+    """Why the Triton form (the chunked op: the fused kernels, else the chain of two linear
+    attentions; or the decode step) cannot run these inputs, or None (imports the kernels
+    lazily)."""
     try:
         from mixers.hla.hla2 import triton as kernels
     except ImportError as error:
         return f"the Triton kernels are not available ({error})"
-    return kernels.triton_unsupported_reason(q, k, v, masked=masked, ridge=ridge,
-                                             decay_form=decay_form, decay=decay, step=step)
+    options = dict(masked=masked, ridge=ridge, decay_form=decay_form, decay=decay)
+    fused = kernels.triton_unsupported_reason(q, k, v, step=step, **options)
+    if fused is None or step:
+        return fused
+    chained = kernels.chain_unsupported_reason(q, k, v, **options)
+    return None if chained is None else f"{fused}; and through the chain: {chained}"
 
 
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
@@ -119,10 +124,15 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
                          decay_form=decay_form, decay=g)
     if impl == "triton" and q.shape[1] > 0:  # checked by _resolve_impl
-        from mixers.hla.hla2.triton import _hla2_triton_unchecked
-        return opaque(_hla2_triton_unchecked, q, k, v, normalize=normalize, eps=eps, decay=g,
-                      decay_form=decay_form, chunk_size=chunk_size, initial_state=state,
-                      output_final_state=output_final_state)
+        from mixers.hla.hla2.triton import (_hla2_triton_unchecked, hla2_chain_unchecked,
+                                            triton_unsupported_reason)
+        fused = triton_unsupported_reason(q, k, v, masked=masked, ridge=ridge,
+                                          decay_form=decay_form, decay=g) is None
+        note(triton_path="fused kernels" if fused else "chain of two linear attentions")
+        return opaque(_hla2_triton_unchecked if fused else hla2_chain_unchecked, q, k, v,
+                      normalize=normalize, eps=eps, decay=g, chunk_size=chunk_size,
+                      initial_state=state, output_final_state=output_final_state,
+                      **({"decay_form": decay_form} if fused else {}))
     packed = _start_packed(state, form, q, k, v, normalize=normalize, ridge=ridge)
     if q.shape[1] == 0:  # no tokens: no output rows, and the start state is the final one
         final = None

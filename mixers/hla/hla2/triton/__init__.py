@@ -18,6 +18,9 @@ shape, dtype, device and whether a backward pass follows:
   chunked.py     hla2_triton: the stages combined, with the autograd function
   paper.py       decay_form="paper": its sequential walks, forward, backward and decode step
   decode.py      hla2_step_triton: the masked form's decode step
+  chained.py     masked hla2 as two chained causal linear attentions (mixers/hla/chain) for
+                 the inputs the kernels above do not take: head dims 257 to 512, fp16 and
+                 fp32 above 128, float64 (mixers.hla.hla2's impl="triton" picks it)
 The backward reads each chunk's start states and X from the forward, which keeps them. When
 its 16-row programs cannot fill the GPU (B = 1 at 64k tokens), a scan runs in two levels
 (ScanPlan.n_seg > 1). A 16-bit forward alone at chunk 128 and head dim 128 takes its own
@@ -46,12 +49,14 @@ fp16 inputs feed the carried state S to fp16 matmuls, which overflow once S exce
 (long sequences of large keys); prefer bf16.
 """
 
+from mixers.hla.hla2.triton.chained import chain_unsupported_reason, hla2_chain_unchecked
 from mixers.hla.hla2.triton.chunked import _hla2_triton_unchecked, hla2_triton
 from mixers.hla.hla2.triton.decode import _step_unchecked, hla2_step_triton
 from mixers.hla.hla2.triton.plan import (CHUNK_SIZES, DTYPES, HEAD_DIMS, MAX_HEAD_DIM,
                                          PAPER_MAX_HEAD_DIM, LaunchPlan, ScanPlan, plan_call,
                                          plan_launch, triton_unsupported_reason)
 
-__all__ = ["hla2_triton", "hla2_step_triton", "triton_unsupported_reason", "LaunchPlan",
+__all__ = ["hla2_triton", "hla2_step_triton", "triton_unsupported_reason",
+           "chain_unsupported_reason", "LaunchPlan",
            "ScanPlan", "plan_launch", "plan_call", "HEAD_DIMS", "MAX_HEAD_DIM", "CHUNK_SIZES",
            "DTYPES", "PAPER_MAX_HEAD_DIM"]

@@ -1,0 +1,101 @@
+"""Masked hla2 as a chain of two causal linear attentions (mixers/hla/chain), for inputs the
+fused kernels of this package do not take (head dims above 256, fp16 and fp32 above 128,
+float64) and the chain does (head dims up to 512, any float dtype):
+
+    Y = la(q, k, k; S0, g),   o = la(q, Y, v; A0, g^2)
+
+The inner sum of the masked operator is sum_{i<=j} w(q_t,k_i) w(q_j,k_i) = q_t^T S_j q_j,
+so o_t = q_t^T A_t with A_t = g^2 A_{t-1} + (S_t q_t) v_t^T and S_t = g S_{t-1} + k_t k_t^T:
+the spec's equivalent state (A, section 1), with the masked decay form's weights
+g^((t-i)+(t-j)) = g^(j-i) g^(2(t-j)). The first link's rows are y_j = S_j q_j (S is
+symmetric: its state is S^T, read and returned transposed as hla3's first link does); the
+second link's state is A, with the denominator's column a when normalized. No ridge, no
+paper decay form, no multi-query (the fused kernels or the chunk form run those)."""
+
+from __future__ import annotations
+
+import torch
+
+from mixers.hla import chain
+from mixers.hla.chain.launch import last_dim_contiguous
+from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
+from mixers.hla.common import kernel_read_out
+from mixers.hla.hla2.state import compute_dtype, pack, unpack
+
+
+def chain_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> str | None:
+    """None when the chain runs these inputs and options, else why not."""
+    if not masked:
+        return "the chain implements masked hla2 only"
+    if ridge != 0:
+        return "the chain does not implement ridge != 0"
+    if decay is not None and decay_form == "paper":
+        return "the chain implements the masked decay form only"
+    reason = device_reason(q)
+    if reason is not None:
+        return reason
+    if not q.dtype.is_floating_point:
+        return f"the chain takes floating-point inputs, got {q.dtype}"
+    if k.shape[2] != q.shape[2]:
+        return "the chain takes k and v with as many heads as q (no multi-query)"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] + 1 > MAX_HEAD_DIM:
+        return (f"the chain takes head dims up to {MAX_HEAD_DIM} (value dim "
+                f"{MAX_HEAD_DIM - 1}), got D={q.shape[-1]}, Dv={v.shape[-1]}")
+    return None
+
+
+class _HLA2Chain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, S0, A0, decay, normalize, chunk_size):
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        dtype = A0.dtype
+        D, width = q.shape[-1], v.shape[-1] + normalize
+        keys_plan = chain.plan_chain(D, D, q.dtype, chunk_size)
+        values_plan = chain.plan_chain(D, width, q.dtype, chunk_size)
+        log_g = torch.log(decay.to(dtype)).contiguous() if decay is not None else None
+        log_g2 = 2 * log_g if log_g is not None else None
+        keep = any(ctx.needs_input_grad[:5])
+        Y, S1, S_starts = chain.forward(q, k, k, S0.mT, log_g, False, keys_plan, dtype, keep)
+        out, A1, A_starts = chain.forward(q, Y, v, A0, log_g2, normalize, values_plan, dtype,
+                                          keep, out_dtype=dtype if normalize else q.dtype)
+        if keep:
+            ctx.save_for_backward(q, k, v, Y, S_starts, A_starts)
+        ctx.logs, ctx.normalize, ctx.plans = (log_g, log_g2), normalize, (keys_plan, values_plan)
+        return out, S1.mT.contiguous(), A1
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_S, grad_A):
+        q, k, v, Y, S_starts, A_starts = ctx.saved_tensors
+        (log_g, log_g2), (keys_plan, values_plan) = ctx.logs, ctx.plans
+        dtype = Y.dtype
+        if grad_out is None:
+            grad_out = torch.zeros(*v.shape[:-1], v.shape[-1] + ctx.normalize, dtype=dtype,
+                                   device=v.device)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk, dY = torch.zeros_like(dq), torch.zeros_like(Y)
+        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        dA0 = chain.backward(q, Y, v, log_g2, ctx.normalize, A_starts, grad_out, grad_A, dq, dY,
+                             dv, values_plan, want_dS0=True, poison=(True, False, True))
+        dS0 = chain.backward(q, k, k, log_g, False, S_starts, dY,
+                             grad_S.mT if grad_S is not None else None, dq, dk, dk, keys_plan,
+                             want_dS0=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0.mT, dA0, None, None, None
+
+
+def hla2_chain_unchecked(q, k, v, *, normalize, eps, decay, chunk_size, initial_state,
+                         output_final_state):
+    """hla2 (masked form) through the chain on inputs the caller checked (mixers.hla.hla2:
+    chain_unsupported_reason is None; initial_state checked and in the compute dtype, or
+    None) -> (o in q's dtype, final state {"S", "A"(, "a")} or None)."""
+    B, _, H, D = q.shape
+    dtype = compute_dtype(q.dtype)
+    if initial_state is None:
+        S0 = torch.zeros(B, H, D, D, dtype=dtype, device=q.device)
+        A0 = torch.zeros(B, H, D, v.shape[-1] + normalize, dtype=dtype, device=q.device)
+    else:
+        packed = pack(initial_state, "masked", normalize, 0.0)
+        S0, A0 = packed["S"], packed["A"]
+    out, S1, A1 = _HLA2Chain.apply(q, k, v, S0, A0, decay, normalize, chunk_size)
+    o = kernel_read_out(out, normalize, eps, q.dtype)
+    final = unpack({"S": S1, "A": A1}, "masked", normalize, 0.0) if output_final_state else None
+    return o, final
