@@ -91,7 +91,7 @@ def triton_unsupported(q: torch.Tensor, v: torch.Tensor, features: int) -> str |
         return f"dtypes {q.dtype}, {v.dtype} (supported: one of {TRITON_DTYPES} for all)"
     from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
 
-    if features > MAX_HEAD_DIM or v.shape[-1] + 1 > MAX_HEAD_DIM:
+    if features > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"feature width {features} or value dim {v.shape[-1]} above {MAX_HEAD_DIM}"
     return device_reason(q)
 

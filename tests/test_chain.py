@@ -169,3 +169,14 @@ def test_a_chained_call_notes_its_launch_plan():
     with noting() as notes:
         ahla2(q, k, v, impl="triton")
     assert notes["chain_plan"].endswith("ieee, scan blocks of 256")
+
+
+def test_linear_attention_takes_value_dims_up_to_512_normalized_or_not():
+    """The link's bound is the value dim, not its width: a normalized Dv = 512 carries a
+    513th column of ones, as ahla2's does."""
+    from mixers.linear_attn import triton_unsupported
+
+    q = torch.zeros(1, 4, 1, 16)
+    assert triton_unsupported(q, torch.zeros(1, 4, 1, 512), 16) is None
+    assert "value dim 513 above 512" in triton_unsupported(q, torch.zeros(1, 4, 1, 513), 16)
+    assert "feature width 520" in triton_unsupported(q, torch.zeros(1, 4, 1, 8), 520)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_HEAD_DIM = 512  # key and value widths a link takes (blocks of 64, looped or spread)
+MAX_HEAD_DIM = 512  # key and value dims the ops take (blocks of 64, looped or spread; a
+# normalized value width adds its column of ones: 513)
 
 
 def device_reason(x: torch.Tensor) -> str | None:
