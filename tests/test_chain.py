@@ -162,9 +162,12 @@ def test_a_chained_call_notes_its_launch_plan():
 
     q, k, v = (torch.randn(1, 20, H, 24) for _ in range(3))
     with noting() as notes:
-        ahla2(q, k, v, impl="triton")
+        ahla2(q, k, v, impl="triton", output_final_state=True)
     assert notes == {"impl": "triton", "chain_plan":
                      "chunk 64, blocks 32 x 32, 4 warps, 2 stages, ieee, states walked"}
+    with noting() as notes:  # one chunk from zeros, no final state: no state at all
+        ahla2(q, k, v, impl="triton")
+    assert notes["chain_plan"].endswith("ieee, no state")
     q, k, v = (torch.randn(1, 330, H, 24) for _ in range(3))  # 6 chunks: increments + scan
     with noting() as notes:
         ahla2(q, k, v, impl="triton")
@@ -180,3 +183,34 @@ def test_linear_attention_takes_value_dims_up_to_512_normalized_or_not():
     assert triton_unsupported(q, torch.zeros(1, 4, 1, 512), 16) is None
     assert "value dim 513 above 512" in triton_unsupported(q, torch.zeros(1, 4, 1, 513), 16)
     assert "feature width 520" in triton_unsupported(q, torch.zeros(1, 4, 1, 8), 520)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel-backward", "fused-backward"])
+def test_a_one_chunk_link_from_zeros_without_final_state_has_no_state(fused):
+    """need_final=False, no start state and one chunk: no states are made (None back), the
+    kernels skip their state terms, and outputs and gradients are the token-by-token sum's."""
+    T, D, Dv = 13, 80, 70  # one chunk of 16, two key and value blocks
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (0.3 * torch.randn(B, T, H, d, generator=gen, dtype=torch.float64)
+               for d in (D, D, Dv))
+    plan = dataclasses.replace(plan_chain(D, Dv + 1, torch.float64, chunk_size=16),
+                               fused_backward=fused)
+    log_g = torch.log(DECAY)
+    out, S1, starts = forward(q, k, v, None, log_g, True, plan, torch.float64,
+                              keep_starts=True, need_final=False)
+    assert S1 is None and starts is None
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want, _ = token_by_token(*leaves, torch.zeros(B, H, D, Dv + 1, dtype=torch.float64),
+                             DECAY, True)
+    assert relative_error(out, want) < 1e-12
+    grad_out = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    (want * grad_out).sum().backward()
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    assert backward(q, k, v, log_g, True, None, grad_out, None, dq, dk, dv, plan,
+                    want_dS0=True) is None
+    for got, leaf in zip((dq, dk, dv), leaves):
+        assert relative_error(got, leaf.grad) < 1e-12
+    with pytest.raises(ValueError, match="no final-state gradient"):
+        backward(q, k, v, log_g, True, None, grad_out, torch.ones(B, H, D, Dv + 1,
+                                                                   dtype=torch.float64),
+                 dq, dk, dv, plan, want_dS0=False)

@@ -94,6 +94,27 @@ def test_gradients_match_the_chunk_form(name, D, normalize, fused, monkeypatch):
         assert relative_error(got, want) < 1e-10
 
 
+@pytest.mark.parametrize("name, normalize", [("ahla2-decay-per-head", True), ("hla3", False)])
+def test_one_chunk_without_start_or_final_state(name, normalize):
+    """T within one chunk, no initial state and no final state asked for: the links keep no
+    state at all; outputs against the explicit sums, gradients against the chunk form."""
+    op, naive, _, options = OPS[name]
+    q, k, v = inputs(13, 24, 20, positive=normalize)
+    grads = {}
+    for impl in ("triton", "chunk"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, state = op(*leaves, impl=impl, normalize=normalize, chunk_size=16, **options)
+        assert state is None
+        if impl == "triton":
+            assert relative_error(o, naive(q, k, v, normalize=normalize, **options)) < 1e-12
+        weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(2),
+                              dtype=o.dtype)
+        (o * weights).sum().backward()
+        grads[impl] = [x.grad for x in leaves]
+    for got, want in zip(grads["triton"], grads["chunk"]):
+        assert relative_error(got, want) < 1e-12
+
+
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("normalize", [False, True])
 def test_decode_steps_continue_the_forward(name, normalize):

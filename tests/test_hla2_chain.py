@@ -23,10 +23,12 @@ def inputs(T, D, Dv, positive, seed=0, dtype=torch.float64):
     return [x.to(dtype) for x in (q, k, v)]
 
 
-# T = 37 at chunks of 16: 3 chunks, walked; T = 70: 5 chunks, increments + scan; D = 80:
+# T = 37 at chunks of 16: 3 chunks, walked; T = 70: 5 chunks, increments + scan; T = 13:
+# one chunk, without a start state and (test below) a final state, no state at all; D = 80:
 # two key blocks
 @pytest.mark.parametrize("T, D, decay, normalize, start", [
-    (37, 24, False, False, False), (70, 80, True, True, True), (37, 24, True, False, True)])
+    (37, 24, False, False, False), (70, 80, True, True, True), (37, 24, True, False, True),
+    (13, 24, True, True, False), (13, 24, False, False, True)])
 def test_the_chain_equals_the_explicit_sums(T, D, decay, normalize, start):
     q, k, v = inputs(T, D, 20, positive=normalize)
     g = DECAY if decay else None
@@ -44,10 +46,15 @@ def test_the_chain_equals_the_explicit_sums(T, D, decay, normalize, start):
     assert final.keys() == want.keys()
     for key in want:
         assert relative_error(final[key], want[key]) < 1e-12, key
+    o_only, none = hla2(q, k, v, impl="triton", chunk_size=16, decay=g, normalize=normalize,
+                        initial_state=state)
+    assert none is None and torch.equal(o_only, o)
 
 
-def test_the_chain_gradients_equal_the_chunk_form():
-    q, k, v = inputs(41, 24, 20, positive=True)
+@pytest.mark.parametrize("T, states", [(41, True), (13, False)], ids=["states", "one-chunk"])
+def test_the_chain_gradients_equal_the_chunk_form(T, states):
+    """With a start state and the final state's gradient, and (one chunk) with neither."""
+    q, k, v = inputs(T, 24, 20, positive=True)
     _, start = hla2(*inputs(5, 24, 20, True, seed=1), impl="chunk", decay=DECAY,
                     normalize=True, output_final_state=True)
     grads = {}
@@ -55,11 +62,16 @@ def test_the_chain_gradients_equal_the_chunk_form():
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         initial = {key: x.clone().requires_grad_() for key, x in start.items()}
         o, end = hla2(*leaves, impl=impl, chunk_size=16, decay=DECAY, normalize=True,
-                      initial_state=initial, output_final_state=True)
+                      initial_state=initial if states else None, output_final_state=states)
         weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(2),
                               dtype=o.dtype)
-        ((o * weights).sum() + sum((x * x).sum() for x in end.values())).backward()
-        grads[impl] = [x.grad for x in leaves] + [initial[key].grad for key in sorted(start)]
+        loss = (o * weights).sum()
+        if states:
+            loss = loss + sum((x * x).sum() for x in end.values())
+        loss.backward()
+        grads[impl] = [x.grad for x in leaves]
+        if states:
+            grads[impl] += [initial[key].grad for key in sorted(start)]
     for got, want in zip(grads["triton"], grads["chunk"]):
         assert relative_error(got, want) < 1e-12
 

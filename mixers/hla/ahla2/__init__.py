@@ -87,7 +87,9 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
     if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
         from mixers.hla.ahla2.triton import ahla2_triton_packed
-        o, P, E = opaque(ahla2_triton_packed, q, k, v, P0, E0, decay, normalize, chunk_size)
+        starts = (P0, E0) if initial_state is not None else (None, None)  # None: zeros
+        o, P, E = opaque(ahla2_triton_packed, q, k, v, *starts, decay, normalize, chunk_size,
+                         output_final_state)
         o = kernel_read_out(o, normalize, eps, q.dtype)
         return o, (_state_dict(P, E, normalize) if output_final_state else None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)

@@ -9,7 +9,8 @@ dO, the end-state gradients and the q and k rows in both kernels; here each is f
 and the rows come from the L2 cache on their second and third reads. Non-finite entries
 of Q, K and V read as 0 and the causal masks select; POISON_Q, POISON_K and POISON_V add
 NaN to the rows of dq, dk and dv whose q, k or v had one (set for the operator's own
-inputs), as in grad_keys.py and grad_values.py."""
+inputs), as in grad_keys.py and grad_values.py; without HAS_STATE, S and dS are zero and not
+read."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
                             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                             stride_vb, stride_vt, stride_vh,
                             C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                            NK: tl.constexpr, NV: tl.constexpr, ONES: tl.constexpr,
+                            NK: tl.constexpr, NV: tl.constexpr, HAS_STATE: tl.constexpr,
+                            ONES: tl.constexpr,
                             HAS_DECAY: tl.constexpr, POISON_Q: tl.constexpr,
                             POISON_K: tl.constexpr, POISON_V: tl.constexpr,
                             PRECISION: tl.constexpr):
@@ -60,18 +62,19 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
         q, k = finite(q), finite(k)
         dq = tl.zeros([C, BK], dtype=acc)
         dk = tl.zeros([C, BK], dtype=acc)
-        for j in range(NV):
-            rv = j * BV + tl.arange(0, BV)
-            dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
-                         mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
-            v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV,
-                                   ONES, acc))
-            at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
-            tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
-            S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
-            dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
-            dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
-            dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
+        if HAS_STATE:
+            for j in range(NV):
+                rv = j * BV + tl.arange(0, BV)
+                dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
+                             mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
+                v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok,
+                                       DV, ONES, acc))
+                at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
+                tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
+                S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
+                dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
+                dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
+                dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
         dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
         dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
         if POISON_Q:
@@ -87,13 +90,14 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
     for j in range(NV):
         rv = j * BV + tl.arange(0, BV)
         dv = tl.zeros([C, BV], dtype=acc)
-        for i in range(NK):
-            rk = i * BK + tl.arange(0, BK)
-            k = finite(load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk,
-                                 t_ok[:, None] & (rk < DK)[None, :], acc))
-            dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
-                         mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
-            dv += tl.dot(k, dS, input_precision=PRECISION)
+        if HAS_STATE:
+            for i in range(NK):
+                rk = i * BK + tl.arange(0, BK)
+                k = finite(load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk,
+                                     t_ok[:, None] & (rk < DK)[None, :], acc))
+                dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
+                             mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
+                dv += tl.dot(k, dS, input_precision=PRECISION)
         values_ok = t_ok[:, None] & (rv < DV)[None, :]
         dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok,
                      other=0.0).to(acc)

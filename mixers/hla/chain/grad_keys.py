@@ -10,7 +10,9 @@ added into `[B, T, H, DK]` buffers (the links of a chain share one dq and one dk
 Non-finite entries of Q, K and V read as 0 and the causal mask selects, so a zero upstream
 gradient at the rows a non-finite token poisoned leaves every earlier row's gradient exact;
 POISON_Q (POISON_K) adds NaN to the rows of dq (dk) whose q (k) had one: set for the
-operator's own inputs, not for a link's inputs that an earlier link computed."""
+operator's own inputs, not for a link's inputs that an earlier link computed. Without
+HAS_STATE (one chunk, zero start state and no final-state gradient) S and dS are zero and
+not read."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
                            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                            stride_vb, stride_vt, stride_vh,
                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           NV: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
+                           NV: tl.constexpr, HAS_STATE: tl.constexpr, ONES: tl.constexpr,
+                           HAS_DECAY: tl.constexpr,
                            POISON_Q: tl.constexpr, POISON_K: tl.constexpr,
                            PRECISION: tl.constexpr):
     acc: tl.constexpr = DQ.dtype.element_ty
@@ -45,13 +48,14 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
                      mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
         v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV,
                                ONES, acc))
-        at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
-        tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
-        S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
-        dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
         M += tl.dot(dO, tl.trans(v), input_precision=PRECISION)
-        dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
-        dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
+        if HAS_STATE:
+            at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
+            tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
+            S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
+            dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
+            dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
+            dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
     weights, g_in, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     M = causal(M, weights, C)
     dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)

@@ -7,7 +7,8 @@ key blocks (NK of them):
 added into a `[B, T, H, DV]` buffer for the real value columns (a column of ones has no
 gradient; hla3's first link, whose values are its keys, adds into dk). Non-finite entries
 of Q and K read as 0 and the causal mask selects; POISON_V adds NaN to the rows of dv whose
-v had a non-finite entry (set where v is the operator's own input)."""
+v had a non-finite entry (set where v is the operator's own input). Without HAS_STATE dS is
+zero and not read."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def chain_grad_values_kernel(Q, K, V, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, 
                              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                              stride_vb, stride_vt, stride_vh,
                              C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                             NK: tl.constexpr, HAS_DECAY: tl.constexpr,
+                             NK: tl.constexpr, HAS_STATE: tl.constexpr,
+                             HAS_DECAY: tl.constexpr,
                              POISON_V: tl.constexpr, PRECISION: tl.constexpr):
     acc: tl.constexpr = DV_OUT.dtype.element_ty
     chunk, pid_v, b, h, bh, t, t_ok = chunk_program(H, T, C)
@@ -35,10 +37,11 @@ def chain_grad_values_kernel(Q, K, V, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, 
         q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh,
                                  stride_kb, stride_kt, stride_kh, acc)
         q, k = finite(q), finite(k)
-        dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
-                     mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
         scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        dv += tl.dot(k, dS, input_precision=PRECISION)
+        if HAS_STATE:
+            dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
+                         mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
+            dv += tl.dot(k, dS, input_precision=PRECISION)
     weights, _, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     values_ok = t_ok[:, None] & (rv < DV)[None, :]
     dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok, other=0.0).to(acc)

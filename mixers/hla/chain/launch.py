@@ -47,33 +47,45 @@ def scan(buffer, log_g, start, end, T: int, plan: ChainPlan, reverse: bool) -> N
 
 
 def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
-            keep_starts: bool = False, out_dtype: torch.dtype | None = None):
+            keep_starts: bool = False, out_dtype: torch.dtype | None = None,
+            need_final: bool = True):
     """la(q, k, v; S0, g) on `[B, T, H, DK]` q, k and `[B, T, H, DV]` v (last dims
     contiguous; v gets a column of ones after its last when `ones`): the outputs
     `[B, T, H, DV + ones]` (in `out_dtype`, default `dtype`: the kernel rounds its `dtype`
     results once as it stores them) and final state `[B, H, DK, DV + ones]` in `dtype`, and
     with `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None).
-    S0: `[B, H, DK, DV + ones]` or None (zeros); log_g: `[H]` in `dtype` or None (no decay)."""
+    S0: `[B, H, DK, DV + ones]` or None (zeros); log_g: `[H]` in `dtype` or None (no decay).
+    A link of one chunk from a zero start whose final state is not needed (`need_final`
+    False) has no state at all: no states are computed, and the final state and the start
+    states come back as None (backward takes that)."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     W = DV + ones
     NT = triton.cdiv(T, plan.chunk)
+    stateless = NT == 1 and S0 is None and not need_final
     if listening():  # the launch plan, for the results' `resolved`
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
                         f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
                         + ("scores once, " if plan.scores_once else "")
                         + ("fused backward, " if plan.fused_backward else "")
-                        + ("states walked" if plan.walks(NT, B * H
+                        + ("no state" if stateless else
+                           "states walked" if plan.walks(NT, B * H
                                                          * triton.cdiv(DK, plan.block_k)
                                                          * triton.cdiv(W, plan.block_v))
                            else f"scan blocks of {plan.scan_block}"))
-    starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
-    S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     out = torch.empty(B, T, H, W, dtype=out_dtype or dtype, device=q.device)
-    gate = log_g if log_g is not None else S1
+    starts = S1 = None
+    if not stateless:
+        starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
+        S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
+    # the output kernel computes in STARTS' dtype: without states, a stand-in of `dtype`
+    read_starts = starts if starts is not None else torch.empty(1, dtype=dtype, device=q.device)
+    gate = log_g if log_g is not None else read_starts
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
-    if plan.walks(NT, NK * NV * B * H):
+    if stateless:
+        pass
+    elif plan.walks(NT, NK * NV * B * H):
         chain_walk_kernel[(NK, NV, B * H)](
             k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W,
             NT, *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones,
@@ -84,8 +96,9 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
         scan(starts, log_g, S0.contiguous() if S0 is not None else None, S1, T, plan,
              reverse=False)
     chain_output_kernel[(NT, 1 if plan.scores_once else NV, B * H)](
-        q, k, v, gate, starts, out, T, H, DK, DV, W, NT, *strides(q, k, v),
-        NK=NK, NV=NV, SCORES_ONCE=plan.scores_once, ONES=ones, **common)
+        q, k, v, gate, read_starts, out, T, H, DK, DV, W, NT,
+        *strides(q, k, v), NK=NK, NV=NV, SCORES_ONCE=plan.scores_once,
+        HAS_STATE=not stateless, ONES=ones, **common)
     return out, S1, starts if keep_starts else None
 
 
@@ -97,20 +110,29 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     outputs `[B, T, H, DV + ones]` and of its final state (or None). Returns the gradient
     of its start state when `want_dS0`, else None. `poison` (for q, k, v): NaN is added to
     the gradient rows of that input's non-finite rows; False for an input an earlier link
-    computed, whose gradient goes on to that link's backward."""
+    computed, whose gradient goes on to that link's backward. `starts` None: the forward
+    had no state (one chunk from a zero start, no final state), so there is no state
+    gradient either: grad_S1 must be None, and no start-state gradient comes back."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     W = DV + ones
     NT = triton.cdiv(T, plan.chunk)
     dtype = dq.dtype
     grad_out = grad_out.to(dtype).contiguous()
-    ends = torch.empty_like(starts)
-    dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
-    gate = log_g if log_g is not None else dS0
+    stateless = starts is None
+    if stateless and (NT != 1 or grad_S1 is not None):
+        raise ValueError("a link without states has one chunk and no final-state gradient")
+    ends = dS0 = None
+    if not stateless:
+        ends = torch.empty_like(starts)
+        dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
+    gate = log_g if log_g is not None else dq
     common = launch_options(plan, log_g is not None)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
     dS1 = grad_S1.to(dtype).contiguous() if grad_S1 is not None else None
-    if plan.walks(NT, NK * NV * B * H):
+    if stateless:
+        starts = ends = dq  # not read
+    elif plan.walks(NT, NK * NV * B * H):
         chain_grad_walk_kernel[(NK, NV, B * H)](
             q, gate, grad_out, dS1 if dS1 is not None else dS0, ends, dS0, T, H, DK, W, NT,
             *strides(q), NT_BOUND=triton.next_power_of_2(NT), HAS_DS1=dS1 is not None,
@@ -122,14 +144,14 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     if plan.fused_backward:
         chain_grad_fused_kernel[(NT, 1, B * H)](
             q, k, v, gate, starts, ends, grad_out, dq, dk, dv, T, H, DK, DV, W, NT,
-            *strides(q, k, v), NK=NK, NV=NV, ONES=ones, POISON_Q=poison[0],
-            POISON_K=poison[1], POISON_V=poison[2], **common)
+            *strides(q, k, v), NK=NK, NV=NV, HAS_STATE=not stateless, ONES=ones,
+            POISON_Q=poison[0], POISON_K=poison[1], POISON_V=poison[2], **common)
     else:
         chain_grad_keys_kernel[(NT, NK, B * H)](
             q, k, v, gate, starts, ends, grad_out, dq, dk, T, H, DK, DV, W, NT,
-            *strides(q, k, v), NV=NV, ONES=ones, POISON_Q=poison[0], POISON_K=poison[1],
-            **common)
+            *strides(q, k, v), NV=NV, HAS_STATE=not stateless, ONES=ones,
+            POISON_Q=poison[0], POISON_K=poison[1], **common)
         chain_grad_values_kernel[(NT, triton.cdiv(DV, plan.block_v), B * H)](
             q, k, v, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k, v),
-            NK=NK, POISON_V=poison[2], **common)
+            NK=NK, HAS_STATE=not stateless, POISON_V=poison[2], **common)
     return dS0 if want_dS0 else None

@@ -3,7 +3,8 @@ block, batch x head), from the chunk's start state S (states.py):
 
     O = g_in * (Q S) + (weights * Q K^T) V
 
-The key dim is summed over blocks of BK in a loop (NK of them). With SCORES_ONCE one program
+The key dim is summed over blocks of BK in a loop (NK of them). Without HAS_STATE (a link of
+one chunk from a zero start state) the Q S term is skipped: STARTS is not read. With SCORES_ONCE one program
 covers every value block of its chunk (NV of them, in a loop; grid (chunk, 1, batch x
 head)): it forms Q K^T once instead of once per value block, rereading the q rows for each
 block's Q S. Non-finite entries of V read
@@ -27,7 +28,8 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
                         stride_vb, stride_vt, stride_vh,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         NK: tl.constexpr, NV: tl.constexpr, SCORES_ONCE: tl.constexpr,
-                        ONES: tl.constexpr, HAS_DECAY: tl.constexpr, PRECISION: tl.constexpr):
+                        HAS_STATE: tl.constexpr, ONES: tl.constexpr, HAS_DECAY: tl.constexpr,
+                        PRECISION: tl.constexpr):
     acc: tl.constexpr = STARTS.dtype.element_ty  # O may be narrower: rounded as stored
     chunk, pid_v, b, h, bh, t, t_ok = chunk_program(H, T, C)
     weights, g_in, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
@@ -42,13 +44,14 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
         for j in range(NV):
             rv = j * BV + tl.arange(0, BV)
             out = tl.zeros([C, BV], dtype=acc)
-            for i in range(NK):
-                rk = i * BK + tl.arange(0, BK)
-                q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk,
-                              t_ok[:, None] & (rk < DK)[None, :], acc)
-                S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
-                            mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
-                out += tl.dot(q, S, input_precision=PRECISION)
+            if HAS_STATE:
+                for i in range(NK):
+                    rk = i * BK + tl.arange(0, BK)
+                    q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk,
+                                  t_ok[:, None] & (rk < DK)[None, :], acc)
+                    S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
+                                mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
+                    out += tl.dot(q, S, input_precision=PRECISION)
             v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES,
                             acc)
             out = (out * g_in[:, None] + tl.dot(scores, finite(v), input_precision=PRECISION)
@@ -62,9 +65,10 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
             rk = i * BK + tl.arange(0, BK)
             q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt,
                                      stride_qh, stride_kb, stride_kt, stride_kh, acc)
-            S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
-                        mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
-            out += tl.dot(q, S, input_precision=PRECISION)
+            if HAS_STATE:
+                S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
+                            mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
+                out += tl.dot(q, S, input_precision=PRECISION)
             scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
         v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
         out = (out * g_in[:, None]

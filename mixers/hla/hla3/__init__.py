@@ -118,7 +118,9 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
         impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
     if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
         from mixers.hla.hla3.triton import hla3_triton_packed
-        o, *carries = opaque(hla3_triton_packed, q, k, v, *carries, normalize, chunk_size)
+        starts = carries if initial_state is not None else (None,) * len(carries)  # zeros
+        o, *carries = opaque(hla3_triton_packed, q, k, v, *starts, normalize, chunk_size,
+                             output_final_state)
         o = kernel_read_out(o, normalize, eps, q.dtype)
         return o, (_state_dict(carries, variant, normalize) if output_final_state else None)
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)

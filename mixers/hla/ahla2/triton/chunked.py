@@ -15,6 +15,7 @@ import torch
 
 from mixers.hla import chain
 from mixers.hla.chain.launch import last_dim_contiguous
+from mixers.hla.ahla2.state import compute_dtype
 
 
 def log_decay(decay, dtype):
@@ -24,18 +25,21 @@ def log_decay(decay, dtype):
 
 class _AHLA2Chain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, P0, E0, decay, normalize, chunk_size):
+    def forward(ctx, q, k, v, P0, E0, decay, normalize, chunk_size, need_final):
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        dtype = P0.dtype
+        dtype = compute_dtype(q.dtype)
         plan = chain.plan_chain(q.shape[-1], v.shape[-1] + normalize, q.dtype, chunk_size)
         log_g = log_decay(decay, dtype)
         keep = any(ctx.needs_input_grad[:5])
-        X, P1, P_starts = chain.forward(q, k, v, P0, log_g, normalize, plan, dtype, keep)
+        X, P1, P_starts = chain.forward(q, k, v, P0, log_g, normalize, plan, dtype, keep,
+                                        need_final=need_final)
         out, E1, E_starts = chain.forward(q, k, X, E0, log_g, False, plan, dtype, keep,
-                                          out_dtype=dtype if normalize else q.dtype)
+                                          out_dtype=dtype if normalize else q.dtype,
+                                          need_final=need_final)
         if keep:
             ctx.save_for_backward(q, k, v, X, P_starts, E_starts)
         ctx.log_g, ctx.normalize, ctx.plan = log_g, normalize, plan
+        ctx.starts = (P0 is not None, E0 is not None)
         return out, P1, E1
 
     @staticmethod
@@ -47,17 +51,20 @@ class _AHLA2Chain(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dk, dX = torch.zeros_like(dq), torch.zeros_like(X)
         dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        has_P0, has_E0 = ctx.starts
         dE0 = chain.backward(q, k, X, ctx.log_g, False, E_starts, grad_out, grad_E, dq, dk, dX,
-                             ctx.plan, want_dS0=True, poison=(True, True, False))
+                             ctx.plan, want_dS0=has_E0, poison=(True, True, False))
         dP0 = chain.backward(q, k, v, ctx.log_g, ctx.normalize, P_starts, dX, grad_P, dq, dk,
-                             dv, ctx.plan, want_dS0=True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dP0, dE0, None, None, None
+                             dv, ctx.plan, want_dS0=has_P0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dP0, dE0, None, None, None, None
 
 
-def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int = 64):
+def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int = 64,
+                        need_final: bool = True):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states
-    `[B, H, D, Dv(+1)]` in the compute dtype -> (packed outputs `[B, T, H, Dv(+1)]`, in the
-    compute dtype when normalized and in q's dtype when not, P, E).
+    `[B, H, D, Dv(+1)]` in the compute dtype, or None for zeros -> (packed outputs
+    `[B, T, H, Dv(+1)]`, in the compute dtype when normalized and in q's dtype when not, P,
+    E; P and E None when not `need_final` and T fits one chunk: no state is computed then).
     Inputs are taken as given (the caller checks them); the kernels keep the non-finite rule
     (mixers/hla/chain): read the outputs out with mixers.hla.common.kernel_read_out."""
-    return _AHLA2Chain.apply(q, k, v, P0, E0, decay, normalize, chunk_size)
+    return _AHLA2Chain.apply(q, k, v, P0, E0, decay, normalize, chunk_size, need_final)

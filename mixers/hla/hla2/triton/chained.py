@@ -46,22 +46,25 @@ def chain_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay) -> st
 
 class _HLA2Chain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, S0, A0, decay, normalize, chunk_size):
+    def forward(ctx, q, k, v, S0, A0, decay, normalize, chunk_size, need_final):
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        dtype = A0.dtype
+        dtype = compute_dtype(q.dtype)
         D, width = q.shape[-1], v.shape[-1] + normalize
         keys_plan = chain.plan_chain(D, D, q.dtype, chunk_size)
         values_plan = chain.plan_chain(D, width, q.dtype, chunk_size)
         log_g = torch.log(decay.to(dtype)).contiguous() if decay is not None else None
         log_g2 = 2 * log_g if log_g is not None else None
         keep = any(ctx.needs_input_grad[:5])
-        Y, S1, S_starts = chain.forward(q, k, k, S0.mT, log_g, False, keys_plan, dtype, keep)
+        Y, S1, S_starts = chain.forward(q, k, k, S0.mT if S0 is not None else None, log_g,
+                                        False, keys_plan, dtype, keep, need_final=need_final)
         out, A1, A_starts = chain.forward(q, Y, v, A0, log_g2, normalize, values_plan, dtype,
-                                          keep, out_dtype=dtype if normalize else q.dtype)
+                                          keep, out_dtype=dtype if normalize else q.dtype,
+                                          need_final=need_final)
         if keep:
             ctx.save_for_backward(q, k, v, Y, S_starts, A_starts)
         ctx.logs, ctx.normalize, ctx.plans = (log_g, log_g2), normalize, (keys_plan, values_plan)
-        return out, S1.mT.contiguous(), A1
+        ctx.starts = (S0 is not None, A0 is not None)
+        return out, S1.mT.contiguous() if S1 is not None else None, A1
 
     @staticmethod
     def backward(ctx, grad_out, grad_S, grad_A):
@@ -74,12 +77,14 @@ class _HLA2Chain(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dk, dY = torch.zeros_like(dq), torch.zeros_like(Y)
         dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        has_S0, has_A0 = ctx.starts
         dA0 = chain.backward(q, Y, v, log_g2, ctx.normalize, A_starts, grad_out, grad_A, dq, dY,
-                             dv, values_plan, want_dS0=True, poison=(True, False, True))
+                             dv, values_plan, want_dS0=has_A0, poison=(True, False, True))
         dS0 = chain.backward(q, k, k, log_g, False, S_starts, dY,
                              grad_S.mT if grad_S is not None else None, dq, dk, dk, keys_plan,
-                             want_dS0=True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0.mT, dA0, None, None, None
+                             want_dS0=has_S0)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                dS0.mT if dS0 is not None else None, dA0, None, None, None, None)
 
 
 def hla2_chain_unchecked(q, k, v, *, normalize, eps, decay, chunk_size, initial_state,
@@ -87,15 +92,12 @@ def hla2_chain_unchecked(q, k, v, *, normalize, eps, decay, chunk_size, initial_
     """hla2 (masked form) through the chain on inputs the caller checked (mixers.hla.hla2:
     chain_unsupported_reason is None; initial_state checked and in the compute dtype, or
     None) -> (o in q's dtype, final state {"S", "A"(, "a")} or None)."""
-    B, _, H, D = q.shape
-    dtype = compute_dtype(q.dtype)
-    if initial_state is None:
-        S0 = torch.zeros(B, H, D, D, dtype=dtype, device=q.device)
-        A0 = torch.zeros(B, H, D, v.shape[-1] + normalize, dtype=dtype, device=q.device)
-    else:
+    S0 = A0 = None  # zeros
+    if initial_state is not None:
         packed = pack(initial_state, "masked", normalize, 0.0)
         S0, A0 = packed["S"], packed["A"]
-    out, S1, A1 = _HLA2Chain.apply(q, k, v, S0, A0, decay, normalize, chunk_size)
+    out, S1, A1 = _HLA2Chain.apply(q, k, v, S0, A0, decay, normalize, chunk_size,
+                                   output_final_state)
     o = kernel_read_out(out, normalize, eps, q.dtype)
     final = unpack({"S": S1, "A": A1}, "masked", normalize, 0.0) if output_final_state else None
     return o, final

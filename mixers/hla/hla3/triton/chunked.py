@@ -17,26 +17,31 @@ from __future__ import annotations
 import torch
 
 from mixers.hla import chain
+from mixers.hla.ahla2.state import compute_dtype
 from mixers.hla.chain.launch import last_dim_contiguous
 
 
 class _HLA3Chain(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, S0, P0, F0, normalize, chunk_size):
+    def forward(ctx, q, k, v, S0, P0, F0, normalize, chunk_size, need_final):
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-        dtype = P0.dtype
+        dtype = compute_dtype(q.dtype)
         D, width = q.shape[-1], v.shape[-1] + normalize
         keys_plan = chain.plan_chain(D, D, q.dtype, chunk_size)
         values_plan = chain.plan_chain(D, width, q.dtype, chunk_size)
         keep = any(ctx.needs_input_grad[:6])
-        Y, S1, S_starts = chain.forward(q, k, k, S0.mT, None, False, keys_plan, dtype, keep)
-        R, P1, P_starts = chain.forward(q, k, v, P0, None, normalize, values_plan, dtype, keep)
+        Y, S1, S_starts = chain.forward(q, k, k, S0.mT if S0 is not None else None, None,
+                                        False, keys_plan, dtype, keep, need_final=need_final)
+        R, P1, P_starts = chain.forward(q, k, v, P0, None, normalize, values_plan, dtype, keep,
+                                        need_final=need_final)
         out, F1, F_starts = chain.forward(q, Y, R, F0, None, False, values_plan, dtype, keep,
-                                          out_dtype=dtype if normalize else q.dtype)
+                                          out_dtype=dtype if normalize else q.dtype,
+                                          need_final=need_final)
         if keep:
             ctx.save_for_backward(q, k, v, Y, R, S_starts, P_starts, F_starts)
         ctx.normalize, ctx.plans = normalize, (keys_plan, values_plan)
-        return out, S1.mT.contiguous(), P1, F1
+        ctx.starts = tuple(x is not None for x in (S0, P0, F0))
+        return out, S1.mT.contiguous() if S1 is not None else None, P1, F1
 
     @staticmethod
     def backward(ctx, grad_out, grad_S, grad_P, grad_F):
@@ -47,21 +52,25 @@ class _HLA3Chain(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=R.dtype, device=q.device)
         dk, dY, dR = torch.zeros_like(dq), torch.zeros_like(dq), torch.zeros_like(R)
         dv = torch.zeros(v.shape, dtype=R.dtype, device=v.device)
+        has_S0, has_P0, has_F0 = ctx.starts
         dF0 = chain.backward(q, Y, R, None, False, F_starts, grad_out, grad_F, dq, dY, dR,
-                             values_plan, want_dS0=True, poison=(True, False, False))
+                             values_plan, want_dS0=has_F0, poison=(True, False, False))
         dP0 = chain.backward(q, k, v, None, ctx.normalize, P_starts, dR, grad_P, dq, dk, dv,
-                             values_plan, want_dS0=True)
+                             values_plan, want_dS0=has_P0)
         dS0 = chain.backward(q, k, k, None, False, S_starts, dY,
                              grad_S.mT if grad_S is not None else None, dq, dk, dk, keys_plan,
-                             want_dS0=True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0.mT, dP0, dF0, None, None
+                             want_dS0=has_S0)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                dS0.mT if dS0 is not None else None, dP0, dF0, None, None, None)
 
 
-def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64):
+def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64,
+                       need_final: bool = True):
     """`[B, T, H, D]` q, k, `[B, T, H, Dv]` v (any strides), packed start states (S^K
-    `[B, H, D, D]`, P and F `[B, H, D, Dv(+1)]`) in the compute dtype -> (packed outputs
-    `[B, T, H, Dv(+1)]`, in the compute dtype when normalized and in q's dtype when not, S,
-    P, F). Inputs are taken as given (the caller checks them); the
+    `[B, H, D, D]`, P and F `[B, H, D, Dv(+1)]`) in the compute dtype, or None for zeros ->
+    (packed outputs `[B, T, H, Dv(+1)]`, in the compute dtype when normalized and in q's
+    dtype when not, S, P, F; the states None when not `need_final` and T fits one chunk:
+    no state is computed then). Inputs are taken as given (the caller checks them); the
     kernels keep the non-finite rule (mixers/hla/chain): read the outputs out with
     mixers.hla.common.kernel_read_out."""
-    return _HLA3Chain.apply(q, k, v, S0, P0, F0, normalize, chunk_size)
+    return _HLA3Chain.apply(q, k, v, S0, P0, F0, normalize, chunk_size, need_final)
