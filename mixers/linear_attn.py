@@ -123,7 +123,7 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         # the identity map costs no copy; another map runs in the compute dtype first.
         inputs = (q, k, v) if feature_map == "identity" else features_of(phi, q, k, v, dtype)
         return _triton(inputs, state, normalize, eps, chunk_size, q.dtype, out_dtype,
-                       output_final_state)
+                       output_final_state, zero_start=initial_state is None)
     # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
@@ -149,19 +149,21 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def _triton(inputs, state, normalize, eps, chunk_size, input_dtype, out_dtype,
-            output_final_state):
+            output_final_state, zero_start):
     """linear_attn through the chain's link: the features and values (as given: 16-bit
     inputs of the identity map, else the compute dtype) with a column of ones for the
     denominator when normalized; z is the state's ones column. The kernels keep the
     non-finite rule (mixers/hla/chain); the state never reads q, so a final state asked for
-    is set to NaN here for a (batch, head) with a non-finite query, as the rule asks."""
+    is set to NaN here for a (batch, head) with a non-finite query, as the rule asks.
+    `zero_start`: the state is zeros, which the link then takes as None (a link of one
+    chunk without a final state keeps no state)."""
     from mixers.hla.chain.link import linear_attention_packed
 
     S0 = state["S"]
     if normalize:
         S0 = torch.cat([S0, state["z"].unsqueeze(-1)], dim=-1)
     out, S1 = opaque(linear_attention_packed, *inputs, S0, normalize, chunk_size, input_dtype,
-                     out_dtype)
+                     out_dtype, zero_start=zero_start, need_final=output_final_state)
     o = kernel_read_out(out, normalize, eps, out_dtype)
     if not output_final_state:
         return o, None

@@ -214,3 +214,28 @@ def test_a_one_chunk_link_from_zeros_without_final_state_has_no_state(fused):
         backward(q, k, v, log_g, True, None, grad_out, torch.ones(B, H, D, Dv + 1,
                                                                    dtype=torch.float64),
                  dq, dk, dv, plan, want_dS0=False)
+
+
+def test_linear_attention_in_one_chunk_without_states():
+    """linear_attn(impl="triton") on one chunk, no initial state, no final state: the link
+    keeps no state; outputs against the recurrence, gradients against the chunk form."""
+    from mixers.dispatch import noting
+    from mixers.linear_attn import linear_attn, linear_attn_naive
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (0.3 * torch.randn(B, 13, H, d, generator=gen, dtype=torch.float64)
+               for d in (24, 24, 20))
+    options = dict(feature_map="elu1", normalize=True)
+    want, _ = linear_attn_naive(q, k, v, **options)
+    grads = {}
+    for impl in ("triton", "chunk"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with noting() as notes:
+            o, state = linear_attn(*leaves, impl=impl, chunk_size=16, **options)
+        assert state is None and relative_error(o, want) < 1e-12
+        assert impl == "chunk" or notes["chain_plan"].endswith("no state")
+        (o * torch.randn(o.shape, generator=torch.Generator().manual_seed(6),
+                         dtype=o.dtype)).sum().backward()
+        grads[impl] = [x.grad for x in leaves]
+    for got, want_grad in zip(grads["triton"], grads["chunk"]):
+        assert relative_error(got, want_grad) < 1e-12
