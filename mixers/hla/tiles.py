@@ -1,7 +1,7 @@
 """Tiles the family's Triton kernels share (mixers/hla/hla2/triton, mixers/hla/chain and the
 ahla2 and hla3 decode steps): a decode program's block of value columns, the masked loads of
-token rows, the offsets of packed `[B, T, H, W]` rows, and the non-finite rule's reads and
-poisons (mixers/hla/common.py)."""
+token rows, the offsets of packed `[B, T, H, W]` rows, the non-finite rule's reads and
+poisons (mixers/hla/common.py), and the add into a shared gradient buffer."""
 
 from __future__ import annotations
 
@@ -72,3 +72,10 @@ def poison_rows(bad):
 def poison_from(bad):
     """[rows] fp32: NaN from the first bad row on, 0 before it (bad: 1 at a bad row)."""
     return tl.where(tl.cumsum(bad, axis=0) > 0, float("nan"), 0.0)
+
+
+@triton.jit
+def add_into(X, at, mask, value):
+    """X[at] += value where mask: a gradient buffer that several links (or a link's key and
+    value gradients) add into, each program into rows of its own."""
+    tl.store(X + at, tl.load(X + at, mask=mask, other=0.0) + value, mask=mask)

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import causal, chunk_program, decay_terms, state_offsets
-from mixers.hla.tiles import (bad_rows, finite, load_rows, load_values, packed_offsets,
-                              poison_rows)
+from mixers.hla.tiles import (add_into, bad_rows, finite, load_rows, load_values,
+                              packed_offsets, poison_rows)
 
 
 @triton.jit
@@ -82,8 +82,8 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
         if POISON_K:
             dk += poison_rows(bad_k)[:, None]
         at = packed_offsets(b, t, h, T, H, DK, rk)
-        tl.store(DQ + at, tl.load(DQ + at, mask=rows_ok, other=0.0) + dq, mask=rows_ok)
-        tl.store(DK_OUT + at, tl.load(DK_OUT + at, mask=rows_ok, other=0.0) + dk, mask=rows_ok)
+        add_into(DQ, at, rows_ok, dq)
+        add_into(DK_OUT, at, rows_ok, dk)
     # hla3's first link adds its value gradient into dk (DV_OUT is DK_OUT): the program's
     # dk stores above are visible to all of its threads before the loads below
     tl.debug_barrier()
@@ -106,5 +106,4 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
             v = load_rows(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, values_ok, acc)
             dv += poison_rows(bad_rows(v))[:, None]
         at = packed_offsets(b, t, h, T, H, DV, rv)
-        tl.store(DV_OUT + at, tl.load(DV_OUT + at, mask=values_ok, other=0.0) + dv,
-                 mask=values_ok)
+        add_into(DV_OUT, at, values_ok, dv)

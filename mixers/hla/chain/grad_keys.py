@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import bad_rows, finite, load_values, packed_offsets, poison_rows
+from mixers.hla.tiles import (add_into, bad_rows, finite, load_values, packed_offsets,
+                              poison_rows)
 
 
 @triton.jit
@@ -65,5 +66,5 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
     if POISON_K:
         dk += poison_rows(bad_k)[:, None]
     at = packed_offsets(b, t, h, T, H, DK, rk)
-    tl.store(DQ + at, tl.load(DQ + at, mask=rows_ok, other=0.0) + dq, mask=rows_ok)
-    tl.store(DK_OUT + at, tl.load(DK_OUT + at, mask=rows_ok, other=0.0) + dk, mask=rows_ok)
+    add_into(DQ, at, rows_ok, dq)
+    add_into(DK_OUT, at, rows_ok, dk)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import bad_rows, finite, load_rows, packed_offsets, poison_rows
+from mixers.hla.tiles import add_into, bad_rows, finite, load_rows, packed_offsets, poison_rows
 
 
 @triton.jit
@@ -51,4 +51,4 @@ def chain_grad_values_kernel(Q, K, V, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, 
         v = load_rows(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, values_ok, acc)
         dv += poison_rows(bad_rows(v))[:, None]
     at = packed_offsets(b, t, h, T, H, DV, rv)
-    tl.store(DV_OUT + at, tl.load(DV_OUT + at, mask=values_ok, other=0.0) + dv, mask=values_ok)
+    add_into(DV_OUT, at, values_ok, dv)
