@@ -62,16 +62,15 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     DV = v.shape[-1]
     W = DV + ones
     NT = triton.cdiv(T, plan.chunk)
+    NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
     stateless = NT == 1 and S0 is None and not need_final
+    walked = not stateless and plan.walks(NT, NK * NV * B * H)
     if listening():  # the launch plan, for the results' `resolved`
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
                         f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
                         + ("scores once, " if plan.scores_once else "")
                         + ("fused backward, " if plan.fused_backward else "")
-                        + ("no state" if stateless else
-                           "states walked" if plan.walks(NT, B * H
-                                                         * triton.cdiv(DK, plan.block_k)
-                                                         * triton.cdiv(W, plan.block_v))
+                        + ("no state" if stateless else "states walked" if walked
                            else f"scan blocks of {plan.scan_block}"))
     out = torch.empty(B, T, H, W, dtype=out_dtype or dtype, device=q.device)
     starts = S1 = None
@@ -82,15 +81,12 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     read_starts = starts if starts is not None else torch.empty(1, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else read_starts
     common = launch_options(plan, log_g is not None)
-    NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
-    if stateless:
-        pass
-    elif plan.walks(NT, NK * NV * B * H):
+    if walked:
         chain_walk_kernel[(NK, NV, B * H)](
             k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W,
             NT, *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones,
             HAS_S0=S0 is not None, **common)
-    else:
+    elif not stateless:
         chain_states_kernel[(NT, NK * NV, B * H)](k, v, gate, starts, T, H, DK, DV, W, NT, NV,
                                                   *strides(k, v), ONES=ones, **common)
         scan(starts, log_g, S0.contiguous() if S0 is not None else None, S1, T, plan,
@@ -131,7 +127,7 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
     dS1 = grad_S1.to(dtype).contiguous() if grad_S1 is not None else None
     if stateless:
-        starts = ends = dq  # not read
+        starts = ends = dq  # stand-ins: without HAS_STATE the kernels read neither
     elif plan.walks(NT, NK * NV * B * H):
         chain_grad_walk_kernel[(NK, NV, B * H)](
             q, gate, grad_out, dS1 if dS1 is not None else dS0, ends, dS0, T, H, DK, W, NT,
