@@ -2,8 +2,10 @@
 
     python benchmarks/family_profile.py --batch 4 --seq-len 16384 --yaml profile.yaml
 
-For each op (hla2, ahla2, causal hla3 with impl="triton"; `link`, one link of their chain:
-linear_attn with impl="triton"; `fla`, fla's chunk_linear_attn where it imports) and head
+For each op (hla2, ahla2, causal hla3 with impl="triton"; `hla2-chain`, hla2 as the chain of
+two linear attentions that impl="triton" takes where its fused kernels do not; `link`, one
+link of their chain: linear_attn with impl="triton"; `fla`, fla's chunk_linear_attn where it
+imports) and head
 dim (64, 128), in each mode (fwd, fwdbwd): bf16 q, k, v `[B, T, 16, D]`, three untimed calls
 (compilation, autotuning), then five under torch.profiler. Reports per call the GPU time
 (the sum of its kernels' self time), the host's wall time (synchronised), and its ten
@@ -31,7 +33,14 @@ def ops():
     from mixers.hla.hla3 import hla3
     from mixers.linear_attn import linear_attn
 
-    table = {"hla2": (hla2, {"impl": "triton"}), "ahla2": (ahla2, {"impl": "triton"}),
+    from mixers.hla.hla2.triton import hla2_chain_unchecked
+
+    def hla2_chain(q, k, v):
+        return hla2_chain_unchecked(q, k, v, normalize=False, eps=1e-6, decay=None,
+                                    chunk_size=64, initial_state=None, output_final_state=False)
+
+    table = {"hla2": (hla2, {"impl": "triton"}), "hla2-chain": (hla2_chain, {}),
+             "ahla2": (ahla2, {"impl": "triton"}),
              "hla3": (hla3, {"variant": "causal", "impl": "triton"}),
              "link": (linear_attn, {"impl": "triton"})}
     try:
