@@ -28,6 +28,12 @@ def strides(*tensors) -> tuple[int, ...]:
     return tuple(x.stride(i) for x in tensors for i in range(3))
 
 
+def log_decay(decay, dtype):
+    """log g per head in `dtype`, contiguous (a float decay arrives as an expanded tensor),
+    or None."""
+    return torch.log(decay.to(dtype)).contiguous() if decay is not None else None
+
+
 def launch_options(plan: ChainPlan, has_decay: bool) -> dict:
     """The compile-time arguments every chunk kernel of a link takes from its plan."""
     return dict(C=plan.chunk, BK=plan.block_k, BV=plan.block_v, HAS_DECAY=has_decay,
@@ -151,3 +157,25 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
             q, k, v, gate, ends, grad_out, dv, T, H, DK, DV, W, NT, *strides(q, k, v),
             NK=NK, HAS_STATE=not stateless, POISON_V=poison[2], **common)
     return dS0 if want_dS0 else None
+
+
+def key_moments_forward(q, k, S0, log_g, plan: ChainPlan, dtype: torch.dtype, keep: bool,
+                        need_final: bool):
+    """The link y_t = S_t q_t, S_t = g S_{t-1} + k_t k_t^T (la(q, k, k; S0^T): its state is
+    S^T, which is S for any state the link makes), that hla3 and hla2's chain begin with.
+    S0 (`[B, H, D, D]` or None: zeros) goes in, and the final S comes out, transposed, so
+    that a start state that is not symmetric is read, and differentiated, as the PyTorch
+    forms read it. -> (Y, final S or None, the chunk start states for key_moments_backward)."""
+    Y, S1, starts = forward(q, k, k, S0.mT if S0 is not None else None, log_g, False, plan,
+                            dtype, keep, need_final=need_final)
+    return Y, S1.mT.contiguous() if S1 is not None else None, starts
+
+
+def key_moments_backward(q, k, log_g, starts, grad_Y, grad_S, dq, dk, plan: ChainPlan,
+                         want_dS0: bool):
+    """key_moments_forward's backward: adds into dq and dk (the link's values are its keys)
+    and returns the gradient of S0 (when `want_dS0`, else None)."""
+    dS0 = backward(q, k, k, log_g, False, starts, grad_Y,
+                   grad_S.mT if grad_S is not None else None, dq, dk, dk, plan,
+                   want_dS0=want_dS0)
+    return dS0.mT if dS0 is not None else None

@@ -14,13 +14,8 @@ from __future__ import annotations
 import torch
 
 from mixers.hla import chain
-from mixers.hla.chain.launch import last_dim_contiguous
+from mixers.hla.chain.launch import last_dim_contiguous, log_decay
 from mixers.hla.ahla2.state import compute_dtype
-
-
-def log_decay(decay, dtype):
-    """log g per head, contiguous (a float decay arrives as an expanded tensor), or None."""
-    return torch.log(decay.to(dtype)).contiguous() if decay is not None else None
 
 
 class _AHLA2Chain(torch.autograd.Function):

@@ -7,9 +7,8 @@ float64) and the chain does (head dims up to 512, any float dtype):
 The inner sum of the masked operator is sum_{i<=j} w(q_t,k_i) w(q_j,k_i) = q_t^T S_j q_j,
 so o_t = q_t^T A_t with A_t = g^2 A_{t-1} + (S_t q_t) v_t^T and S_t = g S_{t-1} + k_t k_t^T:
 the spec's equivalent state (A, section 1), with the masked decay form's weights
-g^((t-i)+(t-j)) = g^(j-i) g^(2(t-j)). The first link's rows are y_j = S_j q_j (S is
-symmetric: its state is S^T, read and returned transposed as hla3's first link does); the
-second link's state is A, with the denominator's column a when normalized. No ridge, no
+g^((t-i)+(t-j)) = g^(j-i) g^(2(t-j)). The first link's rows are y_j = S_j q_j (the chain's
+key-moments link, launch.key_moments_forward, as hla3 begins); the second link's state is A, with the denominator's column a when normalized. No ridge, no
 paper decay form, no multi-query (the fused kernels or the chunk form run those)."""
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from mixers.hla import chain
-from mixers.hla.chain.launch import last_dim_contiguous
+from mixers.hla.chain.launch import (key_moments_backward, key_moments_forward,
+                                     last_dim_contiguous, log_decay)
 from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
 from mixers.hla.common import kernel_read_out
 from mixers.hla.hla2.state import compute_dtype, pack, unpack
@@ -52,11 +52,11 @@ class _HLA2Chain(torch.autograd.Function):
         D, width = q.shape[-1], v.shape[-1] + normalize
         keys_plan = chain.plan_chain(D, D, q.dtype, chunk_size)
         values_plan = chain.plan_chain(D, width, q.dtype, chunk_size)
-        log_g = torch.log(decay.to(dtype)).contiguous() if decay is not None else None
+        log_g = log_decay(decay, dtype)
         log_g2 = 2 * log_g if log_g is not None else None
         keep = any(ctx.needs_input_grad[:5])
-        Y, S1, S_starts = chain.forward(q, k, k, S0.mT if S0 is not None else None, log_g,
-                                        False, keys_plan, dtype, keep, need_final=need_final)
+        Y, S1, S_starts = key_moments_forward(q, k, S0, log_g, keys_plan, dtype, keep,
+                                              need_final)
         out, A1, A_starts = chain.forward(q, Y, v, A0, log_g2, normalize, values_plan, dtype,
                                           keep, out_dtype=dtype if normalize else q.dtype,
                                           need_final=need_final)
@@ -64,7 +64,7 @@ class _HLA2Chain(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, Y, S_starts, A_starts)
         ctx.logs, ctx.normalize, ctx.plans = (log_g, log_g2), normalize, (keys_plan, values_plan)
         ctx.starts = (S0 is not None, A0 is not None)
-        return out, S1.mT.contiguous() if S1 is not None else None, A1
+        return out, S1, A1
 
     @staticmethod
     def backward(ctx, grad_out, grad_S, grad_A):
@@ -80,11 +80,9 @@ class _HLA2Chain(torch.autograd.Function):
         has_S0, has_A0 = ctx.starts
         dA0 = chain.backward(q, Y, v, log_g2, ctx.normalize, A_starts, grad_out, grad_A, dq, dY,
                              dv, values_plan, want_dS0=has_A0, poison=(True, False, True))
-        dS0 = chain.backward(q, k, k, log_g, False, S_starts, dY,
-                             grad_S.mT if grad_S is not None else None, dq, dk, dk, keys_plan,
-                             want_dS0=has_S0)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                dS0.mT if dS0 is not None else None, dA0, None, None, None, None)
+        dS0 = key_moments_backward(q, k, log_g, S_starts, dY, grad_S, dq, dk, keys_plan,
+                                   want_dS0=has_S0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dA0, None, None, None, None
 
 
 def hla2_chain_unchecked(q, k, v, *, normalize, eps, decay, chunk_size, initial_state,

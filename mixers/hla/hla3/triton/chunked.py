@@ -4,9 +4,8 @@
     Y = la(q, k, k; S0),   R = la(q, k, v; P0),   o = la(q, Y, R; F0),
 
 (y_u = S^K_u q_u, r_u = q_u^T P_u, F_t = sum_{u<=t} y_u r_u^T), as one differentiable op.
-The first link's state is the transpose of S^K (its rows are q_u^T S), which is S^K itself
-for any state the op makes; S^K goes in and out transposed, so that a start state that is
-not symmetric is read, and differentiated, as the PyTorch forms read it.
+The first link is the chain's key-moments link (launch.key_moments_forward: S^K in and out
+transposed).
 The forward keeps Y, R and the three links' chunk start states when a gradient will be
 asked for; the backward runs the links in reverse: the last link's key gradient is dY, its
 value gradient dR, and the first link adds its value gradient into dk. Y and R are
@@ -18,7 +17,8 @@ import torch
 
 from mixers.hla import chain
 from mixers.hla.ahla2.state import compute_dtype
-from mixers.hla.chain.launch import last_dim_contiguous
+from mixers.hla.chain.launch import (key_moments_backward, key_moments_forward,
+                                     last_dim_contiguous)
 
 
 class _HLA3Chain(torch.autograd.Function):
@@ -30,8 +30,8 @@ class _HLA3Chain(torch.autograd.Function):
         keys_plan = chain.plan_chain(D, D, q.dtype, chunk_size)
         values_plan = chain.plan_chain(D, width, q.dtype, chunk_size)
         keep = any(ctx.needs_input_grad[:6])
-        Y, S1, S_starts = chain.forward(q, k, k, S0.mT if S0 is not None else None, None,
-                                        False, keys_plan, dtype, keep, need_final=need_final)
+        Y, S1, S_starts = key_moments_forward(q, k, S0, None, keys_plan, dtype, keep,
+                                              need_final)
         R, P1, P_starts = chain.forward(q, k, v, P0, None, normalize, values_plan, dtype, keep,
                                         need_final=need_final)
         out, F1, F_starts = chain.forward(q, Y, R, F0, None, False, values_plan, dtype, keep,
@@ -41,7 +41,7 @@ class _HLA3Chain(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, Y, R, S_starts, P_starts, F_starts)
         ctx.normalize, ctx.plans = normalize, (keys_plan, values_plan)
         ctx.starts = tuple(x is not None for x in (S0, P0, F0))
-        return out, S1.mT.contiguous() if S1 is not None else None, P1, F1
+        return out, S1, P1, F1
 
     @staticmethod
     def backward(ctx, grad_out, grad_S, grad_P, grad_F):
@@ -57,11 +57,9 @@ class _HLA3Chain(torch.autograd.Function):
                              values_plan, want_dS0=has_F0, poison=(True, False, False))
         dP0 = chain.backward(q, k, v, None, ctx.normalize, P_starts, dR, grad_P, dq, dk, dv,
                              values_plan, want_dS0=has_P0)
-        dS0 = chain.backward(q, k, k, None, False, S_starts, dY,
-                             grad_S.mT if grad_S is not None else None, dq, dk, dk, keys_plan,
-                             want_dS0=has_S0)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                dS0.mT if dS0 is not None else None, dP0, dF0, None, None, None)
+        dS0 = key_moments_backward(q, k, None, S_starts, dY, grad_S, dq, dk, keys_plan,
+                                   want_dS0=has_S0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dP0, dF0, None, None, None
 
 
 def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 64,
