@@ -52,9 +52,8 @@ class Case:
 
 def cases(device: str) -> list[Case]:
     per_head = torch.tensor([0.95, 0.8], dtype=torch.float64)
-    hla2_forms = ("serial", "scan", "chunk") + (("triton",) if device == "cuda" else ())
     triton = ("triton",) if device == "cuda" else ()
-    forms2 = forms3 = ("serial", "scan", "chunk") + triton
+    hla2_forms = forms2 = forms3 = ("serial", "scan", "chunk", "parallel") + triton
     return [
         Case("hla2", "masked", {}, hla2_forms),
         Case("hla2", "masked, normalize", {"normalize": True}, hla2_forms),
@@ -73,10 +72,10 @@ def cases(device: str) -> list[Case]:
              hla2_forms),
         Case("hla2", "masked, multi-query k/v", {}, hla2_forms, continuation=False,
              shared_kv=True),
-        Case("linear-attn", "identity", {}, ("chunk",) + triton),
+        Case("linear-attn", "identity", {}, ("chunk", "parallel") + triton),
         Case("linear-attn", "elu1, normalize", {"feature_map": "elu1", "normalize": True},
-             ("chunk",) + triton),
-        Case("based", "taylor, normalize", {}, ("chunk",) + triton),
+             ("chunk", "parallel") + triton),
+        Case("based", "taylor, normalize", {}, ("chunk", "parallel") + triton),
         Case("ahla2", "plain", {}, forms2),
         Case("ahla2", "normalize", {"normalize": True}, forms2),
         Case("ahla2", "decay 0.9", {"decay": 0.9}, forms2),

@@ -98,15 +98,15 @@ def _triton_requires(impl="auto", **_):
 
 LINEAR_ATTN = Mixer(
     name="linear-attn", family="linear",
-    description="Causal linear attention: chunked PyTorch or the HLA chain's Triton link "
-                "(impl chunk|triton|auto; feature_map identity|elu1|relu|taylor, optional "
+    description="Causal linear attention: chunked or parallel PyTorch or the HLA chain's "
+                "Triton link (impl chunk|parallel|triton|auto; feature_map identity|elu1|relu|taylor, optional "
                 "normalisation; feature_dim > 0 projects q, k to that width per head).",
     build_op=_linear_op, build_layer=_linear_layer, build_decoder=_linear_decoder,
     options={"feature_map": "identity", "feature_dim": 0, "normalize": False, "eps": 1e-6,
              "impl": "auto", "chunk_size": 64, "qk_norm": "l2", "short_conv": 4,
              "output_norm": True},
-    forms=("chunk", "triton"), flops=linear_attn_flops, option_requires=_triton_requires,
-    build_reference=_linear_reference)
+    forms=("chunk", "parallel", "triton"), flops=linear_attn_flops,
+    option_requires=_triton_requires, build_reference=_linear_reference)
 
 
 # Based (Arora et al. 2024) as Zoology and the Based repository build it: q, k projected to
@@ -122,8 +122,8 @@ BASED = Mixer(
     options={"feature_map": "taylor", "feature_dim": 16, "normalize": True, "eps": 1e-12,
              "impl": "auto", "chunk_size": 64, "qk_norm": "none", "short_conv": 4,
              "output_norm": False},
-    forms=("chunk", "triton"), flops=linear_attn_flops, option_requires=_triton_requires,
-    build_reference=_linear_reference)
+    forms=("chunk", "parallel", "triton"), flops=linear_attn_flops,
+    option_requires=_triton_requires, build_reference=_linear_reference)
 
 
 def linear_mixers() -> list[Mixer]:

@@ -1,12 +1,15 @@
-"""Causal linear attention (Katharopoulos et al. 2020): chunked PyTorch, or on CUDA one
-link of the HLA chain's Triton kernels (mixers/hla/chain) on phi's features.
+"""Causal linear attention (Katharopoulos et al. 2020): chunked or parallel PyTorch, or on
+CUDA one link of the HLA chain's Triton kernels (mixers/hla/chain) on phi's features.
 
 o_t = phi(q_t)^T S_t with S_t = sum_{i<=t} phi(k_i) v_i^T; normalized, the output is divided
 by phi(q_t)^T z_t + eps with z_t = sum_{i<=t} phi(k_i). q and k are not scaled outside the
 feature map (like the HLA ops). phi maps the last dim D to F features (F = D except for
 "taylor"); S is [F, Dv] and z [F] per head. The chunk form does, per chunk of C tokens, one
 masked C x C product and two C x F x Dv products; the carried state S is an exclusive prefix
-sum of per-chunk K^T V.
+sum of per-chunk K^T V. The parallel form is the whole sequence as one masked T x T block of
+kernel values phi(q_t).phi(k_s), computed from q.k without the features for the identity
+and Taylor maps (T^2 (D + Dv) per head instead of the chunk form's C (F + Dv) + 2 F Dv per
+token: for Based's F = 273 features of D = 16, far less at the recall tasks' lengths).
 
 "taylor" is Based's map (Arora et al. 2024): the 2nd-order Taylor expansion of exp(q.k/sqrt(D)),
 phi(x) = [1, x / D^(1/4), vec(x x^T) / sqrt(2 D)], so that
@@ -24,9 +27,9 @@ import torch.nn.functional as F
 from mixers.dispatch import opaque
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
                                check_flag, check_qkv, exclusive_cumsum, kernel_read_out,
-                               pad_to_multiple, poison, resolve_impl)
+                               pad_to_multiple, poison, pytorch_form, resolve_impl)
 
-IMPLS = ("auto", "chunk", "triton")
+IMPLS = ("auto", "chunk", "parallel", "triton")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -42,6 +45,13 @@ FEATURE_MAPS = {
     "elu1": lambda x: F.elu(x) + 1,
     "relu": F.relu,
     "taylor": taylor_features,
+}
+
+# phi(q).phi(k) as a function of the dot products s = q.k and the width D, for the maps
+# whose kernel needs no features (the parallel form's scores)
+KERNELS = {
+    "identity": lambda s, D: s,
+    "taylor": lambda s, D: 1 + s / math.sqrt(D) + s * s / (2 * D),
 }
 
 
@@ -101,8 +111,9 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 impl: str = "auto", chunk_size: int = 64, initial_state: dict | None = None,
                 output_final_state: bool = False):
     """Causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None).
-    impl: "chunk" (PyTorch), "triton" (the chain's link, mixers/hla/chain, on the features)
-    or "auto" (Triton on CUDA where it takes the inputs)."""
+    impl: "chunk" or "parallel" (PyTorch), "triton" (the chain's link, mixers/hla/chain, on
+    the features) or "auto" (Triton on CUDA where it takes the inputs, else "parallel" up to
+    T = 2 F, F phi's width, and "chunk" beyond: mixers.hla.common.pytorch_form)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
     check_choice("impl", impl, IMPLS)
@@ -118,12 +129,17 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return v.new_zeros(B, 0, H, Dv), final
     phi = FEATURE_MAPS[feature_map]
     out_dtype, features = v.dtype, state["S"].shape[-2]
-    if resolve_impl(impl, "chunk", q, lambda: triton_unsupported(q, v, features)) == "triton":
+    impl = resolve_impl(impl, pytorch_form(T, features), q,
+                        lambda: triton_unsupported(q, v, features))
+    if impl == "triton":
         # The kernels read 16-bit inputs as they are (tl.dot's tf32 holds them exactly), so
         # the identity map costs no copy; another map runs in the compute dtype first.
         inputs = (q, k, v) if feature_map == "identity" else features_of(phi, q, k, v, dtype)
         return _triton(inputs, state, normalize, eps, chunk_size, q.dtype, out_dtype,
                        output_final_state, zero_start=initial_state is None)
+    if impl == "parallel":
+        return _parallel(q, k, v, state, feature_map, normalize, eps, dtype, out_dtype,
+                         output_final_state, zero_start=initial_state is None)
     # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
@@ -171,6 +187,42 @@ def _triton(inputs, state, normalize, eps, chunk_size, input_dtype, out_dtype,
     final = {"S": S1[..., :Dv], "z": S1[..., Dv]} if normalize else {"S": S1}
     bad = ~torch.isfinite(inputs[0].sum(-1, dtype=S1.dtype)).all(1)    # [B, H]
     return o, {key: poison(x, bad) for key, x in final.items()}
+
+
+def _parallel(q, k, v, state, feature_map, normalize, eps, dtype, out_dtype,
+              output_final_state, zero_start):
+    """The parallel form: A = L * (phi(Q) phi(K)^T) over the whole sequence (L the causal
+    mask), o = A V + phi(Q) S0, divided by A 1 + phi(Q) z0 + eps when normalized; the final
+    state S0 + phi(K)^T V (z0 + phi(K)^T 1). The non-finite rule holds on the inputs of the
+    scores: the raw q, k for a map in KERNELS (a non-finite entry gives non-finite
+    features there), else the features."""
+    phi = FEATURE_MAPS[feature_map]
+    direct = feature_map in KERNELS
+    guard = FiniteInputs(*((q.to(dtype), k.to(dtype), v.to(dtype)) if direct
+                           else features_of(phi, q, k, v, dtype)))
+    q, k, v = (x.transpose(1, 2) for x in guard.inputs)                 # [B, H, T, .]
+    T, D = q.shape[2], q.shape[3]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = KERNELS[feature_map](q @ k.mT, D) if direct else q @ k.mT
+    A = scores.masked_fill(~causal, 0)
+    o = A @ v
+    features = phi if direct else (lambda x: x)    # only for the state terms
+    if not zero_start:
+        fq = features(q)
+        o = o + fq @ state["S"]
+    if normalize:
+        den = A.sum(-1, keepdim=True)
+        if not zero_start:
+            den = den + fq @ state["z"].unsqueeze(-1)
+        o = o / (den + eps)
+    o = guard.outputs(o.transpose(1, 2).to(out_dtype))
+    if not output_final_state:
+        return o, None
+    fk = features(k)
+    final = {"S": state["S"] + fk.mT @ v}
+    if normalize:
+        final["z"] = state["z"] + fk.sum(2)
+    return o, guard.state(final)
 
 
 def linear_attn_naive(q, k, v, *, feature_map="identity", normalize=False, eps=1e-6,

@@ -12,7 +12,7 @@ from mixers.reference import relative_error
 
 B, T, H, D, DV = 2, 13, 3, 4, 5
 DECAYS = {"none": None, "float": 0.9, "per_head": torch.tensor([0.5, 0.8, 1.0], dtype=torch.float64)}
-FORMS = ("serial", "scan", "chunk")
+FORMS = ("serial", "scan", "chunk", "parallel")
 
 
 def inputs(dtype=torch.float64, positive=False, seed=0, T=T, B=B):
@@ -111,7 +111,7 @@ def test_step_from_empty_state_matches_first_output():
 
 def test_gradcheck_and_gradients_agree_between_forms():
     q, k, v = (x[:1, :5, :1, :2].clone().requires_grad_() for x in inputs(positive=True))
-    for impl in ("chunk", "serial"):
+    for impl in ("chunk", "parallel", "serial"):
         for normalize in (False, True):
             fn = lambda q, k, v: ahla2(q, k, v, normalize=normalize, decay=0.8, impl=impl,
                                        chunk_size=2)[0]
@@ -122,7 +122,7 @@ def test_gradcheck_and_gradients_agree_between_forms():
     for impl in FORMS:
         o, _ = ahla2(q, k, v, decay=0.9, normalize=True, impl=impl, chunk_size=4)
         grads[impl] = torch.autograd.grad((o * weight).sum(), (q, k, v))
-    for impl in ("scan", "chunk"):
+    for impl in FORMS[1:]:
         for g, g_ref in zip(grads[impl], grads["serial"]):
             assert relative_error(g, g_ref) < 1e-10
 

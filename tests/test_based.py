@@ -57,11 +57,14 @@ def test_feature_sizes_follow_each_map():
 
 # --- linear attention with the Taylor map, float64 ----------------------------------------
 
+@pytest.mark.parametrize("impl", ["chunk", "parallel"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_taylor_op_equals_the_explicit_kernel_sum(normalize):
-    """Weights 1 + s + s^2/2 from q.k itself, so a wrong scale in the map shows here."""
+def test_taylor_op_equals_the_explicit_kernel_sum(normalize, impl):
+    """Weights 1 + s + s^2/2 from q.k itself, so a wrong scale in the map (or in the
+    parallel form's kernel of q.k) shows here."""
     q, k, v = qkv(T=23)
-    o, _ = linear_attn(q, k, v, feature_map="taylor", normalize=normalize, chunk_size=8)
+    o, _ = linear_attn(q, k, v, feature_map="taylor", normalize=normalize, chunk_size=8,
+                       impl=impl)
     weights = taylor_kernel(q.unsqueeze(2), k.unsqueeze(1))              # [B, t, i, H]
     weights = weights * torch.ones(23, 23, dtype=torch.float64).tril()[None, :, :, None]
     expected = torch.einsum("btih,bihe->bthe", weights, v)
@@ -71,12 +74,14 @@ def test_taylor_op_equals_the_explicit_kernel_sum(normalize):
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("chunk_size", [1, 8, 64])
-def test_taylor_chunk_matches_token_by_token(normalize, chunk_size):
+@pytest.mark.parametrize("impl,chunk_size", [("chunk", 1), ("chunk", 8), ("chunk", 64),
+                                             ("parallel", 64)])
+def test_taylor_forms_match_token_by_token(normalize, impl, chunk_size):
     """T = 21 is not a multiple of 8 or 64: padded tokens must not reach the final state."""
     q, k, v = qkv()
     options = {"feature_map": "taylor", "normalize": normalize}
-    o, state = linear_attn(q, k, v, chunk_size=chunk_size, output_final_state=True, **options)
+    o, state = linear_attn(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True,
+                           **options)
     o_ref, state_ref = linear_attn_naive(q, k, v, **options)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     assert set(state) == ({"S", "z"} if normalize else {"S"})
@@ -85,17 +90,19 @@ def test_taylor_chunk_matches_token_by_token(normalize, chunk_size):
         torch.testing.assert_close(state[key], state_ref[key], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("impl", ["chunk", "parallel"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_taylor_continues_from_an_initial_state(normalize):
+def test_taylor_continues_from_an_initial_state(normalize, impl):
     q, k, v = qkv(T=30)
-    options = {"feature_map": "taylor", "normalize": normalize}
+    map_options = {"feature_map": "taylor", "normalize": normalize}
+    options = {**map_options, "impl": impl}
     full, full_state = linear_attn(q, k, v, chunk_size=8, output_final_state=True, **options)
     head, state = linear_attn(q[:, :13], k[:, :13], v[:, :13], chunk_size=8,
                               output_final_state=True, **options)
     tail, tail_state = linear_attn(q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=8,
                                    initial_state=state, output_final_state=True, **options)
     tail_ref, tail_state_ref = linear_attn_naive(q[:, 13:], k[:, 13:], v[:, 13:],
-                                                 initial_state=state, **options)
+                                                 initial_state=state, **map_options)
     torch.testing.assert_close(torch.cat([head, tail], 1), full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(tail, tail_ref, rtol=1e-10, atol=1e-10)
     for key in full_state:
@@ -103,15 +110,17 @@ def test_taylor_continues_from_an_initial_state(normalize):
         torch.testing.assert_close(tail_state_ref[key], full_state[key], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("impl", ["chunk", "parallel"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_taylor_steps_continue_the_chunk_form(normalize):
+def test_taylor_steps_continue_the_chunk_and_parallel_forms(normalize, impl):
     q, k, v = qkv(T=20)
-    options = {"feature_map": "taylor", "normalize": normalize}
+    map_options = {"feature_map": "taylor", "normalize": normalize}
+    options = {**map_options, "impl": impl}
     full, full_state = linear_attn(q, k, v, chunk_size=8, output_final_state=True, **options)
     _, state = linear_attn(q[:, :16], k[:, :16], v[:, :16], chunk_size=8,
                            output_final_state=True, **options)
     for t in range(16, 20):
-        o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state, **options)
+        o_t, state = linear_attn_step(q[:, t], k[:, t], v[:, t], state, **map_options)
         torch.testing.assert_close(o_t, full[:, t], rtol=1e-10, atol=1e-10)
     for key in full_state:
         torch.testing.assert_close(state[key], full_state[key], rtol=1e-10, atol=1e-10)
@@ -198,3 +207,23 @@ def test_based_op_and_decoder_refuse_q_k_of_another_width():
     assert state["S"].shape == (2, 3, 273, 5)
     with pytest.raises(ValueError, match="feature_dim=16"):
         decoder.step(q[:, 0], k[:, 0], v[:, 0], state)
+
+
+@pytest.mark.parametrize("feature_map", ["identity", "elu1", "taylor"])
+def test_parallel_gradients_equal_the_chunk_forms(feature_map):
+    """Gradients of outputs and final state, start state included, in float64."""
+    q, k, v = qkv(T=19)
+    options = {"feature_map": feature_map, "normalize": feature_map != "identity"}
+    _, start = linear_attn(q[:, :5], k[:, :5], v[:, :5], output_final_state=True, **options)
+    weights = torch.randn(q.shape[0], 19, q.shape[2], v.shape[-1], dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(7))
+    grads = {}
+    for impl in ("chunk", "parallel"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, *start.values())]
+        state = dict(zip(start, leaves[3:]))
+        o, final = linear_attn(*leaves[:3], impl=impl, chunk_size=4, initial_state=state,
+                               output_final_state=True, **options)
+        ((o * weights).sum() + sum(x.square().sum() for x in final.values())).backward()
+        grads[impl] = [x.grad for x in leaves]
+    for g_chunk, g_parallel in zip(grads["chunk"], grads["parallel"]):
+        torch.testing.assert_close(g_parallel, g_chunk, rtol=1e-10, atol=1e-10)

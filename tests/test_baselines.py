@@ -73,22 +73,25 @@ def explicit_linear_attn(q, k, v, feature_map, normalize, eps=1e-6):
     return o
 
 
+@pytest.mark.parametrize("impl", ["chunk", "parallel"])
 @pytest.mark.parametrize("feature_map,normalize", [("identity", False), ("elu1", False),
                                                    ("relu", False), ("taylor", False),
                                                    ("elu1", True), ("relu", True),
                                                    ("taylor", True)])
-def test_linear_attn_matches_explicit_sum(feature_map, normalize):
+def test_linear_attn_matches_explicit_sum(feature_map, normalize, impl):
     q, k, v = qkv(T=37)
-    op = get("linear-attn").op(feature_map=feature_map, normalize=normalize, chunk_size=16)
+    op = get("linear-attn").op(feature_map=feature_map, normalize=normalize, chunk_size=16,
+                               impl=impl)
     o, _ = op(q, k, v)
     torch.testing.assert_close(o, explicit_linear_attn(q, k, v, feature_map, normalize),
                                rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("impl", ["chunk", "parallel"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_linear_attn_state_continues(normalize):
+def test_linear_attn_state_continues(normalize, impl):
     q, k, v = qkv(T=30)
-    options = {"feature_map": "elu1", "normalize": normalize, "chunk_size": 8}
+    options = {"feature_map": "elu1", "normalize": normalize, "chunk_size": 8, "impl": impl}
     full, full_state = linear_attn(q, k, v, output_final_state=True, **options)
     head, state = linear_attn(q[:, :13], k[:, :13], v[:, :13], output_final_state=True,
                               **options)

@@ -430,8 +430,8 @@ def test_a_cut_short_file_is_refused_by_resume_and_report(runner, fake_mixers, t
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("hla2:impl=trtion", "impl must be one of 'auto', 'serial', 'scan', 'chunk', 'triton', "
-                         "got 'trtion'"),
+    ("hla2:impl=trtion", "impl must be one of 'auto', 'serial', 'scan', 'chunk', 'parallel', "
+                         "'triton', got 'trtion'"),
     ("hla2:decay=1.5", "decay must lie in (0, 1]"),
     ("hla2:chunk_size=abc", "chunk_size must be a positive int, got 'abc'"),
     ("sdpa:backend=maht", "backend must be one of"),

@@ -55,7 +55,7 @@ def test_every_impl_matches_explicit_sums(masked, normalize, ridge, decay, decay
     assert relative_error(o_serial, ref) < 1e-10
     assert s_serial["S"].shape[1] == kv_heads
     for impl, chunk_size in [("scan", 1), ("scan", 5), ("chunk", 1), ("chunk", 4), ("chunk", 5),
-                             ("chunk", 13), ("chunk", 64)]:
+                             ("chunk", 13), ("chunk", 64), ("parallel", 64)]:
         o, state = hla2(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True, **opts)
         assert o.dtype == q.dtype
         assert relative_error(o, ref) < 1e-10, (impl, chunk_size)
@@ -89,10 +89,13 @@ def test_explicit_sums_continue_from_an_initial_state(masked, normalize, ridge, 
     gen = torch.Generator().manual_seed(3)
     state = {key: x + 0.1 * torch.rand(x.shape, generator=gen, dtype=x.dtype)
              for key, x in state.items()}
-    o, final = hla2(q, k, v, impl="serial", initial_state=state, output_final_state=True,
-                    **opts)
-    assert relative_error(hla2_naive(q, k, v, initial_state=state, **opts), o) < 1e-10
-    assert state_err(hla2_naive_final_state(q, k, v, initial_state=state, **opts), final) < 1e-10
+    ref = hla2_naive(q, k, v, initial_state=state, **opts)
+    ref_final = hla2_naive_final_state(q, k, v, initial_state=state, **opts)
+    for impl in ("serial", "parallel"):
+        o, final = hla2(q, k, v, impl=impl, initial_state=state, output_final_state=True,
+                        **opts)
+        assert relative_error(ref, o) < 1e-10, impl
+        assert state_err(ref_final, final) < 1e-10, impl
 
 
 @pytest.mark.parametrize("T,chunk_size", [(37, 8), (32, 8), (37, 37), (2, 16)])
@@ -103,7 +106,7 @@ def test_longer_sequences_and_dims(T, chunk_size, decay_form):
                 ridge=0.1, normalize=True)
     ref = hla2_naive(q, k, v, **opts)
     _, s_serial = hla2(q, k, v, impl="serial", output_final_state=True, **opts)
-    for impl in ("scan", "chunk"):
+    for impl in ("scan", "chunk", "parallel"):
         o, state = hla2(q, k, v, impl=impl, chunk_size=chunk_size, output_final_state=True, **opts)
         assert relative_error(o, ref) < 1e-10
         assert state_err(state, s_serial) < 1e-10
@@ -153,7 +156,7 @@ CONTINUATION_OPTIONS = [
 
 
 @pytest.mark.parametrize("opts", CONTINUATION_OPTIONS)
-@pytest.mark.parametrize("impl", ["serial", "scan", "chunk"])
+@pytest.mark.parametrize("impl", ["serial", "scan", "chunk", "parallel"])
 def test_split_sequence_continues_from_state(opts, impl):
     q, k, v = make_inputs(23)
     o_full, s_full = hla2(q, k, v, impl=impl, chunk_size=4, output_final_state=True, **opts)
@@ -167,7 +170,7 @@ def test_split_sequence_continues_from_state(opts, impl):
 
 
 @pytest.mark.parametrize("opts", CONTINUATION_OPTIONS)
-@pytest.mark.parametrize("impl", ["serial", "scan", "chunk"])
+@pytest.mark.parametrize("impl", ["serial", "scan", "chunk", "parallel"])
 def test_empty_sequence_hands_the_state_through(opts, impl):
     q, k, v = make_inputs(9)
     _, state = hla2(q, k, v, impl=impl, output_final_state=True, **opts)
@@ -212,7 +215,7 @@ def _with_state(impl, opts, shapes_from):
 
 
 @pytest.mark.parametrize("opts", GRAD_OPTIONS)
-@pytest.mark.parametrize("impl", ["chunk", "serial"])
+@pytest.mark.parametrize("impl", ["chunk", "parallel", "serial"])
 def test_gradcheck(opts, impl):
     q, k, v = (x[:1, :5, :, :3].clone() for x in make_inputs(5, seed=2))
     v = v[..., :2].clone()
@@ -232,19 +235,20 @@ def test_gradcheck_normalized_chunk():
 
 @pytest.mark.parametrize("opts", GRAD_OPTIONS + [dict(normalize=True, decay=0.9, ridge=0.1)])
 @pytest.mark.parametrize("kv_heads", [H, 1])
-def test_chunk_gradients_equal_serial_gradients(opts, kv_heads):
+def test_chunk_and_parallel_gradients_equal_serial_gradients(opts, kv_heads):
     opts = one_decay_if_shared(opts, kv_heads)
     q, k, v = make_inputs(11, kv_heads=kv_heads, seed=4, positive=True)
     weights = torch.randn(B, 11, H, DV, generator=torch.Generator().manual_seed(5),
                           dtype=torch.float64)
     grads = {}
-    for impl in ("serial", "chunk"):
+    for impl in ("serial", "chunk", "parallel"):
         inputs = [x.clone().requires_grad_() for x in (q, k, v)]
         o, final = hla2(*inputs, impl=impl, chunk_size=4, output_final_state=True, **opts)
         ((o * weights).sum() + sum(x.sum() for x in final.values())).backward()
         grads[impl] = [x.grad for x in inputs]
-    for g_chunk, g_serial in zip(grads["chunk"], grads["serial"]):
-        assert relative_error(g_chunk, g_serial) < 1e-10
+    for impl in ("chunk", "parallel"):
+        for g_form, g_serial in zip(grads[impl], grads["serial"]):
+            assert relative_error(g_form, g_serial) < 1e-10, impl
 
 
 def _error_cases():

@@ -892,13 +892,14 @@ def test_paper_head_dim_64():
 
 def test_paper_head_dim_128_is_refused_with_its_reason():
     """At head dim 128 the paper kernels need more shared memory than an H200 has: Triton
-    refuses with the reason, and "auto" computes with the chunk form."""
+    refuses with the reason, and "auto" computes with a PyTorch form (the parallel one at
+    20 tokens)."""
     q, k, v = make_inputs(1, 20, 2, 128, 64, torch.float32, seed=33)
     g = torch.tensor([0.95, 0.9], device=DEVICE)
     with pytest.raises(ValueError, match="head dim <= 64"):
         hla2(q, k, v, decay=g, decay_form="paper", impl="triton")
     o, _ = hla2(q, k, v, decay=g, decay_form="paper", impl="auto")
-    want, _ = hla2(q, k, v, decay=g, decay_form="paper", impl="chunk")
+    want, _ = hla2(q, k, v, decay=g, decay_form="paper", impl="parallel")
     assert torch.equal(o, want)
 
 

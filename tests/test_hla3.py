@@ -9,7 +9,7 @@ from mixers.hla.hla3 import hla3, hla3_flops, hla3_naive, hla3_state_bytes, hla3
 from mixers.reference import relative_error
 
 B, T, H, D, DV = 2, 11, 2, 3, 4
-FORMS = {"causal": ("serial", "scan", "chunk"), "paper": ("serial", "scan")}
+FORMS = {"causal": ("serial", "scan", "chunk", "parallel"), "paper": ("serial", "scan")}
 
 
 def inputs(dtype=torch.float64, positive=False, seed=0, T=T):
@@ -67,8 +67,8 @@ def test_low_precision_forms_agree_with_float64(variant):
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("variant,impl", [("causal", "serial"), ("causal", "scan"),
-                                          ("causal", "chunk"), ("paper", "serial"),
-                                          ("paper", "scan")])
+                                          ("causal", "chunk"), ("causal", "parallel"),
+                                          ("paper", "serial"), ("paper", "scan")])
 def test_continuation_and_decode_steps(variant, impl, normalize):
     q, k, v = inputs()
     opts = dict(variant=variant, normalize=normalize)
@@ -96,7 +96,8 @@ def test_step_from_empty_state_matches_first_output():
 
 def test_gradcheck_and_gradients_agree_between_forms():
     q, k, v = (x[:1, :5, :1, :2].clone().requires_grad_() for x in inputs(positive=True))
-    for variant, impl in (("causal", "chunk"), ("causal", "serial"), ("paper", "serial")):
+    for variant, impl in (("causal", "chunk"), ("causal", "parallel"), ("causal", "serial"),
+                          ("paper", "serial")):
         for normalize in (False, True):
             fn = lambda q, k, v: hla3(q, k, v, variant=variant, normalize=normalize, impl=impl,
                                       chunk_size=2)[0]
@@ -129,6 +130,7 @@ def test_bad_inputs_name_the_argument():
     cases = [
         (dict(impl="trtion"), "impl"),
         (dict(variant="paper", impl="chunk"), "impl"),
+        (dict(variant="paper", impl="parallel"), "impl"),
         (dict(variant="masked"), "variant"),
         (dict(chunk_size=2.5), "chunk_size"),
         (dict(initial_state={"SK": torch.zeros(B, H, D, D), "P": torch.zeros(B, H, D, DV)}),

@@ -38,19 +38,27 @@ OPS = {
                   True, True),
     "hla2-chunk": (_with(hla2, impl="chunk"), ("masked", "normalize", "output_final_state"),
                    True, True),
+    "hla2-parallel": (_with(hla2, impl="parallel"),
+                      ("masked", "normalize", "output_final_state"), True, True),
     "ahla2-serial": (_with(ahla2, impl="serial"), ("normalize", "output_final_state"), True,
                      True),
     "ahla2-scan": (_with(ahla2, impl="scan"), ("normalize", "output_final_state"), True, True),
     "ahla2-chunk": (_with(ahla2, impl="chunk"), ("normalize", "output_final_state"), True,
                     True),
+    "ahla2-parallel": (_with(ahla2, impl="parallel"), ("normalize", "output_final_state"), True,
+                       True),
     "hla3-serial": (_with(hla3, impl="serial"), ("normalize", "output_final_state"), True, True),
     "hla3-scan": (_with(hla3, impl="scan"), ("normalize", "output_final_state"), True, True),
     "hla3-chunk": (_with(hla3, impl="chunk"), ("normalize", "output_final_state"), True, True),
+    "hla3-parallel": (_with(hla3, impl="parallel"), ("normalize", "output_final_state"), True,
+                      True),
     "hla3-paper-serial": (_with(hla3, variant="paper", impl="serial"),
                           ("normalize", "output_final_state"), True, True),
     "hla3-paper-scan": (_with(hla3, variant="paper", impl="scan"),
                         ("normalize", "output_final_state"), True, True),
     "linear-attn": (linear_attn, ("normalize", "output_final_state"), True, True),
+    "linear-attn-parallel": (_with(linear_attn, impl="parallel"),
+                             ("normalize", "output_final_state"), True, True),
     "mamba2-chunk": (_ssd("chunk"), ("output_final_state",), True, False),
     "mamba2-naive": (_ssd("naive"), ("output_final_state",), True, False),
     "sdpa": (sdpa_attention, ("output_final_state",), False, False),
@@ -141,3 +149,31 @@ def test_empty_batch_or_heads_are_refused(name, dim):
     q, k, v = (torch.zeros(shape, dtype=_dtype(name)) for _ in range(3))
     with pytest.raises(ValueError, match=r"q must have shape \[B, T, H, D\] with B, H, D >= 1"):
         OPS[name][0](q, k, v)
+
+
+@pytest.mark.parametrize("op", [hla2, ahla2, hla3, linear_attn])
+def test_auto_off_cuda_takes_the_parallel_form_up_to_twice_the_head_dim(op):
+    """impl="auto" without CUDA: "parallel" for T <= 2 D, "chunk" beyond (common.pytorch_form;
+    D is the key width, the identity map's too), and the same outputs as the form it
+    names."""
+    from mixers.dispatch import noting
+
+    gen = torch.Generator().manual_seed(0)
+    for T, form in ((8, "parallel"), (9, "chunk")):
+        q, k, v = (torch.randn(1, T, 2, 4, generator=gen, dtype=torch.float64) for _ in "qkv")
+        with noting() as notes:
+            o, _ = op(q, k, v)
+        assert notes["impl"] == form, (T, notes)
+        assert torch.equal(o, op(q, k, v, impl=form)[0])
+
+
+def test_auto_off_cuda_measures_a_feature_map_by_its_width():
+    """Based's Taylor map turns 4 key dims into 21 features: parallel up to T = 42."""
+    from mixers.dispatch import noting
+
+    gen = torch.Generator().manual_seed(0)
+    for T, form in ((42, "parallel"), (43, "chunk")):
+        q, k, v = (torch.randn(1, T, 2, 4, generator=gen, dtype=torch.float64) for _ in "qkv")
+        with noting() as notes:
+            linear_attn(q, k, v, feature_map="taylor")
+        assert notes["impl"] == form, (T, notes)

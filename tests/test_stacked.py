@@ -526,12 +526,14 @@ def test_a_compiled_group_compiles_at_most_three_times(monkeypatch):
     assert counters["frames"]["ok"] == 3, dict(counters["frames"])
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
-def test_stacked_layers_trace_their_pytorch_ops_into_one_graph(mixer):
+@pytest.mark.parametrize("mixer,options", [(mixer, {}) for mixer in MIXERS]
+                         + [(mixer, {"impl": "parallel"})
+                            for mixer in ("hla2", "ahla2", "hla3", "linear-attn", "based")])
+def test_stacked_layers_trace_their_pytorch_ops_into_one_graph(mixer, options):
     """On the CPU every built-in op runs a PyTorch form, and torch.compile traces the whole
     stacked loss, op included, without a graph break (so the op's elementwise work fuses
     with the layer's)."""
-    runs = group(mixer, lrs=(1e-3, 3e-3), seeds=(0, 1))
+    runs = group(mixer, lrs=(1e-3, 3e-3), seeds=(0, 1), mixer_options=options)
     models = []
     for run in runs:
         torch.manual_seed(run["seed"])

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from mixers.dispatch import note
 
-IMPLS = ("auto", "serial", "scan", "chunk", "triton")
+IMPLS = ("auto", "serial", "scan", "chunk", "parallel", "triton")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -241,6 +241,17 @@ def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_
             raise ValueError(f"{name}[{key!r}] must have shape {shape}, got {got}")
         if device is not None and x.device != device:
             raise ValueError(f"{name}[{key!r}] must be on {device}, got {x.device}")
+
+
+def pytorch_form(T: int, width: int) -> str:
+    """The PyTorch form "auto" takes where the Triton kernels do not run: "parallel" (one
+    masked T x T block) for sequences of at most twice the key width (the head dim, or a
+    feature map's width), else "chunk". On a 2-core CPU (fwd+bwd in float32,
+    results/cpu-2026-12-05/short-forms.yaml, docs/method.md) the parallel forms of hla2,
+    ahla2, hla3, linear attention and Based were 1.2x to 12x faster than the chunk forms at
+    every measured T <= 2 width, between 1.3x faster and 1.5x slower at T = 4 width, and
+    slower beyond."""
+    return "parallel" if T <= 2 * width else "chunk"
 
 
 def resolve_impl(impl: str, fallback: str, q: torch.Tensor,

@@ -41,10 +41,10 @@ def _op_options(options: dict) -> dict:
 
 
 def _step_options(options: dict) -> dict:
-    """Op options for a `*_step`: a step has no serial/scan/chunk forms, so those run its
-    PyTorch step ("torch"); "auto" and "triton" keep their meaning."""
+    """Op options for a `*_step`: a step has no serial/scan/chunk/parallel forms, so those run
+    its PyTorch step ("torch"); "auto" and "triton" keep their meaning."""
     options = _op_options(options)
-    if options.get("impl") in ("serial", "scan", "chunk"):
+    if options.get("impl") in ("serial", "scan", "chunk", "parallel"):
         options["impl"] = "torch"
     return options
 
@@ -128,18 +128,18 @@ def hla_mixers() -> list[Mixer]:
         hla_entry("hla2", "mixers.hla.hla2", "hla2",
                   "Second-order HLA, masked (strictly causal) form; optional decay, "
                   "normalisation and ridge.", hla2_options,
-                  ("serial", "scan", "chunk", "triton"), bound={"masked": True}),
+                  ("serial", "scan", "chunk", "parallel", "triton"), bound={"masked": True}),
         hla_entry("hla2-unmasked", "mixers.hla.hla2", "hla2",
                   "Second-order HLA without the causal mask inside: o_t = q_t^T S_t C_t.",
-                  hla2_options, ("serial", "scan", "chunk", "triton"),
+                  hla2_options, ("serial", "scan", "chunk", "parallel", "triton"),
                   bound={"masked": False}),
         hla_entry("ahla2", "mixers.hla.ahla2", "ahla2",
                   "Asymmetric second-order HLA (AHLA): ((L*QK^T)(L*QK^T)*L) V.",
                   {"normalize": False, "eps": 1e-6, "decay": None, "impl": "auto",
-                   "chunk_size": 64}, ("serial", "scan", "chunk", "triton")),
+                   "chunk_size": 64}, ("serial", "scan", "chunk", "parallel", "triton")),
         hla_entry("hla3", "mixers.hla.hla3", "hla3",
                   "Third-order HLA: variant 'causal' (causal restriction of the tensor form) "
                   "or 'paper' (the paper's Alg. 3).",
                   {"variant": "causal", "normalize": False, "eps": 1e-6, "impl": "auto",
-                   "chunk_size": 64}, ("serial", "scan", "chunk", "triton")),
+                   "chunk_size": 64}, ("serial", "scan", "chunk", "parallel", "triton")),
     ]

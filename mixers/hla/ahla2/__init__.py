@@ -8,8 +8,10 @@ with g = 1 without decay. These are exactly the weights of Alg. 2's decayed recu
 t. Normalized: divided by the same sum with v_j = 1 (den_t = q_t^T n_t), plus eps.
 
 Forms: "serial" (Alg. 2), "scan" (§6.2 associative scan), "chunk" (dense masked chunk
-products), "triton" (two chained causal linear attentions, mixers/hla/chain); "auto" =
-"triton" on CUDA where the kernels take the inputs, else "chunk". The state is {"P", "E"} (+ {"m", "n"} when normalized), each
+products), "parallel" (the whole sequence as one masked block, for short sequences),
+"triton" (two chained causal linear attentions, mixers/hla/chain); "auto" = "triton" on
+CUDA where the kernels take the inputs, else "parallel" up to T = 2 D and "chunk" beyond
+(common.pytorch_form). The state is {"P", "E"} (+ {"m", "n"} when normalized), each
 `[B, H, D, Dv]` (`[B, H, D]`), float32 (float64 for float64 inputs).
 """
 
@@ -20,17 +22,18 @@ import torch
 from mixers.dispatch import opaque
 from mixers.hla.ahla2.chunk import ahla2_chunk
 from mixers.hla.ahla2.naive import ahla2_naive
+from mixers.hla.ahla2.parallel import ahla2_parallel
 from mixers.hla.ahla2.scan import ahla2_scan
 from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_decay,
                                check_eps, check_flag, check_qkv, check_state, kernel_read_out,
-                               resolve_impl)
+                               pytorch_form, resolve_impl)
 
 __all__ = ["ahla2", "ahla2_step", "ahla2_naive", "ahla2_state_bytes", "ahla2_flops"]
 
-AHLA2_IMPLS = ("auto", "serial", "scan", "chunk", "triton")
+AHLA2_IMPLS = ("auto", "serial", "scan", "chunk", "parallel", "triton")
 STEP_IMPLS = ("auto", "torch", "triton")
 FORMS = {"serial": ahla2_serial, "scan": ahla2_scan}
 
@@ -84,7 +87,7 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     if T == 0:  # no tokens: no output rows, and the start state is the final one
         final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
         return q.new_zeros(B, 0, H, Dv), final
-    impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
+    impl = resolve_impl(impl, pytorch_form(T, D), q, lambda: _triton_unsupported(q, k, v))
     if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
         from mixers.hla.ahla2.triton import ahla2_triton_packed
         starts = (P0, E0) if initial_state is not None else (None, None)  # None: zeros
@@ -98,6 +101,10 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "chunk":
         o, (P, E) = ahla2_chunk(qh, kh, vh, P0, E0, decay, chunk_size)
+    elif impl == "parallel":  # zero starts as None: their terms are skipped
+        starts = (P0, E0) if initial_state is not None else (None, None)
+        o, final = ahla2_parallel(qh, kh, vh, *starts, decay, output_final_state)
+        P, E = final if final is not None else (None, None)
     else:
         o, (P, E) = FORMS[impl](qh, kh, vh, P0, E0, decay)
     o = guard.outputs(read_out(o, normalize, eps, q.dtype).transpose(1, 2))

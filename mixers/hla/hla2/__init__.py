@@ -2,7 +2,9 @@
 Triton forms, the single-token decode step, and cost helpers.
 
 Forms: naive.py (explicit sums with states, the ground truth), serial.py (recurrence), scan.py
-(associative segment scans), chunk.py (dense matmul chunks), triton/ (fused kernels).
+(associative segment scans), chunk.py (dense matmul chunks), parallel.py (the whole sequence
+as one masked block, for short sequences), triton/ (fused kernels, else a chain of two
+linear attentions).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import torch
 from mixers.dispatch import note, opaque
 from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
                                check_decay, check_eps, check_flag, check_qkv, check_state,
-                               resolve_impl)
+                               pytorch_form, resolve_impl)
 from mixers.hla.hla2.chunk import hla2_chunk
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
+from mixers.hla.hla2.parallel import hla2_parallel
 from mixers.hla.hla2.scan import hla2_scan
 from mixers.hla.hla2.serial import hla2_serial, step_packed
 from mixers.hla.hla2.state import (DECAY_FORMS, compute_dtype, finish, operator_form, pack,
@@ -26,7 +29,8 @@ __all__ = ["hla2", "hla2_step", "hla2_naive", "hla2_naive_final_state", "hla2_st
            "hla2_flops"]
 
 STEP_IMPLS = ("auto", "torch", "triton")
-_FORMS = {"serial": hla2_serial, "scan": hla2_scan, "chunk": hla2_chunk}
+_FORMS = {"serial": hla2_serial, "scan": hla2_scan, "chunk": hla2_chunk,
+          "parallel": hla2_parallel}
 
 
 def _check_scalars(eps, ridge) -> None:
@@ -72,7 +76,7 @@ def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay,
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
     """See mixers.hla.common.resolve_impl. The paper decay form's kernels walk the chunks
     sequentially (one program per head and 32 value columns) and are not tuned, so "auto"
-    keeps the chunk form there."""
+    keeps the PyTorch form there."""
     paper_decay = triton_args["decay"] is not None and triton_args["decay_form"] == "paper"
     return resolve_impl(impl, fallback, q, lambda: _triton_unsupported(q, k, v, **triton_args),
                         "the paper decay form's kernels are not tuned" if paper_decay else None)
@@ -121,8 +125,8 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     form, g, state, g_torch = _prepare(
         q, k, v, initial_state, "initial_state", masked=masked, normalize=normalize, eps=eps,
         ridge=ridge, decay=decay, decay_form=decay_form)
-    impl = _resolve_impl(impl, "chunk", q, k, v, masked=masked, ridge=ridge,
-                         decay_form=decay_form, decay=g)
+    impl = _resolve_impl(impl, pytorch_form(q.shape[1], q.shape[-1]), q, k, v, masked=masked,
+                         ridge=ridge, decay_form=decay_form, decay=g)
     if impl == "triton" and q.shape[1] > 0:  # checked by _resolve_impl
         from mixers.hla.hla2.triton import (_hla2_triton_unchecked, hla2_chain_unchecked,
                                             triton_unsupported_reason)
@@ -143,7 +147,11 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
     guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
     kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g_torch, packed=packed)
     if impl != "serial":
-        kwargs.update(chunk_size=chunk_size, output_final_state=output_final_state)
+        kwargs.update(output_final_state=output_final_state)
+    if impl in ("scan", "chunk"):
+        kwargs.update(chunk_size=chunk_size)
+    if impl == "parallel":  # a zero start's terms are skipped
+        kwargs.update(zero_start=state is None)
     o, packed = _FORMS[impl](*guard.inputs, **kwargs)
     final = unpack(packed, form, normalize, ridge) if output_final_state else None
     return guard.outputs(o.to(q.dtype)), guard.state(final)

@@ -6,9 +6,10 @@ variant="causal": the causal restriction of (W W^T W) V, W = L * Q K^T,
 
 streamed with (S^K, P, F): F_t = F_{t-1} + (S^K_t q_t)(q_t^T P_t), o_t = q_t^T F_t.
 Forms "serial", "scan" (a segment operator with d x d moments only, see scan.py), "chunk"
-(dense masked chunk products) and "triton" (three chained causal linear attentions,
-mixers/hla/chain); "auto" = "triton" on CUDA where the kernels take the inputs, else
-"chunk".
+(dense masked chunk products), "parallel" (the whole sequence as one masked block, for
+short sequences) and "triton" (three chained causal linear attentions, mixers/hla/chain);
+"auto" = "triton" on CUDA where the kernels take the inputs, else "parallel" up to T = 2 D
+and "chunk" beyond (common.pytorch_form).
 
 variant="paper": the paper's Alg. 3 / Alg. 4, which sums the same product over the triples
 (i, u, j) in [1..t]^3 whose maximum is attained at least twice: causal, but a different
@@ -29,16 +30,17 @@ from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
 from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
                                check_flag, check_qkv, check_state, kernel_read_out,
-                               resolve_impl)
+                               pytorch_form, resolve_impl)
 from mixers.hla.hla3.chunk import hla3_chunk
 from mixers.hla.hla3.naive import hla3_naive
+from mixers.hla.hla3.parallel import hla3_parallel
 from mixers.hla.hla3.scan import hla3_scan
 from mixers.hla.hla3.serial import causal_recurrence, hla3_serial, paper_recurrence
 
 __all__ = ["hla3", "hla3_step", "hla3_naive", "hla3_state_bytes", "hla3_flops"]
 
 VARIANTS = ("causal", "paper")
-HLA3_IMPLS = ("auto", "serial", "scan", "chunk", "triton")
+HLA3_IMPLS = ("auto", "serial", "scan", "chunk", "parallel", "triton")
 STEP_IMPLS = ("auto", "torch", "triton")
 
 
@@ -76,7 +78,7 @@ def _state_dict(carries, variant, normalize):
 def _check_variant_impl(variant, impl):
     check_choice("variant", variant, VARIANTS)
     check_choice("impl", impl, HLA3_IMPLS)
-    if variant == "paper" and impl in ("chunk", "triton"):
+    if variant == "paper" and impl in ("chunk", "parallel", "triton"):
         raise ValueError(f"impl={impl!r} is not available for variant='paper' (it has only "
                          "'serial' and 'scan'; 'auto' picks 'scan')")
 
@@ -113,7 +115,7 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
             final = _state_dict(tuple(x.clone() for x in carries), variant, normalize)
         return q.new_zeros(B, 0, H, Dv), final
     if variant == "causal":
-        impl = resolve_impl(impl, "chunk", q, lambda: _triton_unsupported(q, k, v))
+        impl = resolve_impl(impl, pytorch_form(T, D), q, lambda: _triton_unsupported(q, k, v))
     else:
         impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
     if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
@@ -129,6 +131,9 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     vh = to_heads_first(v_in, dtype, ones_column=normalize)
     if impl == "chunk":
         o, carries = hla3_chunk(qh, kh, vh, carries, chunk_size)
+    elif impl == "parallel":  # zero starts as None: their terms are skipped
+        starts = carries if initial_state is not None else (None,) * len(carries)
+        o, carries = hla3_parallel(qh, kh, vh, *starts, output_final_state)
     else:
         form = hla3_serial if impl == "serial" else hla3_scan
         o, carries = form(qh, kh, vh, carries, variant)
