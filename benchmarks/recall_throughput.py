@@ -12,6 +12,10 @@ once all have warmed up). Writes one YAML with both rates per cell and their rat
 
     python benchmarks/recall_throughput.py --config zoology-smoke \
         --cells 64:64,256:128 --steps 150 --out throughput.yaml
+
+`--option MIXER.KEY=VALUE` sets a layer option of the config's mixer (`hla2.impl=parallel`
+trains hla2 through its parallel form), so two runs of the benchmark compare two ways of
+computing the same mixer.
 """
 
 from __future__ import annotations
@@ -180,8 +184,18 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="stacked and profile modes: compile each group's step "
                              "(torch.compile) before it is captured")
+    parser.add_argument("--option", action="append", default=[], metavar="MIXER.KEY=VALUE",
+                        help="set a layer option of a mixer of the config (repeatable; the "
+                             "value is read as YAML: hla2.impl=parallel, hla2.chunk_size=32)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    options: dict[str, dict] = {}
+    for text in args.option:
+        target, sep, value = text.partition("=")
+        mixer, dot, key = target.partition(".")
+        if not (sep and dot and mixer and key):
+            parser.error(f"--option takes MIXER.KEY=VALUE, got {text!r}")
+        options.setdefault(mixer, {})[key] = yaml.safe_load(value)
     modes = set(args.modes.split(","))
     if not modes or modes - {"stacked", "alone", "profile"}:
         parser.error(f"--modes takes stacked, alone and profile, got {args.modes!r}")
@@ -192,12 +206,27 @@ def main() -> None:
 
     from hla_bench import configs, registry
     from hla_bench.processes import cuda_mps_active
-    from hla_bench.recall_config import load_config, plan_runs
+    from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options,
+                                         load_config, plan_runs)
     from hla_bench.training import plan_groups
 
     config = load_config(str(configs.find(args.config)), {})
     config["mixers"] = args.mixers.split(",")
+    for mixer, changes in options.items():
+        if mixer not in config["mixers"]:
+            raise SystemExit(f"--option names {mixer!r}, which is not among --mixers")
+        config["mixer_options"][mixer] = {**(config["mixer_options"].get(mixer) or {}),
+                                          **changes}
+        try:
+            registry.get(mixer).resolve_options(config["mixer_options"][mixer])
+        except ValueError as error:
+            raise SystemExit(f"error: --option: {error}") from None
     specs = plan_runs(config, "cuda:0")
+    try:
+        check_layers(specs)
+        check_mixer_options(config, "cpu")
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
     specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]
     from hla_bench.results import git_commit
 
@@ -205,7 +234,7 @@ def main() -> None:
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
               "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
-              "cells": []}
+              "mixer_options": config["mixer_options"], "cells": []}
     for cell in args.cells.split(","):
         seq_len, d_model = (int(v) for v in cell.split(":"))
         runs = [{**s, "num_train": args.num_train,

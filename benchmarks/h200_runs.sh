@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU measurements that results/h200-*/ hold, in stages that each end within about ten
+# minutes and write into OUT as they go, on a host that has torch, Triton, click, rich,
+# pyyaml, einops and matplotlib but no package index (the optional packages come as wheels
+# from benchmarks/offline_wheels.sh in .whl/).
+#
+#   bash benchmarks/h200_runs.sh STAGE OUT [PREVIOUS]
+#
+# STAGE:
+#   kernels       hla-bench verify in bf16, the chain's launch plans (chain_plans.py) at
+#                 D 64/128 and, at T 256, D 256/512, hla2's fused kernels against its chain
+#                 (family_profile.py), and ahla2's and hla3's normalized bf16 precision
+#                 (family_native_check.py --normalize-precision)
+#   short-forms   recall training throughput, each group alone (recall_throughput.py
+#                 --modes profile, compiled, under CUDA MPS) at three Zoology cells, the HLA
+#                 ops through impl=auto (their Triton kernels) and through impl=parallel
+#   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
+#                 (the pair whose `report --compare` is the method's noise floor)
+#   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
+#   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS
+# The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
+# earlier cut-short call left, they continue it (`--resume`) instead of starting over, and
+# stop themselves before TIME_LIMIT seconds (default 540) so the file comes back whole. They
+# run in a scratch folder and copy their results file into OUT when they stop: a recall
+# sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut short
+# starts over in the next call, while every finished run is kept.
+set -uo pipefail
+stage=${1:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
+out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
+previous=${3:-}
+limit=${TIME_LIMIT:-540}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PWD:/tmp/site"
+else
+    export PYTHONPATH="$PWD"
+fi
+hla() { python3 -m hla_bench "$@"; }
+mps() { nvidia-cuda-mps-control -d 2> /dev/null || true; }
+log="$out/$stage.log"
+
+scratch=/tmp/h200-runs
+mkdir -p "$scratch"
+resumed() {  # resumed NAME: --resume when PREVIOUS holds NAME (copied into scratch first)
+    if [[ -n "$previous" && -f "$previous/$1" ]]; then
+        cp "$previous/$1" "$scratch/$1"
+        echo --resume
+    fi
+}
+
+case "$stage" in
+kernels)
+    {
+        hla verify --device cuda --dtype bfloat16 --yaml "$out/verify-bf16.yaml"
+        python3 benchmarks/chain_plans.py --head-dims 64,128 --seq-lens 256,2048,8192,65536 \
+            --yaml "$out/chain-plans.yaml"
+        python3 benchmarks/chain_plans.py --head-dims 256,512 --seq-lens 256 \
+            --yaml "$out/chain-plans-wide.yaml"
+        python3 benchmarks/family_profile.py --ops hla2,hla2-chain --head-dims 64,128 \
+            --batch 32 --seq-len 2048 --yaml "$out/hla2-chain-profile.yaml"
+        python3 benchmarks/family_native_check.py --normalize-precision \
+            --yaml "$out/family-normalize-bf16.yaml"
+    } 2>&1 | tee "$log"
+    ;;
+short-forms)
+    mps
+    mixers=sdpa,linear-attn,hla2,ahla2,hla3
+    cells=64:64,256:128,256:512
+    {
+        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells "$cells" \
+            --mixers "$mixers" --modes profile --compile --steps 50 \
+            --out "$out/recall-profile-auto.yaml"
+        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells "$cells" \
+            --mixers hla2,ahla2,hla3 --modes profile --compile --steps 50 \
+            --option hla2.impl=parallel --option ahla2.impl=parallel \
+            --option hla3.impl=parallel --out "$out/recall-profile-parallel.yaml"
+    } 2>&1 | tee "$log"
+    ;;
+bench-a|bench-b)
+    name="h200-${stage#bench-}.yaml"
+    timeout "$limit" python3 -m hla_bench run h200 --out "$scratch/$name" $(resumed "$name") \
+        2>&1 | tee "$log"
+    cp "$scratch/$name" "$out/"
+    ;;
+recall|mad)
+    mps
+    config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
+    name="$config.yaml"
+    hla recall --config "$config" --out "$scratch/$name" --time-limit "$limit" \
+        $(resumed "$name") 2>&1 | tee "$log"
+    cp "$scratch/$name" "$out/"
+    ;;
+*)
+    echo "unknown stage $stage (kernels, short-forms, bench-a, bench-b, recall, mad)" >&2
+    exit 2
+    ;;
+esac
