@@ -248,9 +248,9 @@ def pytorch_form(T: int, width: int) -> str:
     masked T x T block) for sequences of at most twice the key width (the head dim, or a
     feature map's width), else "chunk". On a 2-core CPU (fwd+bwd in float32,
     results/cpu-2026-12-05/short-forms.yaml, docs/method.md) the parallel forms of hla2,
-    ahla2, hla3, linear attention and Based were 1.2x to 12x faster than the chunk forms at
+    ahla2, hla3, linear attention and Based were 1.2x to 13x faster than the chunk forms at
     every measured T <= 2 width, between 1.3x faster and 1.5x slower at T = 4 width, and
-    slower beyond."""
+    mostly slower beyond."""
     return "parallel" if T <= 2 * width else "chunk"
 
 
