@@ -30,7 +30,7 @@ from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.training import (assign_devices, default_workers, failed_result, plan_groups,
-                                run_groups)
+                                run_groups, step_flops)
 from tasks.model import STATE_MIXERS
 
 SCHEMA_VERSION = 2
@@ -283,8 +283,13 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if problem:
             raise ConfigError(problem)
         if dry_run:
-            rows = plan_rows(specs, config["max_group"])
+            rows = plan_rows(specs, config["max_group"], step_flops)
             print_table(console, plan_table(rows), lambda: plan_lines(rows))
+            uncounted = sorted({mixer for row in rows for mixer in row["uncounted"]})
+            console.print("PFLOP: the matmuls of a training step (forward and backward) as "
+                          "the mixers' PyTorch forms compute them, times the steps"
+                          + (f"; not counted: {', '.join(uncounted)} (not runnable on the "
+                             "CPU here)" if uncounted else ""), soft_wrap=True)
             if absent:
                 console.print(f"[yellow]note[/]: planned for {device}, which is not visible "
                               "here: the mixer options were not tried on it, and mixers "
@@ -359,18 +364,24 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         console.print("[yellow]stopped at --time-limit[/]: rerun with --resume to continue")
 
 
+def _pflop(flops: int) -> str:
+    return f"{flops / 1e15:,.1f}"
+
+
 def plan_table(rows: list[dict]) -> Table:
     """`plan_rows` as a table, with a total row."""
     runs = sum(row["runs"] for row in rows)
     table = Table(title=f"recall plan: {runs} runs (steps: at most, before early stops)")
     for column in ("setting", "d_model", "mixers", "runs", "groups", "steps a run",
-                   "model steps"):
+                   "model steps", "PFLOP"):
         table.add_column(column, justify="left" if column == "setting" else "right")
     for row in rows:
         table.add_row(escape(row["setting"]), *(f"{row[key]:,}" for key in
-                      ("d_model", "mixers", "runs", "groups", "steps", "model_steps")))
+                      ("d_model", "mixers", "runs", "groups", "steps", "model_steps")),
+                      _pflop(row["flops"]))
     table.add_row("all", "", "", f"{runs:,}", f"{sum(r['groups'] for r in rows):,}", "",
-                  f"{sum(r['model_steps'] for r in rows):,}")
+                  f"{sum(r['model_steps'] for r in rows):,}",
+                  _pflop(sum(r["flops"] for r in rows)))
     return table
 
 
@@ -380,8 +391,9 @@ def plan_lines(rows: list[dict]) -> list[str]:
     return [f"recall plan: {runs} runs (steps: at most, before early stops)"] + [
         f"{row['setting']} d_model {row['d_model']}: {row['mixers']} mixers, {row['runs']} "
         f"runs in {row['groups']} groups, {row['steps']:,} steps a run, "
-        f"{row['model_steps']:,} model steps" for row in rows] + [
-        f"all: {sum(r['model_steps'] for r in rows):,} model steps"]
+        f"{row['model_steps']:,} model steps, {_pflop(row['flops'])} PFLOP" for row in rows] + [
+        f"all: {sum(r['model_steps'] for r in rows):,} model steps, "
+        f"{_pflop(sum(r['flops'] for r in rows))} PFLOP"]
 
 
 commands = [recall]

@@ -24,7 +24,7 @@ import tasks
 from hla_bench import configs, registry
 from hla_bench.training import plan_groups
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
-from tasks.train import METRICS, SCHEDULES, RunSpec
+from tasks.train import METRICS, SCHEDULES, RunSpec, group_key
 
 # --- the schema --------------------------------------------------------------------------
 
@@ -434,19 +434,35 @@ def run_key(run: dict) -> str:
 
 
 
-def plan_rows(specs: list[dict], max_group: int) -> list[dict]:
+def plan_rows(specs: list[dict], max_group: int,
+              step_flops: Callable[[dict], int | None] | None = None) -> list[dict]:
     """Per (task setting, d_model): the mixers, runs, stacked groups, the most steps a run
-    takes (every epoch, no early stop) and the most model steps of all its runs."""
+    takes (every epoch, no early stop) and the most model steps of all its runs; with
+    `step_flops` (a run's FLOPs per training step, None where unknown) also the most FLOPs
+    of its runs (`flops`) and the mixers not counted (`uncounted`)."""
     cells: dict[tuple[str, int], list[dict]] = {}
     for spec in specs:
         cells.setdefault((spec["setting"], spec["d_model"]), []).append(spec)
+    per_group: dict[str, int | None] = {}
     rows = []
     for (setting, d_model), runs in cells.items():
         first = runs[0]
         num_train = first["num_train"] or tasks.get(first["task"]).num_train
         steps = first["epochs"] * math.ceil(num_train / first["batch_size"])
-        rows.append({"setting": setting, "d_model": d_model,
-                     "mixers": len({spec["mixer"] for spec in runs}), "runs": len(runs),
-                     "groups": len(plan_groups(runs, max_group)), "steps": steps,
-                     "model_steps": steps * len(runs)})
+        row = {"setting": setting, "d_model": d_model,
+               "mixers": len({spec["mixer"] for spec in runs}), "runs": len(runs),
+               "groups": len(plan_groups(runs, max_group)), "steps": steps,
+               "model_steps": steps * len(runs)}
+        if step_flops is not None:
+            flops, uncounted = 0, set()
+            for spec in runs:  # a group's runs differ in lr, weight decay and seed only
+                key = group_key(spec)
+                if key not in per_group:
+                    per_group[key] = step_flops(spec)
+                if per_group[key] is None:
+                    uncounted.add(spec["mixer"])
+                else:
+                    flops += steps * per_group[key]
+            row.update(flops=flops, uncounted=sorted(uncounted))
+        rows.append(row)
     return rows

@@ -26,6 +26,7 @@ import torch
 import tasks
 from hla_bench import registry
 from hla_bench.processes import exit_with_parent
+from tasks import IGNORE
 from tasks.model import TinyLM
 from tasks.train import Interrupted, RunSpec, group_key, train_group
 
@@ -43,6 +44,51 @@ def build_model(spec: dict) -> TinyLM:
                   max_len=int(params["seq_len"]), readout=task.readout, init=run.init,
                   norm=run.norm, head=run.head, swiglu_hidden=run.swiglu_hidden,
                   decoder=run.decoder)
+
+
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding,
+                         _dilation, transposed, _output_padding, _groups, output_mask,
+                         out_shape=None, **_) -> int:
+    """A convolution's backward as torch's flop counter should count it: the forward's
+    FLOPs (which know the groups of a depthwise convolution) for each gradient asked for."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    return conv_flop_count(x_shape, w_shape, grad_out_shape, transposed) * (
+        int(output_mask[0]) + int(output_mask[1]))
+
+
+def step_flops(spec: dict) -> int | None:
+    """The matmul FLOPs of one training step of `spec`'s model (forward and backward of a
+    batch): one example of its task through the model, counted by torch.utils.flop_counter
+    (matmuls, attention and convolutions; no elementwise work), times the batch size. The
+    model runs on the meta device (shapes only, no arithmetic), or on the CPU where an op
+    needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
+    kernels compute the same sums). None where the mixer cannot run here."""
+    run = RunSpec(**spec)
+    inputs, labels = tasks.get(run.task).make("train", 1, run.seed, **run.params)
+    count = int((labels != IGNORE).sum())  # the rows the head reads, known without data
+    for device in ("meta", "cpu"):
+        try:
+            return _counted_step(spec, inputs, labels, count, device) * run.batch_size
+        except registry.MixerUnavailableError:
+            return None
+        except (RuntimeError, NotImplementedError):
+            if device == "cpu":
+                raise
+
+
+def _counted_step(spec: dict, inputs, labels, count: int, device: str) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        with torch.device(device):
+            model = build_model(spec)
+        counter = FlopCounterMode(display=False, custom_mapping={
+            torch.ops.aten.convolution_backward: _conv_backward_flops})
+        with counter:
+            model.loss(inputs.to(device), labels.to(device), count).backward()
+    return counter.get_total_flops()
 
 
 def stackable(spec: dict) -> bool:

@@ -16,7 +16,7 @@ from hla_bench.cli import main
 from hla_bench.recall_config import ConfigError, load_config, validate_config
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import dump_results
-from hla_bench.training import build_model, default_workers, run_groups, state_bytes
+from hla_bench.training import build_model, default_workers, run_groups, state_bytes, step_flops
 from mixers.layer import MixerLayer
 from tasks import IGNORE
 from tasks.model import TinyLM, labelled_rows
@@ -835,12 +835,34 @@ def test_dry_run_prints_the_plan_and_trains_and_writes_nothing(tmp_path):
     assert bad.exit_code == 2 and "lrs must be" in bad.output
 
 
+def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_their_groups():
+    """A step's FLOPs are one example's times the batch size; the short convolution's
+    backward counts twice its forward (torch's counter alone takes a depthwise convolution's
+    backward for a dense one: 32x here)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mixers.layer import ShortConv
+
+    def flops(**changes):
+        return step_flops(tiny_spec(mixer="linear-attn", n_layers=2, **changes))
+
+    assert flops(batch_size=8) == 8 * flops(batch_size=1) > 0
+    with FlopCounterMode(display=False) as counter:
+        ShortConv(3 * 32, 4)(torch.randn(1, 8, 3 * 32))
+    forward = counter.get_total_flops()
+    with_conv = flops(batch_size=1, mixer_options={"short_conv": 4})
+    without = flops(batch_size=1, mixer_options={"short_conv": 0})
+    assert with_conv - without == 2 * 3 * forward     # 2 layers, forward and 2 gradients
+    assert step_flops(tiny_spec(mixer="fla-gla")) is None or torch.cuda.is_available()
+
+
 def test_a_gpu_config_is_planned_without_a_gpu_and_refused_to_run(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     planned = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--dry-run"],
                                  env={"COLUMNS": "200"})
     assert planned.exit_code == 0, planned.output
     assert "recall plan: 432 runs" in planned.output and "7,216,128" in planned.output
+    assert "not counted: fla-delta-rule, fla-gla" in " ".join(planned.output.split())
     assert "planned for cuda, which is not visible here" in " ".join(planned.output.split())
     out = tmp_path / "grid.yaml"
     refused = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--out", str(out)])
@@ -862,13 +884,18 @@ def test_an_option_is_blamed_by_its_own_name_and_an_empty_config_is_refused(tmp_
 
 
 def test_checking_a_plan_leaves_no_meta_tensor_in_any_cache():
-    """check_layers builds every layer on the meta device; a cache filled there (Mamba-2's
-    dt and A) would hand meta tensors to every later layer of that shape."""
+    """check_layers builds every layer on the meta device and step_flops runs a step there;
+    a cache filled there (Mamba-2's dt and A) would hand meta tensors to every later layer
+    of that shape."""
     from hla_bench import registry
     from hla_bench.recall_config import check_layers, load_config, plan_runs
 
     config = load_config(None, {"mixers": ["mamba2-ssd", "sdpa"], "d_model": [48],
                                 "device": "cpu"})
-    check_layers(plan_runs(config, "cpu"))
+    specs = plan_runs(config, "cpu")
+    check_layers(specs)
+    for spec in specs[:1] + specs[-1:]:  # step_flops runs a step on the meta device
+        step_flops(spec)
     layer = registry.get("mamba2-ssd").layer(48, config["model"]["n_heads"])
     assert {p.device.type for p in layer.parameters()} == {"cpu"}
+    assert layer(torch.randn(1, 8, 48)).device.type == "cpu"

@@ -43,7 +43,9 @@ class Mamba2Block(nn.Module):
         self.chunk_size, self.impl, self.eps = chunk_size, impl, eps
         self.in_proj = nn.Linear(d_model, 2 * inner + 2 * d_state + n_heads, bias=False)
         self.conv = ShortConv(inner + 2 * d_state, short_conv)
-        dt, A = ssd_parameters(n_heads, seed=0, dtype=torch.float32)
+        # on the default device, as every other parameter (a torch.device context's)
+        dt, A = ssd_parameters(n_heads, seed=0, device=torch.empty(0).device,
+                               dtype=torch.float32)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
         self.A_log = nn.Parameter(torch.log(-A))
         self.D = nn.Parameter(torch.ones(n_heads))
