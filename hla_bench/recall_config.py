@@ -24,7 +24,7 @@ import tasks
 from hla_bench import configs, registry
 from hla_bench.training import plan_groups
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
-from tasks.train import METRICS, SCHEDULES, RunSpec, group_key
+from tasks.train import METRICS, SCHEDULES, RunSpec
 
 # --- the schema --------------------------------------------------------------------------
 
@@ -443,7 +443,6 @@ def plan_rows(specs: list[dict], max_group: int,
     cells: dict[tuple[str, int], list[dict]] = {}
     for spec in specs:
         cells.setdefault((spec["setting"], spec["d_model"]), []).append(spec)
-    per_group: dict[str, int | None] = {}
     rows = []
     for (setting, d_model), runs in cells.items():
         first = runs[0]
@@ -455,14 +454,12 @@ def plan_rows(specs: list[dict], max_group: int,
                "model_steps": steps * len(runs)}
         if step_flops is not None:
             flops, uncounted = 0, set()
-            for spec in runs:  # a group's runs differ in lr, weight decay and seed only
-                key = group_key(spec)
-                if key not in per_group:
-                    per_group[key] = step_flops(spec)
-                if per_group[key] is None:
+            for spec in runs:
+                per_step = step_flops(spec)
+                if per_step is None:
                     uncounted.add(spec["mixer"])
                 else:
-                    flops += steps * per_group[key]
+                    flops += steps * per_step
             row.update(flops=flops, uncounted=sorted(uncounted))
         rows.append(row)
     return rows

@@ -57,13 +57,28 @@ def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padd
         int(output_mask[0]) + int(output_mask[1]))
 
 
+# What a run's training step computes depends on these fields alone (not on its learning
+# rate, seed, data sizes or schedule)
+STEP_FIELDS = ("task", "params", "mixer", "mixer_options", "d_model", "n_layers", "n_heads",
+               "state_mixer", "norm", "head", "swiglu_hidden", "decoder", "batch_size")
+_STEP_FLOPS: dict[str, int | None] = {}
+
+
 def step_flops(spec: dict) -> int | None:
     """The matmul FLOPs of one training step of `spec`'s model (forward and backward of a
     batch): one example of its task through the model, counted by torch.utils.flop_counter
     (matmuls, attention and convolutions; no elementwise work), times the batch size. The
     model runs on the meta device (shapes only, no arithmetic), or on the CPU where an op
     needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
-    kernels compute the same sums). None where the mixer cannot run here."""
+    kernels compute the same sums). None where the mixer cannot run here. Remembered per
+    step shape (STEP_FIELDS)."""
+    key = repr([(name, spec.get(name)) for name in STEP_FIELDS])
+    if key not in _STEP_FLOPS:
+        _STEP_FLOPS[key] = _step_flops(spec)
+    return _STEP_FLOPS[key]
+
+
+def _step_flops(spec: dict) -> int | None:
     run = RunSpec(**spec)
     inputs, labels = tasks.get(run.task).make("train", 1, run.seed, **run.params)
     count = int((labels != IGNORE).sum())  # the rows the head reads, known without data

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import tasks
-from hla_bench import registry
+from hla_bench import configs, registry
 from hla_bench.cli import main
-from hla_bench.recall_config import ConfigError, load_config, validate_config
+from hla_bench.recall_config import ConfigError, load_config, plan_runs, validate_config
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import dump_results
 from hla_bench.training import build_model, default_workers, run_groups, state_bytes, step_flops
@@ -829,6 +829,10 @@ def test_dry_run_prints_the_plan_and_trains_and_writes_nothing(tmp_path):
     # for 64 epochs = 196 x 64 steps a run; 2 mixers x 4 lrs x 2 seeds = 16 runs
     assert "recall plan: 16 runs" in result.output
     assert "12,544" in result.output and f"{16 * 12_544:,}" in result.output
+    flops = 12_544 * 2 * sum(step_flops(spec) for spec in plan_runs(load_config(
+        str(configs.find("zoology-smoke")), {"mixers": ["linear-attn", "hla2"],
+                                             "device": "cpu"}), "cpu"))
+    assert f"{flops:.3g}" in result.output                # 2 seeds: each spec's runs twice
     assert not out.exists() and not list(tmp_path.iterdir())
     bad = CliRunner().invoke(main, ["recall", "--config", "zoology-smoke", "--device", "cpu",
                                     "--lrs", "0", "--dry-run"])
