@@ -11,9 +11,11 @@
 #                 D 64/128 and, at T 256, D 256/512, hla2's fused kernels against its chain
 #                 (family_profile.py), and ahla2's and hla3's normalized bf16 precision
 #                 (family_native_check.py --normalize-precision)
-#   short-forms   recall training throughput, each group alone (recall_throughput.py
-#                 --modes profile, compiled, under CUDA MPS) at three Zoology cells, the HLA
-#                 ops through impl=auto (their Triton kernels) and through impl=parallel
+#   step-auto     the recall training step's time, each group alone (recall_throughput.py
+#                 --modes profile, compiled, under CUDA MPS) at the Zoology cells 256/16 x
+#                 d_model 128 and 512, every mixer through impl=auto (the Triton kernels)
+#   step-parallel the same with Based, linear attention and the HLA ops through their
+#                 parallel forms (impl=parallel)
 #   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
 #                 (the pair whose `report --compare` is the method's noise floor)
 #   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
@@ -66,19 +68,18 @@ kernels)
             --yaml "$out/family-normalize-bf16.yaml"
     } 2>&1 | tee "$log"
     ;;
-short-forms)
+step-auto|step-parallel)
     mps
-    mixers=sdpa,linear-attn,hla2,ahla2,hla3
-    cells=64:64,256:128,256:512
-    {
-        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells "$cells" \
-            --mixers "$mixers" --modes profile --compile --steps 50 \
-            --out "$out/recall-profile-auto.yaml"
-        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells "$cells" \
-            --mixers hla2,ahla2,hla3 --modes profile --compile --steps 50 \
-            --option hla2.impl=parallel --option ahla2.impl=parallel \
-            --option hla3.impl=parallel --out "$out/recall-profile-parallel.yaml"
-    } 2>&1 | tee "$log"
+    mixers=based,linear-attn,hla2,ahla2,hla3
+    options=()
+    if [[ $stage == step-parallel ]]; then
+        for mixer in ${mixers//,/ }; do options+=(--option "$mixer.impl=parallel"); done
+    else
+        mixers=sdpa,$mixers
+    fi
+    python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 256:128,256:512 \
+        --mixers "$mixers" --modes profile --compile "${options[@]}" \
+        --out "$out/recall-$stage.yaml" 2>&1 | tee "$log"
     ;;
 bench-a|bench-b)
     name="h200-${stage#bench-}.yaml"
@@ -95,7 +96,8 @@ recall|mad)
     cp "$scratch/$name" "$out/"
     ;;
 *)
-    echo "unknown stage $stage (kernels, short-forms, bench-a, bench-b, recall, mad)" >&2
+    echo "unknown stage $stage (kernels, step-auto, step-parallel, bench-a, bench-b, recall," \
+        "mad)" >&2
     exit 2
     ;;
 esac

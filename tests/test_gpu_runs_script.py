@@ -1,0 +1,61 @@
+"""benchmarks/h200_runs.sh runs where nothing can be fixed between calls (a GPU host without
+a package index): every command it calls, every option it passes and every shipped config
+it names must exist here, and an unknown stage is a usage error."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hla_bench import configs
+from hla_bench.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "h200_runs.sh"
+
+
+def commands() -> list[str]:
+    """The script's command lines, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", SCRIPT.read_text())
+    return [line.split("#")[0].strip() for line in text.splitlines()]
+
+
+def options_of(command: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", command))
+
+
+def test_the_script_parses_and_refuses_an_unknown_stage(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    refused = subprocess.run(["bash", str(SCRIPT), "no-such-stage", str(tmp_path)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "unknown stage no-such-stage" in refused.stderr
+
+
+@pytest.mark.parametrize("name", sorted({m for line in commands()
+                                         for m in re.findall(r"benchmarks/(\w+)\.py", line)}))
+def test_every_benchmark_option_it_passes_exists(name):
+    used = set().union(*(options_of(line) for line in commands()
+                         if f"benchmarks/{name}.py" in line))
+    script = ROOT / "benchmarks" / f"{name}.py"
+    help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                               text=True, cwd=ROOT).stdout
+    assert used and used <= options_of(help_text), used - options_of(help_text)
+
+
+def test_every_hla_bench_command_option_and_config_it_names_exists():
+    lines = [line for line in commands()
+             if re.search(r"(^|\s)(hla|python3 -m hla_bench) (verify|run|recall)\b", line)]
+    assert {re.search(r"\b(verify|run|recall)\b", line).group(1) for line in lines} == {
+        "verify", "run", "recall"}
+    for line in lines:
+        verb = re.search(r"\b(verify|run|recall)\b", line).group(1)
+        help_text = CliRunner().invoke(main, [verb, "--help"]).output
+        assert options_of(line) <= options_of(help_text), (verb, line)
+    named = set(re.findall(r"(?:run|--config) (h200|zoology-fig2|mad)\b", " ".join(lines)))
+    named |= set(re.findall(r"echo (zoology-fig2|mad)\b", SCRIPT.read_text()))
+    assert {"h200", "zoology-fig2", "mad"} <= named <= set(configs.names())
