@@ -860,6 +860,23 @@ def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_the
     assert step_flops(tiny_spec(mixer="fla-gla")) is None or torch.cuda.is_available()
 
 
+def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step(monkeypatch):
+    from hla_bench import training
+
+    spec = tiny_spec(mixer="linear-attn", batch_size=3)
+    on_meta = step_flops(spec)
+    counted = training._counted_step
+
+    def meta_refused(spec, inputs, labels, count, device):
+        if device == "meta":
+            raise NotImplementedError("an op without a meta kernel")
+        return counted(spec, inputs, labels, count, device)
+
+    monkeypatch.setattr(training, "_counted_step", meta_refused)
+    monkeypatch.setattr(training, "_STEP_FLOPS", {})
+    assert step_flops(spec) == on_meta > 0
+
+
 def test_a_gpu_config_is_planned_without_a_gpu_and_refused_to_run(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     planned = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--dry-run"],
