@@ -109,11 +109,12 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
 
 def _profile(group: list[dict], steps: int, compile: bool = False, rows: int = 25) -> dict:
     """Where one stacked step's GPU time goes, the group alone on the GPU: the wall time of
-    a replayed graph step, then torch.profiler over `steps` eager steps (the graph replays
-    the same kernels), the `rows` costliest ops by CUDA time."""
+    a replayed graph step and the matmul TFLOP/s it achieves (hla_bench.training.step_flops
+    per run), then torch.profiler over `steps` eager steps (the graph replays the same
+    kernels), the `rows` costliest ops by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hla_bench.training import build_model
+    from hla_bench.training import build_model, step_flops
     from tasks.train import RunSpec, _GroupTrainer
 
     graphed = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
@@ -134,8 +135,12 @@ def _profile(group: list[dict], steps: int, compile: bool = False, rows: int = 2
     inclusive = "device_time_total" if cuda else "cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, own), reverse=True)
     total = sum(getattr(e, own) for e in events) / 1000 / steps
+    flops = step_flops(group[0])  # every run of a group computes the same step
     return {"mixer": group[0]["mixer"], "runs": len(group), "steps": steps,
             "graph_ms_per_step": round(graph_ms, 3), "gpu_ms_per_step": round(total, 3),
+            "flops_per_model_step": flops,
+            "graph_tflops": None if flops is None else
+            round(flops * len(group) / graph_ms / 1e9, 1),
             "ops": [{"name": e.key, "calls_per_step": round(e.count / steps, 1),
                      "self_gpu_ms_per_step": round(getattr(e, own) / 1000 / steps, 4),
                      "gpu_ms_per_step": round(getattr(e, inclusive) / 1000 / steps, 4)}

@@ -70,8 +70,8 @@ def step_flops(spec: dict) -> int | None:
     (matmuls, attention and convolutions; no elementwise work), times the batch size. The
     model runs on the meta device (shapes only, no arithmetic), or on the CPU where an op
     needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
-    kernels compute the same sums). None where the mixer cannot run here. Remembered per
-    step shape (STEP_FIELDS)."""
+    kernels compute the same sums). None where the mixer cannot run on the CPU. Remembered
+    per step shape (STEP_FIELDS)."""
     key = repr([(name, spec.get(name)) for name in STEP_FIELDS])
     if key not in _STEP_FLOPS:
         _STEP_FLOPS[key] = _step_flops(spec)
@@ -87,9 +87,11 @@ def _step_flops(spec: dict) -> int | None:
             return _counted_step(spec, inputs, labels, count, device) * run.batch_size
         except registry.MixerUnavailableError:
             return None
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, ValueError):
+            # an op without a meta kernel: count on the CPU; one that cannot run on the CPU
+            # either (say impl="triton"): not counted
             if device == "cpu":
-                raise
+                return None
 
 
 def _counted_step(spec: dict, inputs, labels, count: int, device: str) -> int:

@@ -860,7 +860,8 @@ def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_the
     assert step_flops(tiny_spec(mixer="fla-gla")) is None or torch.cuda.is_available()
 
 
-def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step(monkeypatch):
+def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step_and_else_none(
+        monkeypatch):
     from hla_bench import training
 
     spec = tiny_spec(mixer="linear-attn", batch_size=3)
@@ -875,6 +876,8 @@ def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step(mon
     monkeypatch.setattr(training, "_counted_step", meta_refused)
     monkeypatch.setattr(training, "_STEP_FLOPS", {})
     assert step_flops(spec) == on_meta > 0
+    on_cuda_only = tiny_spec(mixer="linear-attn", mixer_options={"impl": "triton"})
+    assert step_flops(on_cuda_only) is None or torch.cuda.is_available()
 
 
 def test_a_gpu_config_is_planned_without_a_gpu_and_refused_to_run(monkeypatch, tmp_path):
