@@ -8,8 +8,9 @@ feature map (like the HLA ops). phi maps the last dim D to F features (F = D exc
 masked C x C product and two C x F x Dv products; the carried state S is an exclusive prefix
 sum of per-chunk K^T V. The parallel form is the whole sequence as one masked T x T block of
 kernel values phi(q_t).phi(k_s), computed from q.k without the features for the identity
-and Taylor maps (T^2 (D + Dv) per head instead of the chunk form's C (F + Dv) + 2 F Dv per
-token: for Based's F = 273 features of D = 16, far less at the recall tasks' lengths).
+and Taylor maps (multiply-adds per token and head: about T (D + Dv), against the chunk
+form's C (F + Dv) + 2 F Dv; for Based's F = 273 features of D = 16, far fewer at the recall
+tasks' lengths).
 
 "taylor" is Based's map (Arora et al. 2024): the 2nd-order Taylor expansion of exp(q.k/sqrt(D)),
 phi(x) = [1, x / D^(1/4), vec(x x^T) / sqrt(2 D)], so that
