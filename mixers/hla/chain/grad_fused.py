@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import causal, chunk_program, decay_terms, state_offsets
+from mixers.hla.chain.terms import (add_key_grads, causal, chunk_program, decay_terms,
+                                    state_key_terms, state_offsets)
 from mixers.hla.tiles import (add_into, bad_rows, finite, load_rows, load_values,
                               packed_offsets, poison_rows)
 
@@ -69,21 +70,10 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
                              mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
                 v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok,
                                        DV, ONES, acc))
-                at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
-                tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
-                S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
-                dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
-                dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
-                dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
-        dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
-        dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
-        if POISON_Q:
-            dq += poison_rows(bad_q)[:, None]
-        if POISON_K:
-            dk += poison_rows(bad_k)[:, None]
-        at = packed_offsets(b, t, h, T, H, DK, rk)
-        add_into(DQ, at, rows_ok, dq)
-        add_into(DK_OUT, at, rows_ok, dk)
+                dq, dk = state_key_terms(dq, dk, dO, v, STARTS, ENDS, bh, NT, chunk, DK, W,
+                                         rk, rv, PRECISION)
+        add_key_grads(DQ, DK_OUT, dq, dk, M, q, k, g_in, g_out, bad_q, bad_k, b, t, h, T, H,
+                      DK, rk, rows_ok, POISON_Q, POISON_K, PRECISION)
     # hla3's first link adds its value gradient into dk (DV_OUT is DK_OUT): the program's
     # dk stores above are visible to all of its threads before the loads below
     tl.debug_barrier()

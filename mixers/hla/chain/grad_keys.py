@@ -19,9 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import (add_into, bad_rows, finite, load_values, packed_offsets,
-                              poison_rows)
+from mixers.hla.chain.terms import (add_key_grads, causal, chunk_program, decay_terms, load_qk,
+                                    state_key_terms)
+from mixers.hla.tiles import bad_rows, finite, load_values, packed_offsets
 
 
 @triton.jit
@@ -51,20 +51,9 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
                                ONES, acc))
         M += tl.dot(dO, tl.trans(v), input_precision=PRECISION)
         if HAS_STATE:
-            at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
-            tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
-            S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
-            dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
-            dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
-            dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
+            dq, dk = state_key_terms(dq, dk, dO, v, STARTS, ENDS, bh, NT, chunk, DK, W, rk, rv,
+                                     PRECISION)
     weights, g_in, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     M = causal(M, weights, C)
-    dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
-    dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
-    if POISON_Q:
-        dq += poison_rows(bad_q)[:, None]
-    if POISON_K:
-        dk += poison_rows(bad_k)[:, None]
-    at = packed_offsets(b, t, h, T, H, DK, rk)
-    add_into(DQ, at, rows_ok, dq)
-    add_into(DK_OUT, at, rows_ok, dk)
+    add_key_grads(DQ, DK_OUT, dq, dk, M, q, k, g_in, g_out, bad_q, bad_k, b, t, h, T, H, DK,
+                  rk, rows_ok, POISON_Q, POISON_K, PRECISION)

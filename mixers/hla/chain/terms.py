@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import load_rows
+from mixers.hla.tiles import add_into, load_rows, packed_offsets, poison_rows
 
 
 @triton.jit
@@ -90,3 +90,35 @@ def load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh, stride
     q = load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc)
     k = load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc)
     return q, k, rows_ok
+
+
+@triton.jit
+def state_key_terms(dq, dk, dO, v, STARTS, ENDS, bh, NT, chunk, DK, W, rk, rv,
+                    PRECISION: tl.constexpr):
+    """(dq + dO S^T, dk + V dS^T) over one (key block, value block) tile of the chunk's start
+    state S (STARTS) and end-state gradient dS (ENDS): the state terms of dQ and dK."""
+    at = state_offsets(bh, NT, chunk, DK, W, rk, rv)
+    tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
+    S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
+    dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
+    dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
+    dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
+    return dq, dk
+
+
+@triton.jit
+def add_key_grads(DQ, DK_OUT, dq, dk, M, q, k, g_in, g_out, bad_q, bad_k, b, t, h, T, H, DK,
+                  rk, rows_ok, POISON_Q: tl.constexpr, POISON_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """dQ = g_in * dq + M K and dK = g_out * dk + M^T Q for one key block of the chunk (NaN
+    rows where q or k had a non-finite entry, if POISON_Q / POISON_K), added into the
+    `[B, T, H, DK]` buffers DQ and DK_OUT."""
+    dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
+    dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
+    if POISON_Q:
+        dq += poison_rows(bad_q)[:, None]
+    if POISON_K:
+        dk += poison_rows(bad_k)[:, None]
+    at = packed_offsets(b, t, h, T, H, DK, rk)
+    add_into(DQ, at, rows_ok, dq)
+    add_into(DK_OUT, at, rows_ok, dk)
