@@ -6,10 +6,10 @@ chunked linear attention: which plan the family's ops should take on this GPU.
 
 bf16, 16 heads, 65,536 tokens a call (batch = 65536 // T), no decay, no start state. For
 each plan (the default of plan_chain, then one change at a time: value blocks of 32, 8
-warps, 3 pipeline stages, chunks of 32, scan programs of 64 entries, the states walked
-instead of increments + scan, Q K^T formed once for all value blocks, the backward's dq,
-dk and dv in one launch, the last two at 4 and 8 warps) the forward (`forward`) and the forward with its
-backward (`forward` keeping the chunk states, then `backward`) are timed with the
+warps, 3 pipeline stages, every product's operands in bfloat16 instead of TF32, chunks of
+32, scan programs of 64 entries, the states walked instead of increments + scan, Q K^T
+formed once for all value blocks, the backward's dq, dk and dv in one launch, the last two
+at 4 and 8 warps) the forward (`forward`) and the forward with its backward (`forward` keeping the chunk states, then `backward`) are timed with the
 harness's method (hla_bench.engine.timing.time_calls: a quarter second of samples, the L2
 cache flushed between them); fla's `chunk_linear_attn` (normalize off) where it imports.
 Prints median ms with the spread (IQR / median) and the ratio to fla.
@@ -36,6 +36,7 @@ def variants(D: int) -> dict:
             "block_v 32": dataclasses.replace(base, block_v=32),
             "8 warps": dataclasses.replace(base, warps=8),
             "3 stages": dataclasses.replace(base, stages=3),
+            "bf16 operands": dataclasses.replace(base, precision="bf16"),
             "chunk 32": dataclasses.replace(base, chunk=32),
             "scan blocks of 64": dataclasses.replace(base, scan_block=64),
             "states walked": dataclasses.replace(base, walk_from=1),

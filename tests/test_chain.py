@@ -77,6 +77,45 @@ def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, star
         assert relative_error(got, want) < 1e-12, name
 
 
+@pytest.mark.parametrize("walked, scores_once, fused", [(False, False, False),
+                                                        (True, True, True)])
+def test_bf16_operands_round_every_product_and_stay_within_bf16_of_the_sum(walked,
+                                                                          scores_once, fused):
+    """A plan with precision "bf16" rounds both operands of every product to bfloat16 and
+    accumulates in float32: on float32 inputs that bfloat16 cannot hold, its outputs, final
+    state and gradients differ from the float32 ("ieee") plan's by more than float32
+    rounding and stay within 2e-2 of the float64 token-by-token sum (decay, start state and
+    a ones column on; both forward paths and both backward paths)."""
+    T, D, Dv = 45, 80, 40
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (0.3 * torch.randn(B, T, H, d, generator=gen) for d in (D, D, Dv))
+    S0 = torch.randn(B, H, D, Dv + 1, generator=gen)
+    grad_out = torch.randn(B, T, H, Dv + 1, generator=gen)
+    grad_S1 = torch.randn(B, H, D, Dv + 1, generator=gen)
+    log_g = torch.log(DECAY.float())
+    results = {}
+    for precision in ("ieee", "bf16"):
+        plan = dataclasses.replace(plan_chain(D, Dv + 1, torch.float32, chunk_size=16),
+                                   precision=precision, walk_chunks=0,
+                                   walk_from=1 if walked else None, scores_once=scores_once,
+                                   fused_backward=fused)
+        out, S1, starts = forward(q, k, v, S0, log_g, True, plan, torch.float32,
+                                  keep_starts=True)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dS0 = backward(q, k, v, log_g, True, starts, grad_out, grad_S1, dq, dk, dv, plan,
+                       want_dS0=True)
+        results[precision] = [out, S1, dq, dk, dv, dS0]
+    leaves = [x.double().requires_grad_() for x in (q, k, v, S0)]
+    want_out, want_S1 = token_by_token(*leaves[:3], leaves[3], DECAY, True)
+    ((want_out * grad_out.double()).sum() + (want_S1 * grad_S1.double()).sum()).backward()
+    wants = [want_out, want_S1] + [x.grad for x in leaves]
+    names = ("out", "S1", "dq", "dk", "dv", "dS0")
+    for name, exact, rounded, want in zip(names, results["ieee"], results["bf16"], wants):
+        assert relative_error(exact.double(), want) < 1e-5, name
+        assert relative_error(rounded.double(), exact.double()) > 1e-4, name
+        assert relative_error(rounded.double(), want) < 2e-2, name
+
+
 def test_plans():
     plan = plan_chain(80, 70, torch.bfloat16)
     assert (plan.chunk, plan.block_k, plan.block_v, plan.precision) == (64, 64, 64, "tf32")

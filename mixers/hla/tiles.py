@@ -5,8 +5,12 @@ poisons (mixers/hla/common.py), and the add into a shared gradient buffer."""
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -21,6 +25,24 @@ def value_block(H, D, DVP, BD: tl.constexpr, BV: tl.constexpr):
     state = bh * D * DVP + dk[:, None] * DVP + cols[None, :]
     state_ok = d_ok[:, None] & (cols < DVP)[None, :]
     return pid_v, bh // H, bh % H, bh, dk, cols, d_ok, state, state_ok
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """a @ b accumulated in float32 (float64 for float64 tiles). PRECISION is tl.dot's
+    input_precision ("ieee", "tf32"), or "bf16": both operands are rounded to bfloat16 first,
+    which runs the tensor cores at twice TF32's rate and reads half the registers, at
+    bfloat16's rounding of every operand (states and chained intermediates included). Under
+    the interpreter the rounded operands are multiplied in float32: Triton 3.6's interpreter
+    returns wrong values for a dot of bfloat16 tiles."""
+    if PRECISION == "bf16":
+        if INTERPRETED:
+            return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                          input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit

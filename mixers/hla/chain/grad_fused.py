@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mixers.hla.chain.terms import (add_key_grads, causal, chunk_program, decay_terms,
                                     state_key_terms, state_offsets)
-from mixers.hla.tiles import (add_into, bad_rows, finite, load_rows, load_values,
+from mixers.hla.tiles import (add_into, bad_rows, finite, load_rows, load_values, mm,
                               packed_offsets, poison_rows)
 
 
@@ -44,14 +44,14 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
         rows_ok = t_ok[:, None] & (rk < DK)[None, :]
         q = finite(load_rows(Q, b, t, h, stride_qb, stride_qt, stride_qh, rk, rows_ok, acc))
         k = finite(load_rows(K, b, t, h, stride_kb, stride_kt, stride_kh, rk, rows_ok, acc))
-        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores += mm(q, tl.trans(k), PRECISION)
     for j in range(NV):
         rv = j * BV + tl.arange(0, BV)
         dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
                      mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
         v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV,
                                ONES, acc))
-        M += tl.dot(dO, tl.trans(v), input_precision=PRECISION)
+        M += mm(dO, tl.trans(v), PRECISION)
     scores = causal(scores, weights, C)
     M = causal(M, weights, C)
     for i in range(NK):
@@ -87,11 +87,11 @@ def chain_grad_fused_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, DV_OUT
                                      t_ok[:, None] & (rk < DK)[None, :], acc))
                 dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
                              mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
-                dv += tl.dot(k, dS, input_precision=PRECISION)
+                dv += mm(k, dS, PRECISION)
         values_ok = t_ok[:, None] & (rv < DV)[None, :]
         dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok,
                      other=0.0).to(acc)
-        dv = dv * g_out[:, None] + tl.dot(tl.trans(scores), dO, input_precision=PRECISION)
+        dv = dv * g_out[:, None] + mm(tl.trans(scores), dO, PRECISION)
         if POISON_V:
             v = load_rows(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, values_ok, acc)
             dv += poison_rows(bad_rows(v))[:, None]

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from mixers.hla.chain.terms import (add_key_grads, causal, chunk_program, decay_terms, load_qk,
                                     state_key_terms)
-from mixers.hla.tiles import bad_rows, finite, load_values, packed_offsets
+from mixers.hla.tiles import bad_rows, finite, load_values, mm, packed_offsets
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def chain_grad_keys_kernel(Q, K, V, LOG_G, STARTS, ENDS, DO, DQ, DK_OUT, T, H, D
                      mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
         v = finite(load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV,
                                ONES, acc))
-        M += tl.dot(dO, tl.trans(v), input_precision=PRECISION)
+        M += mm(dO, tl.trans(v), PRECISION)
         if HAS_STATE:
             dq, dk = state_key_terms(dq, dk, dO, v, STARTS, ENDS, bh, NT, chunk, DK, W, rk, rv,
                                      PRECISION)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
-from mixers.hla.tiles import finite, load_rows, packed_offsets
+from mixers.hla.tiles import finite, load_rows, mm, packed_offsets
 
 
 @triton.jit
@@ -30,6 +30,6 @@ def chain_grad_states_kernel(Q, LOG_G, DO, ENDS, T, H, DK, W, NT, NV,
     dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv),
                  mask=t_ok[:, None] & (rv < W)[None, :], other=0.0).to(acc)
     _, g_in, _ = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
-    increment = tl.dot(tl.trans(q * g_in[:, None]), dO, input_precision=PRECISION)
+    increment = mm(tl.trans(q * g_in[:, None]), dO, PRECISION)
     tl.store(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv), increment,
              mask=(rk < DK)[:, None] & (rv < W)[None, :])

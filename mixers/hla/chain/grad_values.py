@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import add_into, bad_rows, finite, load_rows, packed_offsets, poison_rows
+from mixers.hla.tiles import add_into, bad_rows, finite, load_rows, mm, packed_offsets, poison_rows
 
 
 @triton.jit
@@ -37,16 +37,15 @@ def chain_grad_values_kernel(Q, K, V, LOG_G, ENDS, DO, DV_OUT, T, H, DK, DV, W, 
         q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt, stride_qh,
                                  stride_kb, stride_kt, stride_kh, acc)
         q, k = finite(q), finite(k)
-        scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores += mm(q, tl.trans(k), PRECISION)
         if HAS_STATE:
             dS = tl.load(ENDS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
                          mask=(rk < DK)[:, None] & (rv < DV)[None, :], other=0.0)
-            dv += tl.dot(k, dS, input_precision=PRECISION)
+            dv += mm(k, dS, PRECISION)
     weights, _, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
     values_ok = t_ok[:, None] & (rv < DV)[None, :]
     dO = tl.load(DO + packed_offsets(b, t, h, T, H, W, rv), mask=values_ok, other=0.0).to(acc)
-    dv = dv * g_out[:, None] + tl.dot(tl.trans(causal(scores, weights, C)), dO,
-                                      input_precision=PRECISION)
+    dv = dv * g_out[:, None] + mm(tl.trans(causal(scores, weights, C)), dO, PRECISION)
     if POISON_V:
         v = load_rows(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, values_ok, acc)
         dv += poison_rows(bad_rows(v))[:, None]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import (bad_rows, finite, load_rows, load_values, packed_offsets,
+from mixers.hla.tiles import (bad_rows, finite, load_rows, load_values, mm, packed_offsets,
                               poison_from)
 
 
@@ -39,7 +39,7 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
             rk = i * BK + tl.arange(0, BK)
             q, k, rows_ok = load_qk(Q, K, b, t, h, t_ok, rk, DK, stride_qb, stride_qt,
                                      stride_qh, stride_kb, stride_kt, stride_kh, acc)
-            scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            scores += mm(q, tl.trans(k), PRECISION)
         scores = causal(scores, weights, C)
         for j in range(NV):
             rv = j * BV + tl.arange(0, BV)
@@ -51,10 +51,10 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
                                   t_ok[:, None] & (rk < DK)[None, :], acc)
                     S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
                                 mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
-                    out += tl.dot(q, S, input_precision=PRECISION)
+                    out += mm(q, S, PRECISION)
             v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES,
                             acc)
-            out = (out * g_in[:, None] + tl.dot(scores, finite(v), input_precision=PRECISION)
+            out = (out * g_in[:, None] + mm(scores, finite(v), PRECISION)
                    + poison_from(bad_rows(v))[:, None])
             tl.store(O + packed_offsets(b, t, h, T, H, W, rv), out,
                      mask=t_ok[:, None] & (rv < W)[None, :])
@@ -68,11 +68,11 @@ def chain_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
             if HAS_STATE:
                 S = tl.load(STARTS + state_offsets(bh, NT, chunk, DK, W, rk, rv),
                             mask=(rk < DK)[:, None] & (rv < W)[None, :], other=0.0)
-                out += tl.dot(q, S, input_precision=PRECISION)
-            scores += tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                out += mm(q, S, PRECISION)
+            scores += mm(q, tl.trans(k), PRECISION)
         v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
         out = (out * g_in[:, None]
-               + tl.dot(causal(scores, weights, C), finite(v), input_precision=PRECISION)
+               + mm(causal(scores, weights, C), finite(v), PRECISION)
                + poison_from(bad_rows(v))[:, None])
         tl.store(O + packed_offsets(b, t, h, T, H, W, rv), out,
                  mask=t_ok[:, None] & (rv < W)[None, :])

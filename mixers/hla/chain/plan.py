@@ -28,7 +28,8 @@ def block(size: int, cap: int = 64) -> int:
 class ChainPlan:
     """Tokens per chunk, the key and value columns a program holds (larger head dims loop
     over blocks or spread over programs), warps per program, the software pipeline's stages
-    (loads issued that many loop steps ahead), tl.dot's input precision, the chunk
+    (loads issued that many loop steps ahead), the products' precision (tiles.mm: tl.dot's
+    input_precision, or "bf16": operands rounded to bfloat16), the chunk
     scan's launch (entries and warps per program), when the states are walked instead
     (walk.py: when a link has at most `walk_chunks` chunks, or when a walk's programs, key
     blocks x value blocks x batch x heads, number at least `walk_from`; None: never), and

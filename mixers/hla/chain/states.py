@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
-from mixers.hla.tiles import load_rows, load_values
+from mixers.hla.tiles import load_rows, load_values, mm
 
 
 @triton.jit
@@ -29,6 +29,6 @@ def chain_states_kernel(K, V, LOG_G, STATES, T, H, DK, DV, W, NT, NV,
                   t_ok[:, None] & (rk < DK)[None, :], acc)
     v = load_values(V, b, t, h, stride_vb, stride_vt, stride_vh, rv, t_ok, DV, ONES, acc)
     _, _, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
-    increment = tl.dot(tl.trans(k * g_out[:, None]), v, input_precision=PRECISION)
+    increment = mm(tl.trans(k * g_out[:, None]), v, PRECISION)
     tl.store(STATES + state_offsets(bh, NT, chunk, DK, W, rk, rv), increment,
              mask=(rk < DK)[:, None] & (rv < W)[None, :])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import add_into, load_rows, packed_offsets, poison_rows
+from mixers.hla.tiles import add_into, load_rows, mm, packed_offsets, poison_rows
 
 
 @triton.jit
@@ -101,8 +101,8 @@ def state_key_terms(dq, dk, dO, v, STARTS, ENDS, bh, NT, chunk, DK, W, rk, rv,
     tile_ok = (rk < DK)[:, None] & (rv < W)[None, :]
     S = tl.load(STARTS + at, mask=tile_ok, other=0.0)
     dS = tl.load(ENDS + at, mask=tile_ok, other=0.0)
-    dq += tl.dot(dO, tl.trans(S), input_precision=PRECISION)
-    dk += tl.dot(v, tl.trans(dS), input_precision=PRECISION)
+    dq += mm(dO, tl.trans(S), PRECISION)
+    dk += mm(v, tl.trans(dS), PRECISION)
     return dq, dk
 
 
@@ -113,8 +113,8 @@ def add_key_grads(DQ, DK_OUT, dq, dk, M, q, k, g_in, g_out, bad_q, bad_k, b, t, 
     """dQ = g_in * dq + M K and dK = g_out * dk + M^T Q for one key block of the chunk (NaN
     rows where q or k had a non-finite entry, if POISON_Q / POISON_K), added into the
     `[B, T, H, DK]` buffers DQ and DK_OUT."""
-    dq = dq * g_in[:, None] + tl.dot(M, k, input_precision=PRECISION)
-    dk = dk * g_out[:, None] + tl.dot(tl.trans(M), q, input_precision=PRECISION)
+    dq = dq * g_in[:, None] + mm(M, k, PRECISION)
+    dk = dk * g_out[:, None] + mm(tl.trans(M), q, PRECISION)
     if POISON_Q:
         dq += poison_rows(bad_q)[:, None]
     if POISON_K:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from mixers.hla.chain.terms import decay_terms, load_state, state_offsets, walk_program
-from mixers.hla.tiles import finite, load_rows, load_values, packed_offsets
+from mixers.hla.tiles import finite, load_rows, load_values, mm, packed_offsets
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def chain_walk_kernel(K, V, LOG_G, S0, STARTS, S1, T, H, DK, DV, W, NT,
         _, _, g_out = decay_terms(chunk, T, LOG_G, h, C, HAS_DECAY, acc)
         if HAS_DECAY:
             S = S * tl.exp(tl.maximum(tl.minimum(T - chunk * C, C), 0).to(acc) * log_g)
-        S = S + tl.dot(tl.trans(k * g_out[:, None]), v, input_precision=PRECISION)
+        S = S + mm(tl.trans(k * g_out[:, None]), v, PRECISION)
     tl.store(S1 + final, S, mask=tile_ok)
 
 
@@ -77,5 +77,5 @@ def chain_grad_walk_kernel(Q, LOG_G, DO, DS1, ENDS, DS0, T, H, DK, W, NT,
         if HAS_DECAY:
             n = tl.where(real, tl.minimum(T - chunk * C, C), 0)
             dS = dS * tl.exp(n.to(acc) * log_g)
-        dS = dS + tl.dot(tl.trans(q * g_in[:, None]), dO, input_precision=PRECISION)
+        dS = dS + mm(tl.trans(q * g_in[:, None]), dO, PRECISION)
     tl.store(DS0 + final, dS, mask=tile_ok)
