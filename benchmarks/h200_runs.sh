@@ -31,6 +31,14 @@ stage=${1:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 previous=${3:-}
 limit=${TIME_LIMIT:-540}
+case "$stage" in
+kernels|step-auto|step-parallel|bench-a|bench-b|recall|mad) ;;
+*)
+    echo "unknown stage $stage (kernels, step-auto, step-parallel, bench-a, bench-b, recall," \
+        "mad)" >&2
+    exit 2
+    ;;
+esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -91,13 +99,9 @@ recall|mad)
     mps
     config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
     name="$config.yaml"
-    hla recall --config "$config" --out "$scratch/$name" --time-limit "$limit" \
+    # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
+    hla recall --config "$config" --out "$scratch/$name" --time-limit "$((limit - 60))" \
         $(resumed "$name") 2>&1 | tee "$log"
     cp "$scratch/$name" "$out/"
-    ;;
-*)
-    echo "unknown stage $stage (kernels, step-auto, step-parallel, bench-a, bench-b, recall," \
-        "mad)" >&2
-    exit 2
     ;;
 esac

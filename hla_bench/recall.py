@@ -220,7 +220,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "the missing ones (a group cut at --time-limit continues from its checkpoint).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out results file.")
 @click.option("--time-limit", type=float, help="Stop after this many seconds: running groups "
-              "stop at their next step and save a checkpoint; --resume continues them.")
+              "stop at their next step and save a checkpoint; --resume continues them. A "
+              "worker process not back 45 s later (compiling) is killed; its group resumes "
+              "from its last checkpoint.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write plots here.")
 @click.option("--executor", type=click.Choice(["local", "dask"]), default="local",
               show_default=True, help="local: worker processes on this host; dask: tasks on a "

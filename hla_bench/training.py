@@ -224,6 +224,12 @@ def _worker(group: list[dict], options: dict) -> list[dict] | None:
     return run_group(group, lambda event: _EVENTS.put((ids, event)), **options)
 
 
+# After a deadline, the seconds a worker's group gets to reach a step, save its checkpoint
+# and return before its process is killed (a compilation or a CUDA graph capture does not
+# look at the clock; a killed group resumes from its last checkpoint, or from the start).
+STOP_GRACE_S = 45.0
+
+
 def run_groups(groups: list[list[dict]], workers: int,
                on_event: Callable[[list[int], dict], None],
                on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
@@ -231,7 +237,8 @@ def run_groups(groups: list[list[dict]], workers: int,
                compile: bool = False) -> bool:
     """Run every group; `on_event(run_ids, event)` sees progress, `on_results(results)` each
     finished group. Returns False when the deadline stopped some group (checkpointed) or
-    left some unstarted. One worker runs in this process; more are spawned processes."""
+    left some unstarted. One worker runs in this process; more are spawned processes, killed
+    STOP_GRACE_S seconds after the deadline if they have not returned by then."""
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
                "compile": compile}
     complete = True
@@ -257,6 +264,7 @@ def run_groups(groups: list[list[dict]], workers: int,
                              initargs=(threads, os.getpid(), events)) as pool:
         todo = list(groups)
         pending: dict = {}
+        killed = False
         while todo or pending:
             while todo and len(pending) < workers:
                 if deadline is not None and time.time() > deadline:
@@ -266,6 +274,13 @@ def run_groups(groups: list[list[dict]], workers: int,
                 pending[pool.submit(_worker, group, options)] = group
             if not pending:
                 break
+            if (deadline is not None and not killed
+                    and time.time() > deadline + STOP_GRACE_S):
+                # a group still compiling (or otherwise not at a step) past the grace:
+                # its process goes, it resumes from its last checkpoint
+                killed = True
+                for process in multiprocessing.active_children():
+                    process.kill()
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             _drain(events, on_event)
             for future in done:
@@ -273,7 +288,8 @@ def run_groups(groups: list[list[dict]], workers: int,
                 try:
                     results = future.result()
                 except BrokenProcessPool as error:
-                    results = [failed_result(spec, "crashed", str(error)) for spec in group]
+                    results = None if killed else [failed_result(spec, "crashed", str(error))
+                                                   for spec in group]
                 if results is None:
                     complete = False
                 else:

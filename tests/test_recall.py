@@ -1,6 +1,7 @@
 """Tiny LM, the recall protocol (validation split, scoring, in-context rate), result YAML,
 resume and the `recall` / `tasks` commands."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,23 @@ def test_parallel_workers_report_failures():
     assert [r["status"] for r in finished] == ["error", "error"]
     assert all("UnknownMixerError" in r["error"] for r in finished)
     assert default_workers("cpu") >= 1
+
+
+def test_a_worker_that_does_not_stop_at_the_deadline_is_killed_after_the_grace(monkeypatch):
+    """A group still busy past deadline + STOP_GRACE_S (here: generating 3 million
+    sequences, which looks at no clock) loses its process; the sweep reports itself
+    incomplete, records no failure, and returns within seconds, not when the group would
+    have reached its first step."""
+    from hla_bench import training
+
+    monkeypatch.setattr(training, "STOP_GRACE_S", 1.0)
+    groups = [[tiny_spec(mixer="linear-attn", run_id=i, num_train=3_000_000)] for i in range(2)]
+    finished = []
+    started = time.time()
+    complete = run_groups(groups, 2, lambda ids, event: None, finished.extend,
+                          deadline=started + 1.0)
+    assert not complete and finished == []
+    assert time.time() - started < 6.0
 
 
 def run(setting="s", mixer="m", d_model=64, seed=0, **fields):
