@@ -24,7 +24,8 @@ from hla_bench import configs, registry
 from hla_bench.plots import plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
-                                     plan_rows, plan_runs, run_key, validate_config)
+                                     option_conflicts, plan_rows, plan_runs, run_key,
+                                     validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.tables import print_table
@@ -305,6 +306,12 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
 
     with store, exit_on_interrupt(store, "run", lambda text: console.print(
             f"[yellow]{escape(text)}[/]", soft_wrap=True)):
+        conflicts = option_conflicts(store.records(), specs)
+        if conflicts:
+            raise click.UsageError(
+                f"{store.path} holds {len(conflicts)} run(s) that the plan repeats with other "
+                "mixer options; both would count in one cell. Write the new plan to another "
+                "--out. First: " + conflicts[0])
         finished = {run_key(run) for run in store.records() if run.get("status") == "ok"}
         runnable = []
         for spec in specs:

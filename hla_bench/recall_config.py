@@ -423,6 +423,29 @@ def plan_runs(config: dict, device: str) -> list[dict]:
 _SPEC_DEFAULTS = RunSpec(task="", mixer="", d_model=1, lr=1.0).as_dict()
 
 
+def option_conflicts(records: list[dict], specs: list[dict]) -> list[str]:
+    """Stored runs that a planned run repeats under other mixer options (same setting,
+    mixer, d_model, learning rate, weight decay and seed, say impl=triton then
+    impl=parallel): resuming would add the new run beside the stored one, and both would
+    count in one cell of the report. One line per such run."""
+    def identity(run: dict) -> tuple:
+        return (run["setting"], run["mixer"], int(run["d_model"]), float(run["lr"]),
+                float(run.get("weight_decay", _SPEC_DEFAULTS["weight_decay"])),
+                int(run.get("seed", 0)))
+
+    planned = {identity(spec): spec for spec in specs}
+    keys = {run_key(spec) for spec in specs}
+    lines = []
+    for run in records:
+        spec = planned.get(identity(run))
+        if (spec is not None and run_key(run) not in keys
+                and (run.get("mixer_options") or {}) != spec["mixer_options"]):
+            lines.append(f"{run['mixer']} d_model={run['d_model']} lr={float(run['lr']):g} "
+                         f"seed={run.get('seed', 0)} [{run['setting']}]: stored "
+                         f"{run.get('mixer_options') or {}}, planned {spec['mixer_options']}")
+    return lines
+
+
 def run_key(run: dict) -> str:
     """What identifies a run across sweeps: its spec without the run id and device. A field
     a stored run lacks (it predates the field) counts as the field's default, which is what

@@ -595,6 +595,23 @@ def test_resume_keeps_every_run_and_adds_only_the_missing(tmp_path):
     assert len(yaml.safe_load(path.read_text())["runs"]) == 3
 
 
+def test_resume_refuses_a_file_whose_runs_the_plan_repeats_with_other_mixer_options(tmp_path):
+    """Resuming under other mixer options (a config switched impl=triton to parallel) would
+    put two runs of one (mixer, d_model, lr, seed) into one cell: a usage error, file as it
+    was."""
+    assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
+    path = tmp_path / "recall.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["runs"][0]["mixer_options"] = {"impl": "triton"}
+    path.write_text(dump_results(data))
+    before = path.read_text()
+    result = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
+    assert result.exit_code == 2, result.output
+    assert "1 run(s) that the plan repeats with other mixer options" in result.output
+    assert "stored {'impl': 'triton'}, planned {}" in result.output
+    assert path.read_text() == before and not (tmp_path / "recall.yaml.lock").exists()
+
+
 def test_existing_out_needs_resume_or_overwrite_and_protocols_must_match(tmp_path):
     path = tmp_path / "recall.yaml"
     assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
