@@ -182,8 +182,8 @@ def main() -> None:
                              "profile (each group alone: graph step time, ops by GPU time)")
     parser.add_argument("--concurrency", type=int, default=0,
                         help="stacked mode: at most this many groups train at once (0: all "
-                             "of a cell's groups; wide models may need fewer to fit the GPU; with fewer, "
-                             "only each group's own rate is reported)")
+                             "of a cell's groups; wide models may need fewer to fit the GPU; "
+                             "with fewer, only each group's own rate is reported)")
     parser.add_argument("--copies", type=int, default=1,
                         help="stacked mode: train each group this many times at once (how "
                              "aggregate throughput grows with the processes sharing the GPU)")

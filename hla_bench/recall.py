@@ -30,8 +30,8 @@ from hla_bench.recall_report import RecallFileError, render_recall, summarize, v
 from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
-from hla_bench.training import (assign_devices, default_workers, failed_result, plan_groups,
-                                run_groups, step_flops)
+from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
+                                plan_groups, run_groups, step_flops)
 from tasks.model import STATE_MIXERS
 
 SCHEMA_VERSION = 2
@@ -222,8 +222,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out results file.")
 @click.option("--time-limit", type=float, help="Stop after this many seconds: running groups "
               "stop at their next step and save a checkpoint; --resume continues them. A "
-              "worker process not back 45 s later (compiling) is killed; its group resumes "
-              "from its last checkpoint.")
+              f"worker process not back {STOP_GRACE_S:g} s later (compiling) is killed; its "
+              "group resumes from its last checkpoint.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write plots here.")
 @click.option("--executor", type=click.Choice(["local", "dask"]), default="local",
               show_default=True, help="local: worker processes on this host; dask: tasks on a "

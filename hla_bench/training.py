@@ -276,8 +276,9 @@ def run_groups(groups: list[list[dict]], workers: int,
                 break
             if (deadline is not None and not killed
                     and time.time() > deadline + STOP_GRACE_S):
-                # a group still compiling (or otherwise not at a step) past the grace:
-                # its process goes, it resumes from its last checkpoint
+                # a group still compiling (or otherwise not at a step) past the grace: its
+                # process goes (the pool's processes are this one's only children), and the
+                # group resumes from its last checkpoint
                 killed = True
                 for process in multiprocessing.active_children():
                     process.kill()
