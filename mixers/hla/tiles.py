@@ -10,7 +10,13 @@ import os
 import triton
 import triton.language as tl
 
-INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+def interpreted() -> bool:
+    """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1: on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+INTERPRETED: tl.constexpr = tl.constexpr(interpreted())
 
 
 @triton.jit

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from mixers.hla.tiles import interpreted
 
 MAX_HEAD_DIM = 512  # key and value dims the ops take (blocks of 64, looped or spread; a
 # normalized value width adds its column of ones: 513)
@@ -14,7 +15,7 @@ MAX_HEAD_DIM = 512  # key and value dims the ops take (blocks of 64, looped or s
 def device_reason(x: torch.Tensor) -> str | None:
     """Why the kernels cannot run on x's device (CUDA, or the CPU under TRITON_INTERPRET=1),
     or None."""
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type != "cuda" and not interpreted():
         return "the tensors are not on a CUDA device"
     return None
 

@@ -56,12 +56,11 @@ C x C entry of the output's mixing matrix. Normalize's division passes a zero up
 gradient at a poisoned output on as zero (normalize_grads in mixers/hla/common.py).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from mixers.hla.tiles import interpreted
 
 
 def _autotuned(warps, key, first_only=None):
@@ -77,7 +76,7 @@ def _autotuned(warps, key, first_only=None):
         if unknown:
             raise ValueError(f"autotune key {sorted(unknown)} names no argument of "
                              f"{kernel.__name__}")
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if interpreted():
             return kernel
 
         def prune(configs, named_args, **meta):
@@ -205,10 +204,6 @@ def _block(n: int) -> int:
     """The block a head dim of n entries is held in: the smallest power of two >= n and
     >= 16 (tl.dot's smallest size). A power of two from 16 is its own block."""
     return max(16, _pow2(n))
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _size_class(programs: int) -> int:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.hla2.triton.common import _block, _cdiv, _interpreted, _pow2
+from mixers.hla.hla2.triton.common import _block, _cdiv, _pow2
+from mixers.hla.tiles import interpreted
 
 # Head dims D and Dv (independent) run from 1 to MAX_HEAD_DIM. The kernels hold a head dim in
 # a block of _block(dim) entries, the next power of two from 16, with loads and stores masked
@@ -46,7 +47,7 @@ def triton_unsupported_reason(q, k, v, *, masked, ridge, decay_form, decay,
         return "the Triton kernels implement masked hla2 only (masked=False)"
     if ridge != 0:
         return "the Triton kernels do not implement ridge != 0"
-    if q.device.type != "cuda" and not _interpreted():
+    if q.device.type != "cuda" and not interpreted():
         return f"the Triton kernels need a CUDA device (got {q.device}) or TRITON_INTERPRET=1"
     if q.dtype not in DTYPES:
         return f"the Triton kernels support float16, bfloat16 and float32, got {q.dtype}"
