@@ -41,7 +41,10 @@ kernels|step-auto|step-parallel|bench-a|bench-b|recall|mad) ;;
 esac
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# Triton's cache keeps compiled kernels and, with TRITON_CACHE_AUTOTUNING, the autotuners'
+# choices: a later stage on this machine (bench-b after bench-a) skips both and times the
+# same kernel configurations.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TRITON_CACHE_AUTOTUNING=1
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
