@@ -191,18 +191,24 @@ class StackedLM:
         x = F.embedding(tokens + offsets, embed.reshape(N * vocab, -1))
         if model.positions is not None:
             x = x + p["positions.weight"][:, None, :T]
-        x = F.dropout(x, model.embed_dropout, self.training)
-        for index, block in enumerate(model.blocks):
-            prefix = f"blocks.{index}."
-            x = x + self._mixer(block, prefix + "mixer.",
-                                self._apply(block.mixer_norm, prefix + "mixer_norm.", x))
-            if block.state_mixer is not None:
-                x = x + self._apply(block.state_mixer, prefix + "state_mixer.", x)
+        x = self._blocks(tuple(model.blocks), F.dropout(x, model.embed_dropout, self.training))
         if model.decoder is None:
             return self._apply(model.norm, "norm.", x)
         if model.decoder_kind == "default":
             return self._decode(self._apply(model.norm, "norm.", x))
         return self._apply(model.norm, "norm.", self._decode(x))
+
+    def _blocks(self, blocks: tuple[Block, ...], x: torch.Tensor) -> torch.Tensor:
+        """The template's last `len(blocks)` blocks, one call per block rather than a loop."""
+        if not blocks:
+            return x
+        block = blocks[0]
+        prefix = f"blocks.{len(self.template.blocks) - len(blocks)}."
+        x = x + self._mixer(block, prefix + "mixer.",
+                            self._apply(block.mixer_norm, prefix + "mixer_norm.", x))
+        if block.state_mixer is not None:
+            x = x + self._apply(block.state_mixer, prefix + "state_mixer.", x)
+        return self._blocks(blocks[1:], x)
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
         """The template's LastStateDecoder for every model: each position from the last."""

@@ -331,8 +331,10 @@ class _GroupTrainer:
             dynamo.reset()  # a worker's earlier groups leave compiled code behind
             # every batch has the same shape, so only the stack size recompiles: the first
             # size, then one program for every later size above 1 (dynamo makes the stack dim
-            # symbolic once it changes), and size 1 (dynamo specialises sizes 0 and 1)
-            dynamo.config.recompile_limit = 8
+            # symbolic once it changes), and size 1 (dynamo specialises sizes 0 and 1). Where
+            # a mixer's op stays out of the trace (a graph break), each block's frames around
+            # it compile on their own (StackedLM._blocks): those three sizes per block.
+            dynamo.config.recompile_limit = 4 * max(2, first.n_layers)
         self.started = time.perf_counter()
         self.train_seconds = 0.0
 

@@ -526,6 +526,40 @@ def test_a_compiled_group_compiles_at_most_three_times(monkeypatch):
     assert counters["frames"]["ok"] == 3, dict(counters["frames"])
 
 
+@pytest.mark.parametrize("n_layers", [3])
+def test_an_op_outside_the_trace_leaves_the_rest_of_the_model_compiled(monkeypatch, n_layers):
+    """A mixer op that torch.compile cannot trace (a Triton launcher: here hla2's PyTorch forms
+    run through mixers.dispatch.opaque, as its kernels do on CUDA) breaks the graph at each
+    block. The blocks are not a Python loop, so dynamo compiles around the break instead of
+    running the whole forward eagerly, within the recompile limit as the stack shrinks, and
+    the steps still equal eager training."""
+    import functools
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    from mixers.dispatch import opaque
+
+    hla2_module = importlib.import_module("mixers.hla.hla2")
+    monkeypatch.setattr(hla2_module, "_FORMS", {
+        impl: functools.partial(opaque, form) for impl, form in hla2_module._FORMS.items()})
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    runs = group("hla2", num_train=80, epochs=3, n_layers=n_layers)
+    eager, compiled = _eager_and_compiled(runs)
+    counters.clear()
+    for trainer in (eager, compiled):
+        trainer.train_to(1)
+        trainer._keep([0, 2])
+        trainer.train_to(2)
+        trainer._keep([1])
+        trainer.train_to(3)
+    assert counters["graph_break"], "the op did not break the graph"
+    assert not counters["unimplemented"], dict(counters["unimplemented"])
+    assert counters["frames"]["ok"] == counters["frames"]["total"], dict(counters["frames"])
+    torch.testing.assert_close(compiled.loss_sum, eager.loss_sum, rtol=1e-9, atol=0)
+    torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("mixer,options", [(mixer, {}) for mixer in MIXERS]
                          + [(mixer, {"impl": "parallel"})
                             for mixer in ("hla2", "ahla2", "hla3", "linear-attn", "based")])
