@@ -11,6 +11,11 @@ test accuracy of their epoch of lowest test perplexity, and a setting the best r
 grid; here validation, carrying test targets, stands in for test in choosing the epoch). A
 cell shows the mean over seeds with the sample standard deviation.
 
+Zoology view (`zoology_rows`): for a setting that is a panel of Zoology's Figure 2 (MQAR,
+vocab 8192, its sequence length and key-value pairs, zero fillers), the test-picked accuracy
+of each mixer by d_model (Zoology's own pick) beside the accuracies Zoology publishes there
+(hla_bench/configs/reference/zoology-fig2.yaml, read from its figure).
+
 MAD score view (`mad_scores`): per task of the MAD suite, the mean over its settings of the
 cells' scores, val-picked and test-picked, beside MAD-lab's published scores
 (hla_bench/configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
@@ -35,6 +40,7 @@ from hla_bench.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
 MAD_REFERENCE = configs.reference("mad-lab.yaml")
+ZOOLOGY_REFERENCE = configs.reference("zoology-fig2.yaml")
 METRIC_NAMES = {"micro": "accuracy over the labelled positions",
                 "mad-macro": "MAD-lab's macro accuracy per batch of 128, averaged"}
 REQUIRED_RUN_FIELDS = ("setting", "mixer", "d_model", "lr", "seed", "status")
@@ -255,14 +261,87 @@ def setting_markdown(setting: str, by_mixer: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- the MAD score view ---------------------------------------------------------------------
-
-def load_mad_reference(path: str | Path = MAD_REFERENCE) -> dict | None:
-    """MAD-lab's published scores (hla_bench/configs/reference/mad-lab.yaml), or None without the file."""
+def load_reference(path: str | Path) -> dict | None:
+    """Published scores (a file of hla_bench/configs/reference/), or None without the file."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except OSError:
         return None
+
+
+# --- the Zoology view ------------------------------------------------------------------------
+
+def zoology_panel(run: dict, reference: dict) -> int | None:
+    """The sequence length of the Figure 2 panel whose setting `run` trained on, or None."""
+    params = run.get("params") or {}
+    panel = (reference.get("settings") or {}).get(params.get("seq_len"))
+    if run.get("task") != "mqar" or panel is None or params.get("random_non_queries", True):
+        return None
+    if params.get("vocab_size") != panel["vocab_size"] or panel["num_kv_pairs"] is None:
+        return None
+    return params["seq_len"] if params.get("num_kv_pairs") == panel["num_kv_pairs"] else None
+
+
+def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, tuple[list[int], list[list[str]]]]:
+    """{setting: (d_models, rows)} for the settings that are Figure 2 panels: a row per
+    mixer of `runs` (its test-picked mean accuracy at each d_model, Zoology's pick: the best
+    final test accuracy over the learning rates; "-" where not run or failed), then a row per architecture Zoology plots there ("Zoology: NAME", "= MIXER"
+    where hla-bench runs the same mixer; "-" where its marker is hidden)."""
+    panels = {run["setting"]: zoology_panel(run, reference) for run in runs}
+    matches = reference.get("architectures_in_hla_bench") or {}
+    views = {}
+    for setting, by_mixer in summary.items():
+        seq_len = panels.get(setting)
+        if seq_len is None:
+            continue
+        published = {name: by_seq[seq_len] for name, by_seq in (reference.get("scores") or {}).items()
+                     if by_seq.get(seq_len)}
+        d_models = sorted({int(d) for cells in by_mixer.values() for d in cells}
+                          | {int(d) for values in published.values() for d in values})
+        rows = []
+        for mixer, cells in by_mixer.items():
+            by_d = {int(d): cell for d, cell in cells.items()}
+            rows.append([mixer] + [f"{by_d[d]['test_picked']['mean']:.3f}"
+                                   if d in by_d and by_d[d]["score"] is not None else "-"
+                                   for d in d_models])
+        for name, values in published.items():
+            label = f"Zoology: {name}" + (f" (= {matches[name]})" if name in matches else "")
+            values = {int(d): v for d, v in values.items()}
+            rows.append([label] + [f"{values[d]:.2f}" if d in values else "-" for d in d_models])
+        views[setting] = (d_models, rows)
+    return views
+
+
+def _zoology_caption(reference: dict) -> str:
+    return ("test-picked accuracy by d_model (the best final test accuracy over the "
+            f"learning rates, as Zoology picks) beside Zoology's Figure 2, read from its figure (±{reference['precision']}; "
+            "hla_bench/configs/reference/zoology-fig2.yaml); -: not run, or a hidden marker")
+
+
+def zoology_table(setting: str, d_models: list[int], rows: list[list[str]], reference: dict) -> Table:
+    table = Table(title=escape(f"Zoology Figure 2: {setting}"), box=box.SIMPLE_HEAD,
+                  pad_edge=False, caption=_zoology_caption(reference))
+    table.add_column("mixer", no_wrap=True)
+    for d_model in d_models:
+        table.add_column(f"d {d_model}", justify="right")
+    for row in rows:
+        table.add_row(*(escape(text) for text in row))
+    return table
+
+
+def zoology_markdown(setting: str, d_models: list[int], rows: list[list[str]], reference: dict) -> str:
+    lines = [f"**Zoology Figure 2: {setting}** ({_zoology_caption(reference)})", "",
+             "| mixer | " + " | ".join(f"d {d}" for d in d_models) + " |",
+             "| --- |" + " ---: |" * len(d_models)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --- the MAD score view ---------------------------------------------------------------------
+
+def load_mad_reference(path: str | Path = MAD_REFERENCE) -> dict | None:
+    """MAD-lab's published scores (hla_bench/configs/reference/mad-lab.yaml), or None without the file."""
+    return load_reference(path)
 
 
 def mad_scores(runs: list[dict], summary: dict | None = None) -> dict[tuple[str, int], dict]:
@@ -371,9 +450,25 @@ def mixer_colors(names: list[str]) -> dict[str, Any]:
     return {name: palette(index % palette.N) for index, name in enumerate(sorted(names))}
 
 
-def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[Path]:
+def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dict[int, float]]]:
+    """{setting: {"Zoology: NAME": {d_model: accuracy}}} for the settings that are Figure 2
+    panels (`zoology_panel`)."""
+    curves = {}
+    for run in runs:
+        seq_len = zoology_panel(run, reference)
+        if seq_len is not None:
+            curves[run["setting"]] = {
+                f"Zoology: {name}": {int(d): v for d, v in by_seq[seq_len].items()}
+                for name, by_seq in (reference.get("scores") or {}).items() if by_seq.get(seq_len)}
+    return curves
+
+
+def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
+                published: dict | None = None) -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
-    and against d_model, one panel per setting, one point per (mixer, d_model)."""
+    and against d_model, one panel per setting, one point per (mixer, d_model); on the
+    d_model panels, `published` curves ({setting: {label: {d_model: accuracy}}}, Zoology's
+    Figure 2) dashed in grey."""
     plt, plots_dir = pyplot_for(plots_dir, fmt)
     settings = list(summary)
     colors = mixer_colors(sorted({m for by_mixer in summary.values() for m in by_mixer}))
@@ -394,6 +489,11 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[
                     xs, ys, errors = zip(*sorted(points))
                     axis.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=mixer,
                                   color=colors[mixer])
+            if x_key == "d_model":
+                for shade, (label, values) in enumerate((published or {}).get(setting, {}).items()):
+                    xs = sorted(values)
+                    axis.plot(xs, [values[x] for x in xs], linestyle="--", marker=".",
+                              color=str(0.15 + 0.13 * shade), linewidth=1, label=label)
             axis.set_title(textwrap.fill(setting, 44), fontsize=8)  # whole, on as many lines
             axis.set_xlabel(x_label)
             axis.set_xscale("log", base=2)
@@ -407,7 +507,8 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png") -> list[
 
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
                   markdown: bool = False, fmt: str = "png") -> list[Path]:
-    """Print one table per task setting and, for runs of MAD tasks, the MAD score view
+    """Print one table per task setting, the Zoology view of the settings that are panels of
+    its Figure 2 and, for runs of MAD tasks, the MAD score view
     (GitHub markdown with `markdown`); with `plots_dir`, write the plots there and return
     their paths."""
     validate_recall(data)
@@ -426,6 +527,14 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         else:
             table = setting_table(setting, by_mixer)
             print_table(console, table, lambda: table_lines(table, console))
+    zoology = load_reference(ZOOLOGY_REFERENCE)
+    for setting, (d_models, rows) in (zoology_rows(runs, summary, zoology) if zoology else {}).items():
+        if markdown:
+            console.print(zoology_markdown(setting, d_models, rows, zoology), markup=False,
+                          highlight=False, soft_wrap=True)
+        else:
+            table = zoology_table(setting, d_models, rows, zoology)
+            print_table(console, table, lambda: table_lines(table, console))
     scores = mad_scores(runs, summary)
     if scores:
         reference = load_mad_reference()
@@ -443,7 +552,7 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                           soft_wrap=True)
     if plots_dir is None or not summary:
         return []
-    paths = plot_recall(summary, plots_dir, fmt)
+    paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None)
     for path in paths:
         console.print(f"plot written to {path}", markup=False, highlight=False, soft_wrap=True)
     return paths

@@ -384,6 +384,62 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     assert "mixers (sdpa) ran here" in mad_markdown(scores, absent)
 
 
+def zoology_run(seq_len=64, kv=4, mixer="sdpa", d_model=64, **fields):
+    params = {"vocab_size": 8192, "seq_len": seq_len, "num_kv_pairs": kv,
+              "random_non_queries": False}
+    return run(**{"setting": f"mqar {seq_len}/{kv}", "task": "mqar", "params": params,
+                  "mixer": mixer, "d_model": d_model, "lr": 1e-3, "val_accuracy": 0.9,
+                  **fields})
+
+
+def test_zoology_view_puts_each_mixers_test_pick_beside_figure_2_at_its_panel_only():
+    from hla_bench.recall_report import ZOOLOGY_REFERENCE, load_reference, zoology_markdown, zoology_rows
+
+    reference = load_reference(ZOOLOGY_REFERENCE)
+    runs = [zoology_run(val_accuracy=0.9, test_accuracy=0.97),
+            zoology_run(lr=1e-2, val_accuracy=0.5, test_accuracy=0.99),   # test-picked
+            zoology_run(mixer="hla2", d_model=128, test_accuracy=0.42),
+            zoology_run(128, 8, test_accuracy=0.8),
+            zoology_run(128, 4, test_accuracy=0.1),                         # not a panel's pairs
+            {**zoology_run(256, 16, test_accuracy=0.3),                     # random fillers
+             "params": {"vocab_size": 8192, "seq_len": 256, "num_kv_pairs": 16,
+                        "random_non_queries": True}, "setting": "mqar 256/16 random"}]
+    views = zoology_rows(runs, summarize(runs), reference)
+    assert set(views) == {"mqar 64/4", "mqar 128/8"}
+    d_models, rows = views["mqar 64/4"]
+    assert d_models == [64, 128, 256, 512]
+    assert rows[0] == ["sdpa", "0.990", "-", "-", "-"] and rows[1] == ["hla2", "-", "0.420", "-", "-"]
+    attention = reference["scores"]["Attention"][64]
+    assert rows[2] == ["Zoology: Attention (= sdpa)"] + [
+        f"{attention[d]:.2f}" if d in attention else "-" for d in d_models]
+    assert [row[0] for row in rows[3:]] == [f"Zoology: {name}" for name in reference["scores"]
+                                            if name != "Attention" and reference["scores"][name].get(64)]
+    markdown = zoology_markdown("mqar 64/4", d_models, rows, reference)
+    assert "| sdpa | 0.990 | - | - | - |" in markdown and "read from its figure" in markdown
+    console = Console(record=True, width=250)
+    render_recall({"kind": "recall", "config": {}, "environment": {}, "runs": runs}, console)
+    text = console.export_text()
+    assert text.count("Zoology Figure 2:") == 2 and "Zoology: BaseConv" in text
+
+
+def test_zoology_reference_is_consistent():
+    reference = yaml.safe_load((Path(__file__).parents[1] / "hla_bench" / "configs" / "reference" /
+                                "zoology-fig2.yaml").read_text())
+    assert {"source", "metric", "precision", "settings", "scores",
+            "architectures_in_hla_bench"} <= set(reference)
+    for name, by_seq in reference["scores"].items():
+        assert set(by_seq) <= set(reference["settings"]), name
+        for values in by_seq.values():
+            assert set(values) <= {64, 128, 256, 512}
+            assert all(0.0 <= value <= 1.0 for value in values.values())
+    # Figure 2's finding: attention solves every cell
+    assert all(value >= 0.99 for values in reference["scores"]["Attention"].values()
+               for value in values.values())
+    for name, mixer in reference["architectures_in_hla_bench"].items():
+        assert name in reference["scores"]
+        registry.get(mixer)
+
+
 def test_recall_file_validation():
     with pytest.raises(RecallFileError, match="kind: recall"):
         validate_recall({"kind": "bench"})
