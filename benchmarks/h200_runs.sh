@@ -22,10 +22,12 @@
 #   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS
 # The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
 # earlier cut-short call left, they continue it (`--resume`) instead of starting over, and
-# stop themselves before TIME_LIMIT seconds (default 540) so the file comes back whole. They
-# run in a scratch folder and copy their results file into OUT when they stop: a recall
-# sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut short
-# starts over in the next call, while every finished run is kept.
+# stop themselves before TIME_LIMIT seconds (default 540) so the file comes back whole.
+# bench-* write their results file in OUT (rewritten whole after every point, so a command
+# killed from outside still leaves every finished point there). recall and mad run in a
+# scratch folder, their results file copied into OUT every 30 s and when they stop: a
+# recall sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut
+# short starts over in the next call, while every finished run is kept.
 set -uo pipefail
 stage=${1:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
@@ -58,9 +60,9 @@ log="$out/$stage.log"
 
 scratch=/tmp/h200-runs
 mkdir -p "$scratch"
-resumed() {  # resumed NAME: --resume when PREVIOUS holds NAME (copied into scratch first)
+resumed() {  # resumed NAME DIR: --resume when PREVIOUS holds NAME (copied into DIR first)
     if [[ -n "$previous" && -f "$previous/$1" ]]; then
-        cp "$previous/$1" "$scratch/$1"
+        [[ "$previous/$1" -ef "$2/$1" ]] || cp "$previous/$1" "$2/$1"
         echo --resume
     fi
 }
@@ -94,17 +96,21 @@ step-auto|step-parallel)
     ;;
 bench-a|bench-b)
     name="h200-${stage#bench-}.yaml"
-    timeout "$limit" python3 -m hla_bench run h200 --out "$scratch/$name" $(resumed "$name") \
+    timeout "$limit" python3 -m hla_bench run h200 --out "$out/$name" $(resumed "$name" "$out") \
         2>&1 | tee "$log"
-    cp "$scratch/$name" "$out/"
     ;;
 recall|mad)
     mps
     config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
     name="$config.yaml"
     # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
-    hla recall --config "$config" --out "$scratch/$name" --time-limit "$((limit - 60))" \
-        $(resumed "$name") 2>&1 | tee "$log"
+    args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - 60))"
+          $(resumed "$name" "$scratch"))
+    (while sleep 30; do [[ -f "$scratch/$name" ]] && cp "$scratch/$name" "$out/$name.part" &&
+        mv "$out/$name.part" "$out/$name"; done) &
+    copier=$!
+    hla recall "${args[@]}" 2>&1 | tee "$log"
+    kill "$copier" 2> /dev/null
     cp "$scratch/$name" "$out/"
     ;;
 esac
