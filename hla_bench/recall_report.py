@@ -285,8 +285,9 @@ def zoology_panel(run: dict, reference: dict) -> int | None:
 def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, tuple[list[int], list[list[str]]]]:
     """{setting: (d_models, rows)} for the settings that are Figure 2 panels: a row per
     mixer of `runs` (its test-picked mean accuracy at each d_model, Zoology's pick: the best
-    final test accuracy over the learning rates; "-" where not run or failed), then a row per architecture Zoology plots there ("Zoology: NAME", "= MIXER"
-    where hla-bench runs the same mixer; "-" where its marker is hidden)."""
+    final test accuracy over the learning rates; "-" where not run or failed), then a row
+    per architecture Zoology plots there ("Zoology: NAME", "(= MIXER)" where hla-bench runs
+    the same mixer; "-" where its marker is hidden)."""
     panels = {run["setting"]: zoology_panel(run, reference) for run in runs}
     matches = reference.get("architectures_in_hla_bench") or {}
     views = {}
@@ -314,8 +315,9 @@ def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, 
 
 def _zoology_caption(reference: dict) -> str:
     return ("test-picked accuracy by d_model (the best final test accuracy over the "
-            f"learning rates, as Zoology picks) beside Zoology's Figure 2, read from its figure (±{reference['precision']}; "
-            "hla_bench/configs/reference/zoology-fig2.yaml); -: not run, or a hidden marker")
+            "learning rates, as Zoology picks) beside Zoology's Figure 2, read from its "
+            f"figure (±{reference['precision']}; hla_bench/configs/reference/zoology-fig2.yaml); "
+            "-: not run, or a hidden marker")
 
 
 def zoology_table(setting: str, d_models: list[int], rows: list[list[str]], reference: dict) -> Table:

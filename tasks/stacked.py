@@ -199,7 +199,9 @@ class StackedLM:
         return self._apply(model.norm, "norm.", self._decode(x))
 
     def _blocks(self, blocks: tuple[Block, ...], x: torch.Tensor) -> torch.Tensor:
-        """The template's last `len(blocks)` blocks, one call per block rather than a loop."""
+        """The template's last `len(blocks)` blocks, one call per block rather than a loop:
+        torch.compile runs a whole frame eagerly when a loop in it holds a graph break (a
+        mixer op kept out of the trace), but compiles around a break in a plain call."""
         if not blocks:
             return x
         block = blocks[0]
