@@ -22,9 +22,10 @@
 #   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS
 # The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
 # earlier cut-short call left, they continue it (`--resume`) instead of starting over, and
-# stop themselves before TIME_LIMIT seconds (default 540) so the file comes back whole.
-# bench-* write their results file in OUT (rewritten whole after every point, so a command
-# killed from outside still leaves every finished point there). recall and mad run in a
+# stop themselves before TIME_LIMIT seconds (default 540, counted from the script's start,
+# the install of the wheels included) so the file comes back whole.
+# bench-* write their results file in OUT (rewritten whole after every shape, so a command
+# killed from outside still leaves every finished shape there). recall and mad run in a
 # scratch folder, their results file copied into OUT every 30 s and when they stop: a
 # recall sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut
 # short starts over in the next call, while every finished run is kept.
@@ -96,15 +97,15 @@ step-auto|step-parallel)
     ;;
 bench-a|bench-b)
     name="h200-${stage#bench-}.yaml"
-    timeout "$limit" python3 -m hla_bench run h200 --out "$out/$name" $(resumed "$name" "$out") \
-        2>&1 | tee "$log"
+    timeout "$((limit - SECONDS))" python3 -m hla_bench run h200 --out "$out/$name" \
+        $(resumed "$name" "$out") 2>&1 | tee "$log"
     ;;
 recall|mad)
     mps
     config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
     name="$config.yaml"
     # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
-    args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - 60))"
+    args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - SECONDS - 60))"
           $(resumed "$name" "$scratch"))
     (while sleep 30; do [[ -f "$scratch/$name" ]] && cp "$scratch/$name" "$out/$name.part" &&
         mv "$out/$name.part" "$out/$name"; done) &
