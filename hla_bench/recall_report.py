@@ -282,6 +282,12 @@ def zoology_panel(run: dict, reference: dict) -> int | None:
     return params["seq_len"] if params.get("num_kv_pairs") == panel["num_kv_pairs"] else None
 
 
+def _published(reference: dict, seq_len: int) -> dict[str, dict[int, float]]:
+    """{architecture: {d_model: accuracy}} that Zoology plots in its `seq_len` panel."""
+    return {name: {int(d): v for d, v in by_seq[seq_len].items()}
+            for name, by_seq in (reference.get("scores") or {}).items() if by_seq.get(seq_len)}
+
+
 def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, tuple[list[int], list[list[str]]]]:
     """{setting: (d_models, rows)} for the settings that are Figure 2 panels: a row per
     mixer of `runs` (its test-picked mean accuracy at each d_model, Zoology's pick: the best
@@ -295,10 +301,9 @@ def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, 
         seq_len = panels.get(setting)
         if seq_len is None:
             continue
-        published = {name: by_seq[seq_len] for name, by_seq in (reference.get("scores") or {}).items()
-                     if by_seq.get(seq_len)}
+        published = _published(reference, seq_len)
         d_models = sorted({int(d) for cells in by_mixer.values() for d in cells}
-                          | {int(d) for values in published.values() for d in values})
+                          | {d for values in published.values() for d in values})
         rows = []
         for mixer, cells in by_mixer.items():
             by_d = {int(d): cell for d, cell in cells.items()}
@@ -307,7 +312,6 @@ def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, 
                                    for d in d_models])
         for name, values in published.items():
             label = f"Zoology: {name}" + (f" (= {matches[name]})" if name in matches else "")
-            values = {int(d): v for d, v in values.items()}
             rows.append([label] + [f"{values[d]:.2f}" if d in values else "-" for d in d_models])
         views[setting] = (d_models, rows)
     return views
@@ -459,9 +463,8 @@ def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dic
     for run in runs:
         seq_len = zoology_panel(run, reference)
         if seq_len is not None:
-            curves[run["setting"]] = {
-                f"Zoology: {name}": {int(d): v for d, v in by_seq[seq_len].items()}
-                for name, by_seq in (reference.get("scores") or {}).items() if by_seq.get(seq_len)}
+            curves[run["setting"]] = {f"Zoology: {name}": values
+                                      for name, values in _published(reference, seq_len).items()}
     return curves
 
 
