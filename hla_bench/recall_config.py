@@ -455,8 +455,6 @@ def run_key(run: dict) -> str:
     return yaml.safe_dump(spec, sort_keys=True)
 
 
-
-
 def plan_rows(specs: list[dict], max_group: int,
               step_flops: Callable[[dict], int | None] | None = None) -> list[dict]:
     """Per (task setting, d_model): the mixers, runs, stacked groups, the most steps a run
