@@ -68,10 +68,16 @@ def sampling(sweep: SweepConfig) -> Sampling:
 # ---------------------------------------------------------------- inputs and calls
 
 
+def input_generator(device: str) -> torch.Generator:
+    """The seeded generator a point's inputs are drawn from, on the point's device."""
+    return torch.Generator(device=device).manual_seed(0)
+
+
 def _random(shape: tuple[int, ...], device: str, dtype: torch.dtype, generator: torch.Generator,
             *, scale: float = 1.0, requires_grad: bool = False) -> torch.Tensor:
-    """Seeded normal values drawn on the CPU (same numbers on every device)."""
-    x = torch.randn(*shape, generator=generator) * scale
+    """Seeded normal values drawn on `generator`'s device (the same numbers for every mixer
+    of a shape; drawing tens of millions on the CPU would take seconds a point)."""
+    x = torch.randn(*shape, generator=generator, device=generator.device).mul_(scale)
     return x.to(device=device, dtype=dtype).requires_grad_(requires_grad)
 
 
@@ -106,7 +112,7 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
     sweep = point.sweep
     device, dtype = record["device"], getattr(torch, record["dtype"])
     batch, heads, head_dim, value_dim = (record[k] for k in ("batch", "heads", "head_dim", "value_dim"))
-    generator = torch.Generator().manual_seed(0)
+    generator = input_generator(device)
     moved = None
     if point.mode == "decode":
         decoder = mixer.decoder(**options)
@@ -256,7 +262,7 @@ def _probe(sweep: SweepConfig, mixer: registry.Mixer, options: dict[str, Any],
     device, dtype = sweep.resolved_device(), getattr(torch, sweep.resolved_dtype())
     heads, head_dim, value_dim = sweep.heads, sweep.head_dim, sweep.value_dim or sweep.head_dim
     seq_len = min(16, min(sweep.seq_lens))
-    generator = torch.Generator().manual_seed(0)
+    generator = input_generator(device)
     try:
         with time_limit(sweep.point_timeout_s), torch.no_grad():
             if mode == "decode":
