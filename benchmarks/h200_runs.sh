@@ -17,7 +17,8 @@
 #   step-parallel the same with Based, linear attention and the HLA ops through their
 #                 parallel forms (impl=parallel)
 #   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
-#                 (the pair whose `report --compare` is the method's noise floor)
+#                 (the pair whose `report --compare` is the method's noise floor), and so on
+#                 to bench-z
 #   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
 #   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS
 # The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
@@ -35,10 +36,10 @@ out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 previous=${3:-}
 limit=${TIME_LIMIT:-540}
 case "$stage" in
-kernels|step-auto|step-parallel|bench-a|bench-b|recall|mad) ;;
+kernels|step-auto|step-parallel|bench-[a-z]|recall|mad) ;;
 *)
-    echo "unknown stage $stage (kernels, step-auto, step-parallel, bench-a, bench-b, recall," \
-        "mad)" >&2
+    echo "unknown stage $stage (kernels, step-auto, step-parallel, bench-a ... bench-z," \
+        "recall, mad)" >&2
     exit 2
     ;;
 esac
@@ -95,7 +96,7 @@ step-auto|step-parallel)
         --mixers "$mixers" --modes profile --compile "${options[@]}" \
         --out "$out/recall-$stage.yaml" 2>&1 | tee "$log"
     ;;
-bench-a|bench-b)
+bench-[a-z])
     name="h200-${stage#bench-}.yaml"
     timeout "$((limit - SECONDS))" python3 -m hla_bench run h200 --out "$out/$name" \
         $(resumed "$name" "$out") 2>&1 | tee "$log"
