@@ -108,6 +108,8 @@ TRAIN_FIELDS = {
     "weight_decay": (0.1, _number(0)),
     # an accuracy: 1 never stops early (no accuracy exceeds it); above 1 is a typo (99)
     "stop_accuracy": (0.99, _number(0, 1, open_low=True, open_high=False)),
+    # a run's early stop also stops its group's runs of the same seed (tasks/train.py)
+    "group_stop": (False, _bool),
     "shuffle": (True, _bool),
     "metric": ("micro", _choice(METRICS)),
     "test_at_best_val": (False, _bool),

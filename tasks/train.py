@@ -15,7 +15,10 @@ every later size above 1 as one program with a symbolic stack size, and size 1).
 
 Protocol: each run evaluates its validation split every `eval_every` steps (0: once per
 epoch) and stops early once validation accuracy exceeds `stop_accuracy`; its test split is
-scored once, when it stops. A run records its curve (training loss, validation loss and
+scored once, when it stops. With `group_stop`, a run that stops early also stops the runs
+trained with it on the same seed (its other learning rates and weight decays) at that
+evaluation: none of them can then be chosen over it on validation unless it would later
+have passed `stop_accuracy` too. A run records its curve (training loss, validation loss and
 accuracy per evaluation), steps to 0.5 and 0.9 validation accuracy, the final training
 loss, and on test the accuracy and the in-context value rate (the share of answers that are
 some value of the example's context, where the task defines its context values).
@@ -98,6 +101,7 @@ class RunSpec:
     warmup_frac: float = 0.1
     weight_decay: float = 0.1
     stop_accuracy: float = STOP_ACCURACY
+    group_stop: bool = False
     shuffle: bool = True
     metric: str = "micro"
     test_at_best_val: bool = False
@@ -490,6 +494,10 @@ class _GroupTrainer:
                        "accuracy": max(accuracy), "active": len(self.active)})
         for index in stopped:
             self._finish(index, early=True)
+        if stopped and self.specs[0].group_stop:
+            won = {self.specs[index].seed for index in stopped}
+            for index in [i for i in self.active if self.specs[i].seed in won]:
+                self._finish(index, early=False, by_group=True)
 
     def _record_best(self, val_loss: list[float]) -> None:
         """For each active run whose validation loss is below every earlier one (strictly:
@@ -503,8 +511,9 @@ class _GroupTrainer:
             self.best[self.active[slot]] = {"val_loss": val_loss[slot], "step": self.step,
                                             "test_accuracy": test_accuracy[slot]}
 
-    def _finish(self, index: int, early: bool) -> None:
-        """Score run `index` on test, once, and take it out of the stack."""
+    def _finish(self, index: int, early: bool, by_group: bool = False) -> None:
+        """Score run `index` on test, once, and take it out of the stack (`by_group`: stopped
+        by another run's early stop, `group_stop`)."""
         slot = self.active.index(index)
         stack, active = self.model, self.active
         self.model, self.active = stack.select([slot]), [index]
@@ -522,7 +531,7 @@ class _GroupTrainer:
             "val_loss": curve[-1]["val_loss"] if curve else None,
             "test_accuracy": round(test_accuracy, 5),
             "in_context_rate": None if rate is None else round(rate, 5),
-            "steps": self.step, "early_stopped": early,
+            "steps": self.step, "early_stopped": early, "stopped_by_group": by_group,
             **{f"steps_to_{m}": first_step_reaching(curve, m) for m in MILESTONES},
             "final_train_loss": curve[-1]["loss"] if curve else None,
             "best_val_loss": None if best is None else round(best["val_loss"], 5),

@@ -201,6 +201,39 @@ def test_early_stopped_runs_leave_and_are_scored(monkeypatch):
     assert all(r["test_accuracy"] is not None for r in results)
 
 
+@pytest.mark.parametrize("group_stop", [False, True])
+def test_group_stop_ends_a_seeds_other_runs_at_the_evaluation_where_one_stops_early(
+        monkeypatch, group_stop):
+    """Validation says the lr 1e-2 run of seed 0 passes stop_accuracy at the first
+    evaluation. With group_stop the other seed-0 run stops there too (scored, marked
+    stopped_by_group) while seed 1 trains on; its curve is a prefix of the uncut run's."""
+    runs = group("linear-attn", lrs=(1e-2, 1e-3, 1e-2), seeds=(0, 0, 1), epochs=3,
+                 stop_accuracy=0.5, group_stop=group_stop)
+    original = _GroupTrainer._scores
+
+    def scores(self, split, context=False):
+        accuracy, loss, rate = original(self, split, context)
+        if split is self.data.val:
+            accuracy = [1.0 if (self.specs[i].seed, self.specs[i].lr) == (0, 1e-2) else 0.0
+                        for i in self.active]
+        return accuracy, loss, rate
+
+    monkeypatch.setattr(_GroupTrainer, "_scores", scores)
+    results = train_group(runs, build64, graphs=False)
+    uncut = train_group([{**r, "group_stop": False} for r in runs], build64, graphs=False)
+    winner, other, seed1 = results
+    assert winner["early_stopped"] and winner["steps"] == 3 and not winner["stopped_by_group"]
+    assert not seed1["early_stopped"] and seed1["steps"] == 9
+    assert seed1["curve"] == uncut[2]["curve"]
+    if group_stop:
+        assert other["stopped_by_group"] and not other["early_stopped"]
+        assert other["steps"] == 3 and other["test_accuracy"] is not None
+        assert other["curve"] == uncut[1]["curve"][:1]
+    else:
+        assert not other["stopped_by_group"] and other["steps"] == 9
+        assert other["curve"] == uncut[1]["curve"]
+
+
 def test_checkpoint_resume_continues_where_the_deadline_stopped(tmp_path):
     from tasks.train import Interrupted
 
