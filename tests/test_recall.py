@@ -1014,3 +1014,40 @@ def test_checking_a_plan_leaves_no_meta_tensor_in_any_cache():
     layer = registry.get("mamba2-ssd").layer(48, config["model"]["n_heads"])
     assert {p.device.type for p in layer.parameters()} == {"cpu"}
     assert layer(torch.randn(1, 8, 48)).device.type == "cpu"
+
+
+def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tmp_path):
+    """benchmarks/recall_grid_time.py: a group's seconds are its longest run's, a cell's the
+    sum over its groups; failed runs count in `runs` only; the total is the file's seconds."""
+    import os
+    import subprocess
+    import sys
+
+    def run(mixer, lr, steps, seconds, status="ok", d_model=64):
+        return {**RunSpec(task="mqar", mixer=mixer, lr=lr, d_model=d_model, setting="s").as_dict(),
+                "status": status, "steps": steps, "seconds": seconds}
+
+    data = {"kind": "recall", "seconds": 90.0, "complete": True,
+            "environment": {"gpu": "GPU"},
+            "runs": [run("a", 1e-3, 100, 5.0), run("a", 1e-2, 300, 7.0),
+                     run("b", 1e-3, 50, 2.0), run("b", 1e-2, 0, 1.0, status="error"),
+                     run("a", 1e-3, 40, 4.0, d_model=128)]}
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "time.yaml"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "recall_grid_time.py"),
+                           str(path), "--yaml", str(out)], capture_output=True, text=True,
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    summary = yaml.safe_load(out.read_text())
+    assert (summary["runs"], summary["runs_ok"], summary["sweep_seconds"]) == (5, 4, 90.0)
+    assert summary["model_steps"] == 490 and summary["model_steps_per_second"] == round(490 / 90, 1)
+    d64, d128 = summary["cells"]
+    assert (d64["runs"], d64["groups"], d64["model_steps"], d64["group_seconds"]) == (3, 2, 450, 9.0)
+    assert (d128["runs"], d128["groups"], d128["model_steps"], d128["group_seconds"]) == (1, 1, 40, 4.0)
+    refused = subprocess.run([sys.executable, str(root / "benchmarks" / "recall_grid_time.py"),
+                              str(root / "results" / "h100-2026-12-05" / "h200-a.yaml")],
+                             capture_output=True, text=True, cwd=root,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    assert refused.returncode == 2 and "not a recall results file" in refused.stderr

@@ -1,0 +1,87 @@
+"""What a recall sweep cost, read from its results file: per (task setting, d_model) the
+runs, the model steps they trained, the seconds of their groups (each group's longest run,
+its set-up and compiling included) and the model steps per group-second; in all, the
+sweep's own seconds (its wall time, the parts of a resumed sweep summed): on one GPU, the
+grid's GPU time. The GPU a part ran on is the file's (`environment.gpu`) for every part.
+
+    python benchmarks/recall_grid_time.py results/h200-2026-12-05/zoology-fig2.yaml \
+        [--yaml out.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import yaml
+
+from tasks.train import PER_RUN_FIELDS, SPEC_FIELDS
+
+
+def group_of(run: dict) -> str:
+    """The group a run trained in (tasks.train.group_key, a field missing from the file's
+    runs read as absent: files older than a spec field)."""
+    return repr(sorted((key, repr(run.get(key))) for key in SPEC_FIELDS
+                       if key not in PER_RUN_FIELDS))
+
+
+def grid_time(data: dict) -> dict:
+    """The summary of a recall results file (`data`, as loaded): cells and totals."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for run in data["runs"]:
+        if run.get("status") == "ok":
+            groups[group_of(run)].append(run)
+    cells: dict[tuple[str, int], dict] = {}
+    for runs in groups.values():
+        cell = cells.setdefault((runs[0]["setting"], runs[0]["d_model"]), {
+            "setting": runs[0]["setting"], "d_model": runs[0]["d_model"], "runs": 0,
+            "groups": 0, "model_steps": 0, "group_seconds": 0.0})
+        cell["runs"] += len(runs)
+        cell["groups"] += 1
+        cell["model_steps"] += sum(run["steps"] for run in runs)
+        cell["group_seconds"] += max(run["seconds"] for run in runs)
+    rows = sorted(cells.values(), key=lambda c: (c["setting"], c["d_model"]))
+    for cell in rows:
+        cell["group_seconds"] = round(cell["group_seconds"], 1)
+        cell["model_steps_per_group_second"] = round(
+            cell["model_steps"] / cell["group_seconds"], 1) if cell["group_seconds"] else None
+    seconds = float(data.get("seconds") or 0.0)
+    steps = sum(cell["model_steps"] for cell in rows)
+    return {"gpu": data.get("environment", {}).get("gpu"),
+            "complete": bool(data.get("complete")),
+            "runs_ok": sum(cell["runs"] for cell in rows), "runs": len(data["runs"]),
+            "sweep_seconds": seconds, "sweep_minutes": round(seconds / 60, 1),
+            "model_steps": steps,
+            "model_steps_per_second": round(steps / seconds, 1) if seconds else None,
+            "cells": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="a recall results YAML")
+    parser.add_argument("--yaml", help="also write the summary to this file")
+    args = parser.parse_args(argv)
+    with open(args.results) as handle:
+        data = yaml.safe_load(handle)
+    if not isinstance(data, dict) or data.get("kind") != "recall":
+        print(f"{args.results}: not a recall results file", file=sys.stderr)
+        return 2
+    summary = {"results": args.results, **grid_time(data)}
+    print(f"{summary['runs_ok']} of {summary['runs']} runs ok on {summary['gpu']}: "
+          f"{summary['sweep_minutes']} min of sweep time, {summary['model_steps']:,} model "
+          f"steps, {summary['model_steps_per_second']} a second"
+          + ("" if summary["complete"] else " (incomplete)"))
+    for cell in summary["cells"]:
+        print(f"  {cell['setting']}  d_model {cell['d_model']}: {cell['runs']} runs in "
+              f"{cell['groups']} groups, {cell['model_steps']:,} model steps, "
+              f"{cell['group_seconds']} group-seconds, "
+              f"{cell['model_steps_per_group_second']} steps per group-second")
+    if args.yaml:
+        with open(args.yaml, "w") as handle:
+            yaml.safe_dump(summary, handle, sort_keys=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
