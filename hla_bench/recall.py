@@ -133,7 +133,14 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 
         def on_event(ids: list[int], event: dict) -> None:
             key = tuple(ids)
-            if event["event"] == "start" and key in names:
+            if event["event"] == "retry" and key in names:
+                if key in bars:
+                    progress.remove_task(bars.pop(key))
+                progress.console.print(
+                    f"  {names[key]}: out of memory beside other groups; queued again, "
+                    f"{event['at_once']} group(s) at once from now on", soft_wrap=plain,
+                    highlight=False)
+            elif event["event"] == "start" and key in names:
                 bars[key] = progress.add_task(names[key], total=event["total"], info="")
                 told[key] = (0, event["runs"])
                 if plain:

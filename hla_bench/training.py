@@ -4,8 +4,11 @@ of worker processes, and the summary of a sweep's runs.
 `tasks.train.train_group` trains one group (runs that differ only in lr, weight decay and
 seed) as one stacked model. Here a sweep's runs are planned into groups (`plan_groups`), the groups go
 to worker processes (spawned: CUDA needs it), and every finished run comes back as an event
-so the caller can store it at once. A group that runs out of memory is split in two and
-retried; any other failure is recorded on each of its runs.
+so the caller can store it at once. A group that runs out of memory beside other groups
+waits for them: it goes back to the head of the queue and the pool starts no more groups
+at once than were still running (memory, not the worker count, then bounds the groups on
+a GPU). Out of memory with no other group running splits the group in two and retries;
+any other failure is recorded on each of its runs.
 """
 
 from __future__ import annotations
@@ -162,11 +165,26 @@ def failed_result(spec: dict, status: str, message: str) -> dict:
             "val_accuracy": None, "curve": []}
 
 
+# What run_group returns for a group that ran out of memory while other groups were running
+# (`shared`): the caller runs it again once fewer groups run at once.
+RETRY_WITH_FEWER = "out of memory beside other groups: retry with fewer at once"
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether `error` says memory ran out (CUDA's allocator, cuBLAS's handle, the host)."""
+    text = str(error)
+    return (isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError))
+            or "out of memory" in text.lower() or "can't allocate memory" in text
+            or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
 def run_group(group: list[dict], progress: Callable[[dict], None], *,
               deadline: float | None = None, checkpoint_dir: str | None = None,
-              graphs: bool = True, compile: bool = False) -> list[dict] | None:
+              graphs: bool = True, compile: bool = False,
+              shared: bool = False) -> list[dict] | str | None:
     """Train one group; returns its results, or None when stopped at the deadline (its
-    checkpoint holds the state). Out of memory splits the group in two and retries."""
+    checkpoint holds the state). Out of memory: with `shared` (other groups were running
+    when it started) RETRY_WITH_FEWER, else the group splits in two and retries."""
     checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
     try:
         results = train_group(group, build_model, progress=progress, graphs=graphs,
@@ -174,8 +192,9 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     except Interrupted:
         return None
     except Exception as error:  # noqa: BLE001 - a sweep records any failing group, goes on
-        oom = isinstance(error, torch.cuda.OutOfMemoryError) or isinstance(error, MemoryError) \
-            or "out of memory" in str(error).lower() or "can't allocate memory" in str(error)
+        oom = is_oom(error)
+        if oom and shared:
+            return RETRY_WITH_FEWER
         if oom and len(group) > 1:
             _release_memory()
             half = len(group) // 2
@@ -219,7 +238,7 @@ def _init_worker(threads: int, parent: int, events) -> None:
     _EVENTS = events
 
 
-def _worker(group: list[dict], options: dict) -> list[dict] | None:
+def _worker(group: list[dict], options: dict) -> list[dict] | str | None:
     ids = [spec["run_id"] for spec in group]
     return run_group(group, lambda event: _EVENTS.put((ids, event)), **options)
 
@@ -238,7 +257,10 @@ def run_groups(groups: list[list[dict]], workers: int,
     """Run every group; `on_event(run_ids, event)` sees progress, `on_results(results)` each
     finished group. Returns False when the deadline stopped some group (checkpointed) or
     left some unstarted. One worker runs in this process; more are spawned processes, killed
-    STOP_GRACE_S seconds after the deadline if they have not returned by then."""
+    STOP_GRACE_S seconds after the deadline if they have not returned by then. A group that
+    runs out of memory beside others goes back to the head of the queue, and from then on
+    at most as many groups run at once as were still running (`on_event` gets a "retry"
+    event naming that number)."""
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
                "compile": compile}
     complete = True
@@ -265,13 +287,15 @@ def run_groups(groups: list[list[dict]], workers: int,
         todo = list(groups)
         pending: dict = {}
         killed = False
+        at_once = workers  # lowered when a group runs out of memory beside others
         while todo or pending:
-            while todo and len(pending) < workers:
+            while todo and len(pending) < at_once:
                 if deadline is not None and time.time() > deadline:
                     complete, todo = False, []
                     break
                 group = todo.pop(0)
-                pending[pool.submit(_worker, group, options)] = group
+                shared = {**options, "shared": bool(pending)}
+                pending[pool.submit(_worker, group, shared)] = group
             if not pending:
                 break
             if (deadline is not None and not killed
@@ -291,7 +315,12 @@ def run_groups(groups: list[list[dict]], workers: int,
                 except BrokenProcessPool as error:
                     results = None if killed else [failed_result(spec, "crashed", str(error))
                                                    for spec in group]
-                if results is None:
+                if results == RETRY_WITH_FEWER:
+                    todo.insert(0, group)
+                    at_once = max(1, min(at_once - 1, len(pending)))
+                    on_event([spec["run_id"] for spec in group],
+                             {"event": "retry", "at_once": at_once})
+                elif results is None:
                     complete = False
                 else:
                     on_results(results)

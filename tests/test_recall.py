@@ -266,6 +266,46 @@ def test_parallel_workers_report_failures():
     assert default_workers("cpu") >= 1
 
 
+def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(monkeypatch):
+    """A group that runs out of memory while others run is queued again and the pool starts
+    fewer groups at once, down to one: every group finishes, the big ones alone."""
+    import pool_workers
+    from hla_bench import training
+
+    monkeypatch.setattr(training, "_worker", pool_workers.memory_bound)
+    groups = [[tiny_spec(mixer=mixer, run_id=i)]
+              for i, mixer in enumerate(["small", "big", "small", "big", "small"])]
+    finished, retries = [], []
+    complete = run_groups(groups, 3, lambda ids, event: retries.append(event["at_once"])
+                          if event["event"] == "retry" else None, finished.extend)
+    assert complete and sorted(r["run_id"] for r in finished) == [0, 1, 2, 3, 4]
+    assert all(not r["shared"] for r in finished if r["mixer"] == "big")
+    assert retries and retries == sorted(retries, reverse=True) and retries[-1] == 1
+
+
+def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
+    """run_group: out of memory with other groups running returns RETRY_WITH_FEWER and
+    trains nothing more; alone, the group splits in halves down to single runs, which are
+    recorded as oom (cuBLAS's failed allocation counts as out of memory)."""
+    from hla_bench import training
+
+    calls = []
+
+    def no_memory(group, *args, **kwargs):
+        calls.append(len(group))
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    monkeypatch.setattr(training, "train_group", no_memory)
+    group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 3e-3, 1e-2))]
+    assert training.run_group(group, lambda event: None, shared=True) == training.RETRY_WITH_FEWER
+    assert calls == [3]
+    calls.clear()
+    results = training.run_group(group, lambda event: None)
+    assert calls == [3, 1, 2, 1, 1]
+    assert [r["status"] for r in results] == ["oom"] * 3
+    assert [r["run_id"] for r in results] == [0, 1, 2]
+
+
 def test_a_worker_that_does_not_stop_at_the_deadline_is_killed_after_the_grace(monkeypatch):
     """A group still busy past deadline + STOP_GRACE_S (here: generating 3 million
     sequences, which looks at no clock) loses its process; the sweep reports itself
