@@ -294,8 +294,8 @@ def run_groups(groups: list[list[dict]], workers: int,
                     complete, todo = False, []
                     break
                 group = todo.pop(0)
-                shared = {**options, "shared": bool(pending)}
-                pending[pool.submit(_worker, group, shared)] = group
+                beside_others = {**options, "shared": bool(pending)}
+                pending[pool.submit(_worker, group, beside_others)] = group
             if not pending:
                 break
             if (deadline is not None and not killed
