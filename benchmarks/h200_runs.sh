@@ -11,6 +11,9 @@
 #                 D 64/128 and, at T 256, D 256/512, hla2's fused kernels against its chain
 #                 (family_profile.py), and ahla2's and hla3's normalized bf16 precision
 #                 (family_native_check.py --normalize-precision)
+#   layers        where a layer's time goes (layer_parts.py): the registry's layers of fla's
+#                 linear attention and the HLA ops with each part switched off in turn,
+#                 their operators, and the short convolution two ways
 #   step-auto     the recall training step's time, each group alone (recall_throughput.py
 #                 --modes profile, compiled, under CUDA MPS) at the Zoology cells 256/16 x
 #                 d_model 128 and 512, every mixer through impl=auto (the Triton kernels)
@@ -36,10 +39,10 @@ out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 previous=${3:-}
 limit=${TIME_LIMIT:-540}
 case "$stage" in
-kernels|step-auto|step-parallel|bench-[a-z]|recall|mad) ;;
+kernels|layers|step-auto|step-parallel|bench-[a-z]|recall|mad) ;;
 *)
-    echo "unknown stage $stage (kernels, step-auto, step-parallel, bench-a ... bench-z," \
-        "recall, mad)" >&2
+    echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, bench-a ..." \
+        "bench-z, recall, mad)" >&2
     exit 2
     ;;
 esac
@@ -82,6 +85,10 @@ kernels)
         python3 benchmarks/family_native_check.py --normalize-precision \
             --yaml "$out/family-normalize-bf16.yaml"
     } 2>&1 | tee "$log"
+    ;;
+layers)
+    python3 benchmarks/layer_parts.py --seq-lens 2048,65536 --yaml "$out/layer-parts.yaml" \
+        2>&1 | tee "$log"
     ;;
 step-auto|step-parallel)
     mps

@@ -59,3 +59,25 @@ def test_every_hla_bench_command_option_and_config_it_names_exists():
     named = set(re.findall(r"(?:run|--config) (h200|zoology-fig2|mad)\b", " ".join(lines)))
     named |= set(re.findall(r"echo (zoology-fig2|mad)\b", SCRIPT.read_text()))
     assert {"h200", "zoology-fig2", "mad"} <= named <= set(configs.names())
+
+
+def test_layer_parts_runs_on_the_cpu(tmp_path):
+    """benchmarks/layer_parts.py on a tiny CPU shape: a row for every part the mixer's layer
+    has, its operator and the three ways of the short convolution."""
+    import os
+
+    import yaml
+
+    out = tmp_path / "parts.yaml"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "layer_parts.py"), "--device", "cpu",
+         "--mixers", "linear-attn", "--seq-lens", "16", "--tokens", "32", "--heads", "2",
+         "--head-dim", "8", "--modes", "fwd", "--yaml", str(out)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    rows = yaml.safe_load(out.read_text())["rows"]
+    assert [(r["mixer"], r["part"]) for r in rows] == [
+        ("linear-attn", part) for part in ("layer", "no short conv", "no q/k norm",
+                                           "no output norm", "none of the three", "operator")
+    ] + [("-", "conv: Conv1d"), ("-", "conv: shifted sums"), ("-", "conv: shifted sums, compiled")]
+    assert all(r["mode"] == "fwd" and r["median_ms"] > 0 for r in rows)
