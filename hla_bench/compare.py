@@ -195,6 +195,24 @@ def _time(point: dict[str, Any]) -> float | None:
     return point.get("median_ms") if point["status"] == "ok" else None
 
 
+# What a results file records of where it ran, compared between the two files: a change in
+# any of them can move every point (another card, driver or library), not the code.
+ENVIRONMENT_KEYS = ("gpu", "gpu_count", "driver", "cuda", "cudnn", "torch", "git_commit")
+
+
+def environment_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) for each ENVIRONMENT_KEYS entry and package version that
+    differs between the two documents' environments (absent reads as None)."""
+    before, after = old.get("environment") or {}, new.get("environment") or {}
+    changes = [(key, before.get(key), after.get(key)) for key in ENVIRONMENT_KEYS
+               if before.get(key) != after.get(key)]
+    old_packages, new_packages = before.get("packages") or {}, after.get("packages") or {}
+    for name in sorted(set(old_packages) | set(new_packages)):
+        if old_packages.get(name) != new_packages.get(name):
+            changes.append((name, old_packages.get(name), new_packages.get(name)))
+    return changes
+
+
 def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
             control: str | None = None, pattern: str | None = None,
             memory_tolerance: float = MEMORY_TOLERANCE,
@@ -202,7 +220,8 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
     """The comparison of two bench documents: {"rows": a dict per matched point (below),
     "only_old", "only_new", "by_sweep" (see `match`), "untested": rows without samples,
     "missing_control": rows whose control was not measured (ok in both files) at their
-    shape, "alpha", "control", "memory_tolerance", "min_change"}.
+    shape, "environment": `environment_changes`, "alpha", "control", "memory_tolerance",
+    "min_change"}.
 
     A row: sweep, old_sweep, mixer, old_mixer, mode, seq_len, batch, old_ms, new_ms,
     old_status, new_status, ratio (new / old median, over the control's ratio with
@@ -269,7 +288,7 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
                 if not row["tested"] and row["ratio"] is not None and not row["is_control"]]
     return {"rows": rows, "only_old": matched["only_old"], "only_new": matched["only_new"],
             "by_sweep": matched["by_sweep"], "untested": untested, "missing_control": missing,
-            "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance,
+            "environment": environment_changes(old, new), "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance,
             "min_change": min_change}
 
 
@@ -408,6 +427,10 @@ def summary(result: dict[str, Any], old_name: str, new_name: str) -> list[str]:
     rows = result["rows"]
     lines = [f"{len(rows)} points matched; {len(result['only_old'])} only in {old_name}, "
              f"{len(result['only_new'])} only in {new_name}"]
+    if result.get("environment"):
+        lines.append("the files ran in different environments, which can move every point: "
+                     + "; ".join(f"{key} {before} -> {after}"
+                                 for key, before, after in result["environment"]))
     if result["by_sweep"]:
         lines.append(f"{result['by_sweep']} points matched by sweep name too, as their "
                      "(mixer spec, mode, shape) occurs in more than one sweep of a file")

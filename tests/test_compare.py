@@ -122,6 +122,23 @@ def test_false_positive_rate_stays_near_the_nominal_level():
     assert flagged / 150 <= 0.08
 
 
+def test_the_summary_names_what_differs_between_the_environments():
+    """Another card, driver, library or commit can move every point: the summary says which
+    differ (packages by name); two files from one environment add no such line."""
+    old, new = _pair({"a": 1.0}, {"a": 1.0})
+    same = compare.compare(old, new)
+    assert same["environment"] == []
+    assert not any("environments" in line for line in compare.summary(same, "A", "B"))
+    new["environment"] = {**old["environment"], "gpu": "NVIDIA H100", "git_commit": "abc",
+                          "packages": {**(old["environment"].get("packages") or {}),
+                                       "triton": "9.9"}}
+    result = compare.compare(old, new)
+    keys = [key for key, _, _ in result["environment"]]
+    assert keys == ["gpu", "git_commit", "triton"]
+    line = next(line for line in compare.summary(result, "A", "B") if "environments" in line)
+    assert f"gpu {old['environment'].get('gpu')} -> NVIDIA H100" in line and "triton" in line
+
+
 def test_the_interval_is_seeded():
     x, y = np.arange(1.0, 11.0), np.arange(2.0, 12.0)
     assert compare.bootstrap_ratio(y, x) == compare.bootstrap_ratio(y, x)
