@@ -16,14 +16,7 @@ from collections import defaultdict
 
 import yaml
 
-from tasks.train import PER_RUN_FIELDS, SPEC_FIELDS
-
-
-def group_of(run: dict) -> str:
-    """The group a run trained in (tasks.train.group_key, a field missing from the file's
-    runs read as absent: files older than a spec field)."""
-    return repr(sorted((key, repr(run.get(key))) for key in SPEC_FIELDS
-                       if key not in PER_RUN_FIELDS))
+from tasks.train import group_key
 
 
 def grid_time(data: dict) -> dict:
@@ -31,7 +24,7 @@ def grid_time(data: dict) -> dict:
     groups: dict[str, list[dict]] = defaultdict(list)
     for run in data["runs"]:
         if run.get("status") == "ok":
-            groups[group_of(run)].append(run)
+            groups[group_key(run)].append(run)
     cells: dict[tuple[str, int], dict] = {}
     for runs in groups.values():
         cell = cells.setdefault((runs[0]["setting"], runs[0]["d_model"]), {

@@ -119,8 +119,9 @@ SPEC_FIELDS = tuple(f.name for f in fields(RunSpec))
 
 def group_key(spec: dict) -> str:
     """What runs of one group share: every spec field but learning rate, weight decay, seed
-    and id."""
-    return repr(sorted((key, repr(spec[key])) for key in SPEC_FIELDS if key not in PER_RUN_FIELDS))
+    and id (a field a stored run lacks, from a file older than the field, reads as None)."""
+    return repr(sorted((key, repr(spec.get(key))) for key in SPEC_FIELDS
+                       if key not in PER_RUN_FIELDS))
 
 
 _DATA_CACHE: dict[tuple, Splits] = {}
