@@ -131,10 +131,10 @@ def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_l
         return None
     if entry.build_decoder is None:
         return None
-    head_dim = d_model // n_heads
     try:
+        heads, head_dim, value_dim = entry.state_dims(d_model, n_heads, **mixer_options)
         decoder = entry.decoder(**mixer_options)
-        state = decoder.init_state(1, n_heads, head_dim, head_dim, seq_len, "cpu", torch.float32)
+        state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, "cpu", torch.float32)
         return int(decoder.state_bytes(state)) * n_layers
     except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
         return None

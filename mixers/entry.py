@@ -83,6 +83,9 @@ class Mixer:
     the implementations behind the op (e.g. "chunk", "triton"), for display.
     `build_reference` returns the float64 reference `(q, k, v) -> o` of the op with those
     options: an explicit form that runs on the CPU, whatever the op itself requires.
+    `layer_state_dims(d_model, n_heads, **options)` gives the (heads, head dim, value dim)
+    of the decoder state one layer holds, where the layer's op does not run on n_heads
+    heads of d_model / n_heads (None: it does).
     """
 
     name: str
@@ -97,6 +100,7 @@ class Mixer:
     flops: Callable[..., float | None] | None = None
     option_requires: Callable[..., tuple[str, ...]] | None = None
     build_reference: Callable[..., Callable] | None = None
+    layer_state_dims: Callable[..., tuple[int, int, int]] | None = None
 
     def unavailable_reason(self, options: Mapping[str, Any] | None = None) -> str | None:
         """Why this mixer (with `options`, when given) cannot run here, or None when it can.
@@ -138,6 +142,12 @@ class Mixer:
 
     def op(self, **options: Any) -> Callable:
         return self.build_op(**self._checked_options(options))
+
+    def state_dims(self, d_model: int, n_heads: int, **options: Any) -> tuple[int, int, int]:
+        """(heads, head dim, value dim) of the decoder state of one layer of this mixer."""
+        if self.layer_state_dims is not None:
+            return self.layer_state_dims(d_model, n_heads, **self.resolve_options(options))
+        return n_heads, d_model // n_heads, d_model // n_heads
 
     def layer(self, d_model: int, n_heads: int, **options: Any) -> Any:
         if self.build_layer is None:

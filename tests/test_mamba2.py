@@ -104,6 +104,21 @@ def test_block_maps_shape_and_backprops():
         Mamba2Block(30, 7)
 
 
+def test_head_dim_sets_the_number_of_heads():
+    """With head_dim the block has expand * d_model / head_dim heads of head_dim, whatever
+    n_heads says (mamba_ssm's Mamba2 has no n_heads); the registry's option layer_head_dim
+    passes it on."""
+    block = Mamba2Block(32, 1, d_state=8, head_dim=16)
+    assert (block.n_heads, block.head_dim) == (4, 16)
+    assert block.A_log.shape == block.D.shape == (4,)
+    layer = get("mamba2-ssd").layer(32, 1, layer_head_dim=8, d_state=8)
+    assert (layer.n_heads, layer.head_dim) == (8, 8)
+    assert get("mamba2-ssd").layer(32, 2, d_state=8).head_dim == 32
+    for bad in (0, 24):
+        with pytest.raises(ValueError, match="head_dim"):
+            Mamba2Block(32, 1, head_dim=bad)
+
+
 def test_block_is_causal():
     torch.manual_seed(0)
     block = Mamba2Block(16, 2, d_state=8, chunk_size=4).double()
@@ -156,3 +171,14 @@ def test_triton_matches_chunk_on_cuda():
     y_ref, state_ref = ssd(x, dt, A, B, C, impl="chunk", initial_state=h0)
     torch.testing.assert_close(y, y_ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(state, state_ref, rtol=1e-3, atol=1e-3)
+
+
+def test_recall_state_bytes_count_the_blocks_ssd_state():
+    """A Mamba-2 block holds heads x d_state x head dim floats whatever its head split:
+    d_state 64 x expand 2 x d_model 64 = 8,192 a layer, 32 KiB a layer in float32."""
+    from hla_bench.training import state_bytes
+
+    for options in ({}, {"layer_head_dim": 64}, {"layer_head_dim": 16}):
+        assert state_bytes("mamba2-ssd", options, d_model=64, n_heads=1, n_layers=2,
+                           seq_len=64) == 2 * 64 * 128 * 4
+    assert state_bytes("mamba2-ssd", {"d_state": 4}, 128, 8, 4, 64) == 4 * 4 * 256 * 4

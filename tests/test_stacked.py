@@ -70,7 +70,18 @@ def assert_same_params(stacked: StackedLM, slot: int, model):
 @pytest.mark.parametrize("mixer", MIXERS)
 @pytest.mark.parametrize("state_mixer", ["identity", "mlp"])
 def test_stacked_losses_equal_each_model_alone(mixer, state_mixer):
-    runs = group(mixer, state_mixer=state_mixer, init="zoology", embed_dropout=0.0)
+    assert_stacked_equals_alone(group(mixer, state_mixer=state_mixer, init="zoology",
+                                      embed_dropout=0.0))
+
+
+def test_stacked_mamba2_with_head_dim_equals_each_model_alone():
+    """Several SSD heads per copy (head_dim 8 of an inner width 32: 4 heads a model)."""
+    assert_stacked_equals_alone(group("mamba2-ssd", mixer_options={"layer_head_dim": 8},
+                                      init="zoology", embed_dropout=0.0))
+
+
+def assert_stacked_equals_alone(runs: list[dict]):
+    """Losses and gradients of the stacked models equal each model's own, in float64."""
     models = []
     for run in runs:
         torch.manual_seed(run["seed"])

@@ -23,20 +23,41 @@ from mixers.layer import ShortConv, stacked_causal_conv, stacked_linear
 from mixers.mamba2 import SSDDecoder, mamba2_ssd, ssd, ssd_flops, ssd_parameters
 
 
+def block_heads(d_model: int, n_heads: int, expand: int, head_dim: int | None) -> int:
+    """The SSD heads of a block: n_heads, or expand * d_model / head_dim when head_dim is
+    given; ValueError unless they divide expand * d_model."""
+    inner = expand * d_model
+    if head_dim is not None:
+        if head_dim < 1 or inner % head_dim:
+            raise ValueError(f"head_dim ({head_dim}) must be a positive divisor of "
+                             f"expand * d_model ({inner})")
+        return inner // head_dim
+    if inner % n_heads:
+        raise ValueError(f"expand * d_model ({inner}) must be divisible by n_heads "
+                         f"({n_heads})")
+    return n_heads
+
+
+def _block_state_dims(d_model, n_heads, expand, d_state, layer_head_dim, **_):
+    """The SSD state of one block: [heads, d_state, expand * d_model / heads]."""
+    heads = block_heads(d_model, n_heads, expand, layer_head_dim)
+    return heads, d_state, expand * d_model // heads
+
+
 class Mamba2Block(nn.Module):
-    """`[B, T, d_model]` -> `[B, T, d_model]`; head dim = expand * d_model / n_heads."""
+    """`[B, T, d_model]` -> `[B, T, d_model]`; head dim = expand * d_model / n_heads, or
+    `head_dim` when given (then n_heads = expand * d_model / head_dim, as mamba_ssm's
+    Mamba2, whose default head dim is 64)."""
 
     # `ssd` keeps mamba_ssm's kernel out of a torch.compile trace; its PyTorch forms trace
     TRACEABLE_STACKED = True
 
     def __init__(self, d_model: int, n_heads: int, *, d_state: int = 64, expand: int = 2,
                  short_conv: int = 4, chunk_size: int = 64, impl: str = "auto",
-                 eps: float = 1e-6):
+                 head_dim: int | None = None, eps: float = 1e-6):
         super().__init__()
         inner = expand * d_model
-        if inner % n_heads:
-            raise ValueError(f"expand * d_model ({inner}) must be divisible by n_heads "
-                             f"({n_heads})")
+        n_heads = block_heads(d_model, n_heads, expand, head_dim)
         if short_conv < 1:
             raise ValueError(f"short_conv must be >= 1 for the Mamba-2 block, got {short_conv}")
         self.n_heads, self.head_dim, self.d_state = n_heads, inner // n_heads, d_state
@@ -113,14 +134,15 @@ MAMBA2_SSD = Mixer(
                 "Triton kernel on CUDA when installed, else chunked PyTorch. Layer: a compact "
                 "Mamba-2 block.",
     build_op=_ssd_op,
-    build_layer=lambda d_model, n_heads, impl, chunk_size, d_state, expand, short_conv, **_:
+    build_layer=lambda d_model, n_heads, impl, chunk_size, d_state, expand, short_conv,
+                       layer_head_dim, **_:
         Mamba2Block(d_model, n_heads, d_state=d_state, expand=expand, short_conv=short_conv,
-                    chunk_size=chunk_size, impl=impl),
+                    chunk_size=chunk_size, impl=impl, head_dim=layer_head_dim),
     build_decoder=lambda seed, d_skip, **_: SSDDecoder(seed, d_skip),
     options={"impl": "auto", "chunk_size": 64, "d_skip": False, "seed": 0,
-             "d_state": 64, "expand": 2, "short_conv": 4},
+             "d_state": 64, "expand": 2, "short_conv": 4, "layer_head_dim": None},
     forms=("naive", "chunk", "triton"), flops=ssd_flops, option_requires=_ssd_requires,
-    build_reference=_ssd_reference)
+    build_reference=_ssd_reference, layer_state_dims=_block_state_dims)
 
 
 def mamba2_mixers() -> list[Mixer]:
