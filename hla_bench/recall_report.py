@@ -510,12 +510,17 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
     return paths
 
 
+RECALL_TABLES = ("all", "settings", "reference")
+
+
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
-                  markdown: bool = False, fmt: str = "png") -> list[Path]:
-    """Print one table per task setting, the Zoology view of the settings that are panels of
-    its Figure 2 and, for runs of MAD tasks, the MAD score view
-    (GitHub markdown with `markdown`); with `plots_dir`, write the plots there and return
-    their paths."""
+                  markdown: bool = False, fmt: str = "png", tables: str = "all") -> list[Path]:
+    """Print one table per task setting ("settings"), the Zoology view of the settings that
+    are panels of its Figure 2 and, for runs of MAD tasks, the MAD score view ("reference"),
+    or all of them; then the runs that failed (GitHub markdown with `markdown`). With
+    `plots_dir`, write the plots there and return their paths."""
+    if tables not in RECALL_TABLES:
+        raise ValueError(f"tables must be one of {RECALL_TABLES}, got {tables!r}")
     validate_recall(data)
     runs = data["runs"]
     summary = summarize(runs)
@@ -525,7 +530,7 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
               f"{env.get('torch', '?')}" + ("" if data.get("complete", True) else "; INCOMPLETE"))
     console.print(header + ("\n" if markdown else ""), markup=False, highlight=False,
                   soft_wrap=True)
-    for setting, by_mixer in summary.items():
+    for setting, by_mixer in summary.items() if tables != "reference" else ():
         if markdown:
             console.print(setting_markdown(setting, by_mixer), markup=False, highlight=False,
                           soft_wrap=True)
@@ -533,14 +538,15 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
             table = setting_table(setting, by_mixer)
             print_table(console, table, lambda: table_lines(table, console))
     zoology = load_reference(ZOOLOGY_REFERENCE)
-    for setting, (d_models, rows) in (zoology_rows(runs, summary, zoology) if zoology else {}).items():
+    views = zoology_rows(runs, summary, zoology) if zoology and tables != "settings" else {}
+    for setting, (d_models, rows) in views.items():
         if markdown:
             console.print(zoology_markdown(setting, d_models, rows, zoology), markup=False,
                           highlight=False, soft_wrap=True)
         else:
             table = zoology_table(setting, d_models, rows, zoology)
             print_table(console, table, lambda: table_lines(table, console))
-    scores = mad_scores(runs, summary)
+    scores = mad_scores(runs, summary) if tables != "settings" else {}
     if scores:
         reference = load_mad_reference()
         if markdown:

@@ -24,7 +24,7 @@ from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
 from hla_bench.plots import (PLOT_FORMATS, plots_dir_problem, pyplot_for, save_figure,
                              seq_len_axis)
-from hla_bench.recall_report import render_recall
+from hla_bench.recall_report import RECALL_TABLES, render_recall
 from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
 METRICS = {
@@ -404,6 +404,12 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
 @click.option("--markdown", is_flag=True, help="Print GitHub markdown tables (for READMEs).")
 @click.option("--sweep", "only", multiple=True, metavar="NAME",
               help="Bench files: show only this sweep (repeatable; default: all).")
+@click.option("--mode", "modes", multiple=True, metavar="MODE",
+              help="Bench files: show only this mode, e.g. fwdbwd (repeatable; default: all).")
+@click.option("--recall-tables", type=click.Choice(RECALL_TABLES), default="all",
+              show_default=True,
+              help="Recall files: every table, only the per-setting tables, or only the "
+                   "published-reference views (Zoology's Figure 2, MAD-lab's scores).")
 @click.option("--index", "index_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Write DIR/README.md, the index of every results file below DIR (kind, "
                    "config, device, date, git commit, completeness, read from each file); "
@@ -411,7 +417,8 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
 def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_format: str,
            metric: str, baseline: str | None, control: str | None, alpha: float,
            fail_percent: float | None, memory_percent: float, min_change_percent: float,
-           pattern: str | None, markdown: bool, only: tuple[str, ...],
+           pattern: str | None, markdown: bool, only: tuple[str, ...], modes: tuple[str, ...],
+           recall_tables: str,
            index_dir: str | None) -> None:
     """Re-render results FILE(s): tables, comparisons (--compare) and plots (--plots).
 
@@ -444,8 +451,17 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         if name in given and (compare_files or all(kind != "bench" for _, kind, _ in loaded)):
             raise click.UsageError(f"{name} applies to the tables of bench files, not to "
                                    + ("--compare" if compare_files else "recall files"))
+    if "--recall-tables" in given and (compare_files
+                                       or all(kind != "recall" for _, kind, _ in loaded)):
+        raise click.UsageError("--recall-tables applies to the tables of recall files")
     if only:
         loaded = [(path, kind, _only_sweeps(path, kind, data, only))
+                  for path, kind, data in loaded]
+    if modes:
+        if compare_files:
+            raise click.UsageError("--mode applies to the tables of bench files; with "
+                                   "--compare, -k MODE keeps a mode's points")
+        loaded = [(path, kind, _only_modes(path, kind, data, modes))
                   for path, kind, data in loaded]
     if baseline is not None:
         for path, kind, data in loaded:
@@ -487,7 +503,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                 for written in write_plots(data, plot_dir, plot_format):
                     console.print(f"wrote {written}")
         else:
-            render_recall(data, console, plots_dir=plot_dir, markdown=markdown, fmt=plot_format)
+            render_recall(data, console, plots_dir=plot_dir, markdown=markdown, fmt=plot_format,
+                          tables=recall_tables)
         if data.get("complete") is False:
             note = (f"{path} is incomplete: its run was stopped before the end of its plan "
                     "(continue it with --resume)")
@@ -558,6 +575,20 @@ def _only_sweeps(path: str, kind: str, data: dict[str, Any],
                                f"({', '.join(map(str, names))})")
     return {**data, "sweeps": [s for s in data.get("sweeps", []) if s.get("name") in only],
             "points": [p for p in data["points"] if p["sweep"] in only]}
+
+
+def _only_modes(path: str, kind: str, data: dict[str, Any],
+                modes: tuple[str, ...]) -> dict[str, Any]:
+    """`data` with the points of the `modes` only; a usage error for a recall file or a mode
+    that no point of the file has."""
+    if kind != "bench":
+        raise click.UsageError(f"--mode applies to bench files; {path} is a {kind} file")
+    found = list(dict.fromkeys(p["mode"] for p in data["points"]))
+    unknown = [mode for mode in modes if mode not in found]
+    if unknown:
+        raise click.UsageError(f"--mode {unknown[0]!r} is not a mode of {path}'s points "
+                               f"({', '.join(map(str, found)) or 'no points'})")
+    return {**data, "points": [p for p in data["points"] if p["mode"] in modes]}
 
 
 def write_folder_index(folder: str, console: Console) -> None:

@@ -462,6 +462,28 @@ def test_zoology_view_puts_each_mixers_test_pick_beside_figure_2_at_its_panel_on
     assert text.count("Zoology Figure 2:") == 2 and "Zoology: BaseConv" in text
 
 
+def test_recall_tables_choose_the_setting_or_the_reference_views(tmp_path):
+    runs = [zoology_run(test_accuracy=0.97), zoology_run(mixer="hla2", status="error",
+                                                         error="boom")]
+    data = {"kind": "recall", "config": {}, "environment": {}, "runs": runs}
+    shown = {}
+    for tables in ("all", "settings", "reference"):
+        console = Console(record=True, width=250)
+        render_recall(data, console, tables=tables)
+        shown[tables] = console.export_text()
+    assert all("error: hla2" in text for text in shown.values())
+    assert "Zoology Figure 2:" in shown["reference"] and "state" not in shown["reference"]
+    assert "Zoology Figure 2:" not in shown["settings"] and "state" in shown["settings"]
+    assert "Zoology Figure 2:" in shown["all"] and "state" in shown["all"]
+    path = tmp_path / "recall.yaml"
+    path.write_text(dump_results({"kind": "recall", "schema_version": 1, **data}))
+    result = CliRunner().invoke(main, ["report", "--recall-tables", "reference", str(path)])
+    assert result.exit_code == 0 and "Zoology Figure 2:" in result.output, result.output
+    bench = Path(__file__).parent.parent / "results" / "h100-2026-12-05" / "h200-a.yaml"
+    result = CliRunner().invoke(main, ["report", "--recall-tables", "settings", str(bench)])
+    assert result.exit_code == 2 and "applies to the tables of recall files" in result.output
+
+
 def test_zoology_reference_is_consistent():
     reference = yaml.safe_load((Path(__file__).parents[1] / "hla_bench" / "configs" / "reference" /
                                 "zoology-fig2.yaml").read_text())

@@ -7,7 +7,7 @@ import yaml
 from click.testing import CliRunner
 from rich.console import Console
 
-from hla_bench import report, results, tables
+from hla_bench import report, results, store, tables
 from hla_bench.engine.runner import run_sweeps
 from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
 
@@ -164,8 +164,8 @@ def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     path.write_text("kind: recall\nschema_version: 1\nconfig: {}\nenvironment: {}\nruns: []\n")
     seen = []
     monkeypatch.setattr(report, "render_recall",
-                        lambda data, console, plots_dir=None, markdown=False, fmt="png":
-                        seen.append((data, console, plots_dir)))
+                        lambda data, console, plots_dir=None, markdown=False, fmt="png",
+                        tables="all": seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
     assert seen[0][0] == {"kind": "recall", "schema_version": 1, "config": {}, "environment": {},
@@ -249,6 +249,23 @@ def test_sweep_shows_only_the_named_sweeps(tmp_path):
     unknown = runner.invoke(report.report, [str(path), "--sweep", "nope"])
     assert unknown.exit_code == 2 and "not a sweep of" in unknown.output
     assert "(s, other)" in unknown.output
+
+
+def test_mode_shows_only_the_named_modes(tmp_path):
+    data = _data([_point("a", 1024, 4.0), {**_point("b", 1024, 2.0), "mode": "fwdbwd"}])
+    path = tmp_path / "r.yaml"
+    results.save(data, path)
+    runner = CliRunner(env={"COLUMNS": "200"})
+    shown = runner.invoke(report.report, [str(path), "--mode", "fwdbwd", "--markdown"])
+    assert shown.exit_code == 0, shown.output
+    assert "· fwdbwd ·" in shown.output and "· fwd ·" not in shown.output
+    unknown = runner.invoke(report.report, [str(path), "--mode", "decode"])
+    assert unknown.exit_code == 2 and "not a mode of" in unknown.output
+    assert "(fwd, fwdbwd)" in unknown.output
+    recall = tmp_path / "recall.yaml"
+    recall.write_text(store.dump_results(_recall_doc(True)))
+    refused = runner.invoke(report.report, [str(recall), "--mode", "fwd"])
+    assert refused.exit_code == 2 and "applies to bench files" in refused.output
 
 
 def test_index_lists_each_file_from_its_own_record(tmp_path):
