@@ -27,7 +27,8 @@ from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_opti
                                      option_conflicts, plan_rows, plan_runs, run_key,
                                      validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
-from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
+from hla_bench.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
+                             load_results, settings_conflicts)
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
@@ -71,6 +72,26 @@ def open_results(out: str | None, mode: str, config: dict, device: str, workers:
                                  validate=validate_recall)
     except StoreError as error:
         raise ConfigError(str(error)) from None
+
+
+def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
+    """The keys of the runs finished (ok) in the results file `out`, read without taking
+    its lock, after the checks a resume makes: a recall file whole, of the same protocol,
+    holding no run the plan repeats under other mixer options (ConfigError otherwise)."""
+    try:
+        data = load_results(out, "recall", validate_recall)
+    except StoreError as error:
+        raise ConfigError(f"cannot resume {error}") from None
+    conflicts = settings_conflicts(data.get("settings") or {},
+                                   {key: config[key] for key in PROTOCOL_KEYS})
+    if conflicts:
+        raise ConfigError(f"cannot resume {out}: its settings differ from this run's: "
+                          + "; ".join(conflicts))
+    repeated = option_conflicts(data["runs"], specs)
+    if repeated:
+        raise ConfigError(f"{out} holds {len(repeated)} run(s) that the plan repeats with "
+                          f"other mixer options. First: {repeated[0]}")
+    return {run_key(run) for run in data["runs"] if run.get("status") == "ok"}
 
 
 def environment(device: str) -> dict:
@@ -238,8 +259,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.option("--scheduler", metavar="ADDRESS", help="An existing Dask scheduler "
               "(tcp://host:8786) for --executor dask.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (runs, groups and the most "
-              "training steps per task setting and width) and exit: nothing is trained or "
-              "written, and a config's CUDA device need not be visible.")
+              "training steps per task setting and width; with --resume, of the runs the "
+              "--out file lacks) and exit: nothing is trained or written, and a config's "
+              "CUDA device need not be visible.")
 def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
            overwrite, time_limit, plots_dir, executor, scheduler, dry_run, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
@@ -293,8 +315,15 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         if problem:
             raise ConfigError(problem)
         if dry_run:
+            left = specs
+            if mode == "resume" and Path(out).exists():
+                finished = finished_keys(out, config, specs)
+                left = [spec for spec in specs if run_key(spec) not in finished]
+                console.print(f"resuming {out}: {len(specs) - len(left)} of the {len(specs)} "
+                              f"planned runs finished there; the plan below is the "
+                              f"{len(left)} left", soft_wrap=True)
             with console.status("counting each step shape's FLOPs"):  # ~0.1 s a shape
-                rows = plan_rows(specs, config["max_group"], step_flops)
+                rows = plan_rows(left, config["max_group"], step_flops)
             print_table(console, plan_table(rows), lambda: plan_lines(rows))
             uncounted = sorted({mixer for row in rows for mixer in row["uncounted"]})
             console.print("FLOPs: the matmuls of a training step (forward and backward) as "

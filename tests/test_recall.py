@@ -992,6 +992,21 @@ def test_dry_run_prints_the_plan_and_trains_and_writes_nothing(tmp_path):
     assert bad.exit_code == 2 and "lrs must be" in bad.output
 
 
+def test_a_dry_run_with_resume_plans_only_the_runs_the_file_lacks(tmp_path):
+    trained = CliRunner().invoke(main, recall_args(tmp_path))
+    assert trained.exit_code == 0, trained.output
+    before = (tmp_path / "recall.yaml").read_text()
+    more = recall_args(tmp_path, "--lrs", "3e-3,1e-2,3e-2", "--resume", "--dry-run")
+    planned = CliRunner().invoke(main, more, env={"COLUMNS": "200"})
+    assert planned.exit_code == 0, planned.output
+    assert "2 of the 3 planned runs finished there; the plan below is the 1 left" in planned.output
+    assert "recall plan: 1 runs" in planned.output
+    assert (tmp_path / "recall.yaml").read_text() == before
+    other = CliRunner().invoke(main, [*recall_args(tmp_path, "--resume", "--dry-run"),
+                                      "--epochs", "2"])
+    assert other.exit_code == 2 and "settings differ" in other.output, other.output
+
+
 def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_their_groups():
     """A step's FLOPs are one example's times the batch size; the short convolution's
     backward counts twice its forward (torch's counter alone takes a depthwise convolution's
