@@ -2,7 +2,9 @@
 runs, the model steps they trained, the seconds of their groups (each group's longest run,
 its set-up and compiling included) and the model steps per group-second; in all, the
 sweep's own seconds (its wall time, the parts of a resumed sweep summed): on one GPU, the
-grid's GPU time. The GPU a part ran on is the file's (`environment.gpu`) for every part.
+grid's GPU time; and per part (each invocation that wrote the file, `parts`), its GPU,
+seconds and runs. A file from before parts were recorded counts as one part on its
+`environment.gpu`.
 
     python benchmarks/recall_grid_time.py results/h200-2026-12-05/zoology-fig2.yaml \
         [--yaml out.yaml]
@@ -41,7 +43,12 @@ def grid_time(data: dict) -> dict:
             cell["model_steps"] / cell["group_seconds"], 1) if cell["group_seconds"] else None
     seconds = float(data.get("seconds") or 0.0)
     steps = sum(cell["model_steps"] for cell in rows)
-    return {"gpu": data.get("environment", {}).get("gpu"),
+    gpu = data.get("environment", {}).get("gpu")
+    parts = [{key: part.get(key) for key in ("utc_time", "gpu", "seconds", "runs")}
+             for part in data.get("parts") or
+             [{"utc_time": data.get("environment", {}).get("utc_time"), "gpu": gpu,
+               "seconds": seconds, "runs": len(data["runs"])}]]
+    return {"gpu": gpu, "gpus": sorted({str(part["gpu"]) for part in parts}), "parts": parts,
             "complete": bool(data.get("complete")),
             "runs_ok": sum(cell["runs"] for cell in rows), "runs": len(data["runs"]),
             "sweep_seconds": seconds, "sweep_minutes": round(seconds / 60, 1),
@@ -61,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.results}: not a recall results file", file=sys.stderr)
         return 2
     summary = {"results": args.results, **grid_time(data)}
-    print(f"{summary['runs_ok']} of {summary['runs']} runs ok on {summary['gpu']}: "
+    print(f"{summary['runs_ok']} of {summary['runs']} runs ok on {', '.join(summary['gpus'])}: "
           f"{summary['sweep_minutes']} min of sweep time, {summary['model_steps']:,} model "
           f"steps, {summary['model_steps_per_second']} a second"
           + ("" if summary["complete"] else " (incomplete)"))
+    if len(summary["parts"]) > 1:
+        for part in summary["parts"]:
+            print(f"  part from {part['utc_time']} on {part['gpu']}: {part['seconds']} s, "
+                  f"{part['runs']} runs")
     for cell in summary["cells"]:
         print(f"  {cell['setting']}  d_model {cell['d_model']}: {cell['runs']} runs in "
               f"{cell['groups']} groups, {cell['model_steps']:,} model steps, "

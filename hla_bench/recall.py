@@ -94,6 +94,26 @@ def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
     return {run_key(run) for run in data["runs"] if run.get("status") == "ok"}
 
 
+def part_record(env: dict, seconds: float, runs: int) -> dict:
+    """One invocation's share of a results file: when and on what it ran (from its
+    environment), its seconds and the runs it trained."""
+    return {"utc_time": env.get("utc_time"), "gpu": env.get("gpu"),
+            "gpu_count": env.get("gpu_count"), "cuda_mps": env.get("cuda_mps"),
+            "git_commit": env.get("git_commit"), "seconds": seconds, "runs": runs}
+
+
+def previous_parts(header: dict | None, finished: int) -> list[dict]:
+    """The parts of a resumed file: its own list, or, for a file written before parts were
+    recorded, one part made of its header (its last invocation's environment, its seconds,
+    its `finished` runs)."""
+    if header is None:
+        return []
+    if header.get("parts"):
+        return [dict(part) for part in header["parts"]]
+    return [part_record(header.get("environment") or {}, header.get("seconds") or 0.0,
+                        finished)]
+
+
 def environment(device: str) -> dict:
     from hla_bench.results import capture_environment
 
@@ -375,14 +395,25 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
                           f"{escape(str(store.path))}")
         started = time.perf_counter()
         previous_seconds = float((store.previous_header or {}).get("seconds") or 0.0)
+        earlier_parts = previous_parts(store.previous_header, len(finished))
         deadline = time.time() + time_limit if time_limit else None
+        trained = [0]  # runs this part trained (finished or failed)
+
+        def timed() -> dict:
+            """The header's seconds (every part's) and parts (this one's so far appended)."""
+            seconds = round(time.perf_counter() - started, 1)
+            part = part_record(store.header["environment"], seconds, trained[0])
+            return {"seconds": round(previous_seconds + seconds, 1),
+                    "parts": earlier_parts + [part]}
+
+        store.update_header(timed(), write=False)
 
         def on_results(results: list[dict]) -> None:
             """Store each finished group at once: a killed sweep keeps what it finished."""
-            store.update_header({"seconds": round(previous_seconds + time.perf_counter() - started, 1)},
-                                write=False)
+            trained[0] += len(results)
             for result in results:
                 store.add(result)
+            store.update_header(timed())
 
         client = None
         if executor == "dask" and groups:
@@ -401,8 +432,7 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         finally:
             if client is not None:
                 client.close()
-        store.update_header({"seconds": round(previous_seconds + time.perf_counter() - started, 1)},
-                            write=False)
+        store.update_header(timed(), write=False)
         data = store.close(complete=complete)
     render_recall(data, console, plots_dir=plots_dir)
     console.print(f"results written to {escape(str(store.path))}")

@@ -596,6 +596,12 @@ class _GroupTrainer:
         self.progress({"event": "resumed", "step": self.step})
 
 
+def device_name(device: str) -> str:
+    """What a group trained on: the GPU's model name, or the device type ("cpu")."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
                 progress: Callable[[dict], None] | None = None, graphs: bool = True,
                 compile: bool = False, deadline: float | None = None,
@@ -615,7 +621,7 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
     for result in results:
         result.update({"seconds": seconds, "train_seconds": round(trainer.train_seconds, 2),
                        "group_size": len(runs), "graphs": trainer.graphed,
-                       "compiled": compile})
+                       "compiled": compile, "device_name": device_name(runs[0].device)})
         if trainer.graph_failure:
             result["graph_failure"] = trainer.graph_failure
     return results

@@ -713,6 +713,28 @@ def test_resume_keeps_every_run_and_adds_only_the_missing(tmp_path):
     assert len(yaml.safe_load(path.read_text())["runs"]) == 3
 
 
+def test_each_part_of_a_resumed_sweep_is_recorded_and_each_run_names_its_device(tmp_path):
+    assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
+    path = tmp_path / "recall.yaml"
+    data = yaml.safe_load(path.read_text())
+    (first,) = data["parts"]
+    assert first["runs"] == 2 and first["seconds"] == data["seconds"] >= 0
+    assert first["utc_time"] == data["environment"]["utc_time"]
+    assert {run["device_name"] for run in data["runs"]} == {"cpu"}
+    del data["parts"]  # a file from before parts were recorded, its second run lost
+    data["runs"], data["complete"] = data["runs"][:1], False
+    data["environment"]["gpu"] = "an earlier machine"
+    path.write_text(dump_results(data))
+    resumed = CliRunner().invoke(main, recall_args(tmp_path, "--resume"))
+    assert resumed.exit_code == 0, resumed.output
+    again = yaml.safe_load(path.read_text())
+    earlier, latest = again["parts"]
+    assert (earlier["gpu"], earlier["runs"], earlier["seconds"]) == (
+        "an earlier machine", 1, data["seconds"])
+    assert latest["runs"] == 1 and latest["gpu"] == again["environment"]["gpu"]
+    assert again["seconds"] == pytest.approx(earlier["seconds"] + latest["seconds"], abs=0.11)
+
+
 def test_resume_refuses_a_file_whose_runs_the_plan_repeats_with_other_mixer_options(tmp_path):
     """Resuming under other mixer options (a config switched impl=triton to parallel) would
     put two runs of one (mixer, d_model, lr, seed) into one cell: a usage error, file as it
@@ -1123,6 +1145,15 @@ def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tm
     d64, d128 = summary["cells"]
     assert (d64["runs"], d64["groups"], d64["model_steps"], d64["group_seconds"]) == (3, 2, 450, 9.0)
     assert (d128["runs"], d128["groups"], d128["model_steps"], d128["group_seconds"]) == (1, 1, 40, 4.0)
+    assert summary["gpus"] == ["GPU"] and summary["parts"][0]["seconds"] == 90.0  # no parts
+    data["parts"] = [{"utc_time": "t0", "gpu": "GPU", "seconds": 60.0, "runs": 3},
+                     {"utc_time": "t1", "gpu": "other GPU", "seconds": 30.0, "runs": 2}]
+    path.write_text(yaml.safe_dump(data))
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "recall_grid_time.py"),
+                           str(path)], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and "runs ok on GPU, other GPU" in done.stdout, done.stderr
+    assert "part from t1 on other GPU: 30.0 s, 2 runs" in done.stdout
     refused = subprocess.run([sys.executable, str(root / "benchmarks" / "recall_grid_time.py"),
                               str(root / "results" / "h100-2026-12-05" / "h200-a.yaml")],
                              capture_output=True, text=True, cwd=root,
