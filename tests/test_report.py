@@ -236,35 +236,35 @@ def _recall_doc(complete):
             "end_of_results": True}
 
 
+def _report_of(tmp_path, data, *args):
+    path = tmp_path / "r.yaml"
+    results.save(data, path)
+    return CliRunner(env={"COLUMNS": "200"}).invoke(report.report, [str(path), *args])
+
+
 def test_sweep_shows_only_the_named_sweeps(tmp_path):
     data = _data([_point("a", 1024, 4.0), {**_point("b", 1024, 2.0), "sweep": "other"}])
     data["sweeps"].append({"name": "other", "baseline": None})
-    path = tmp_path / "r.yaml"
-    results.save(data, path)
-    runner = CliRunner(env={"COLUMNS": "200"})
-    shown = runner.invoke(report.report, [str(path), "--sweep", "other", "--markdown"])
+    shown = _report_of(tmp_path, data, "--sweep", "other", "--markdown")
     assert shown.exit_code == 0, shown.output
     assert "**other ·" in shown.output and "**s ·" not in shown.output
     assert "| b |" in shown.output and "| a |" not in shown.output
-    unknown = runner.invoke(report.report, [str(path), "--sweep", "nope"])
+    unknown = _report_of(tmp_path, data, "--sweep", "nope")
     assert unknown.exit_code == 2 and "not a sweep of" in unknown.output
     assert "(s, other)" in unknown.output
 
 
 def test_mode_shows_only_the_named_modes(tmp_path):
     data = _data([_point("a", 1024, 4.0), {**_point("b", 1024, 2.0), "mode": "fwdbwd"}])
-    path = tmp_path / "r.yaml"
-    results.save(data, path)
-    runner = CliRunner(env={"COLUMNS": "200"})
-    shown = runner.invoke(report.report, [str(path), "--mode", "fwdbwd", "--markdown"])
+    shown = _report_of(tmp_path, data, "--mode", "fwdbwd", "--markdown")
     assert shown.exit_code == 0, shown.output
     assert "· fwdbwd ·" in shown.output and "· fwd ·" not in shown.output
-    unknown = runner.invoke(report.report, [str(path), "--mode", "decode"])
+    unknown = _report_of(tmp_path, data, "--mode", "decode")
     assert unknown.exit_code == 2 and "not a mode of" in unknown.output
     assert "(fwd, fwdbwd)" in unknown.output
     recall = tmp_path / "recall.yaml"
     recall.write_text(store.dump_results(_recall_doc(True)))
-    refused = runner.invoke(report.report, [str(recall), "--mode", "fwd"])
+    refused = CliRunner().invoke(report.report, [str(recall), "--mode", "fwd"])
     assert refused.exit_code == 2 and "applies to bench files" in refused.output
 
 
