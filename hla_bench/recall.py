@@ -229,6 +229,10 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                    "zoology-fig2, zoology-smoke, mad); the options below override it.")
 @click.option("--task", help="Task name (see `hla-bench tasks list`): one setting of it replaces "
               "the config's settings. Without it, the task options below apply to every setting.")
+@click.option("--only-tasks", "only_tasks", callback=_comma_list(str), metavar="TASKS",
+              help="Keep only the config's settings of these tasks (comma-separated, e.g. "
+                   "in_context_recall,noisy_recall): a suite run task by task; a later "
+                   "--resume without it adds the other settings.")
 @click.option("--mixers", callback=_comma_list(str), help="Comma-separated mixer names.")
 @click.option("--d-model", "d_model", callback=_comma_list(int), help="Comma-separated model widths.")
 @click.option("--seq-len", type=int, help="Task sequence length.")
@@ -282,8 +286,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "training steps per task setting and width; with --resume, of the runs the "
               "--out file lacks) and exit: nothing is trained or written, and a config's "
               "CUDA device need not be visible.")
-def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, out, resume,
-           overwrite, time_limit, plots_dir, executor, scheduler, dry_run, **options):
+def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, extra_params, out,
+           resume, overwrite, time_limit, plots_dir, executor, scheduler, dry_run, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
     d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
@@ -305,6 +309,17 @@ def recall(config_file, task, seq_len, num_kv_pairs, vocab_size, extra_params, o
         elif params:  # these parameters in every setting of the config
             config["settings"] = [{**setting, "params": {**setting["params"], **params}}
                                   for setting in config["settings"]]
+        if only_tasks:
+            if task:
+                raise ConfigError("give --task (one setting) or --only-tasks (the config's "
+                                  "settings of those tasks), not both")
+            present = list(dict.fromkeys(setting["task"] for setting in config["settings"]))
+            missing = [name for name in only_tasks if name not in present]
+            if missing:
+                raise ConfigError(f"--only-tasks {missing[0]!r}: no setting of the config has "
+                                  f"that task (its tasks: {', '.join(present)})")
+            config["settings"] = [setting for setting in config["settings"]
+                                  if setting["task"] in only_tasks]
         if task or params:
             config = validate_config(config, config_file or "options")
         if time_limit is not None and not 0 < time_limit < math.inf:

@@ -1029,6 +1029,35 @@ def test_a_dry_run_with_resume_plans_only_the_runs_the_file_lacks(tmp_path):
     assert other.exit_code == 2 and "settings differ" in other.output, other.output
 
 
+def test_only_tasks_keeps_the_configs_settings_of_those_tasks_and_resume_adds_the_rest(tmp_path):
+    config = tmp_path / "two-tasks.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "two-tasks", "device": "cpu", "workers": 1, "mixers": ["test-softmax"],
+        "d_model": [32], "lrs": [1e-2], "model": {"n_layers": 1, "n_heads": 1},
+        "train": {"epochs": 1, "num_train": 64, "num_val": 32, "num_test": 32,
+                  "batch_size": 32},
+        "settings": [{"task": "mqar", "params": {"vocab_size": 16, "seq_len": 8,
+                                                  "num_kv_pairs": 2}},
+                     {"task": "mqar", "params": {"vocab_size": 32, "seq_len": 16,
+                                                  "num_kv_pairs": 2}},
+                     {"task": "memorization", "params": {"vocab_size": 16}}]}))
+    out = tmp_path / "r.yaml"
+    first = CliRunner().invoke(main, ["recall", "--config", str(config), "--only-tasks", "mqar",
+                                      "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    assert {run["task"] for run in yaml.safe_load(out.read_text())["runs"]} == {"mqar"}
+    assert len(yaml.safe_load(out.read_text())["runs"]) == 2
+    rest = CliRunner().invoke(main, ["recall", "--config", str(config), "--out", str(out),
+                                     "--resume", "--dry-run"], env={"COLUMNS": "200"})
+    assert rest.exit_code == 0, rest.output
+    assert "2 of the 3 planned runs finished there" in rest.output
+    assert "memorization" in rest.output and "recall plan: 1 runs" in rest.output
+    for args, message in ((["--only-tasks", "compression"], "no setting of the config has"),
+                          (["--only-tasks", "mqar", "--task", "mqar"], "not both")):
+        bad = CliRunner().invoke(main, ["recall", "--config", str(config), "--dry-run", *args])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
 def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_their_groups():
     """A step's FLOPs are one example's times the batch size; the short convolution's
     backward counts twice its forward (torch's counter alone takes a depthwise convolution's
