@@ -23,7 +23,8 @@
 #                 (the pair whose `report --compare` is the method's noise floor), and so on
 #                 to bench-z
 #   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
-#   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS
+#   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS (ONLY_TASKS=a,b: the
+#                 settings of those tasks only, recall --only-tasks)
 # The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
 # earlier cut-short call left, they continue it (`--resume`) instead of starting over, and
 # stop themselves before TIME_LIMIT seconds (default 540, counted from the script's start,
@@ -115,6 +116,7 @@ recall|mad)
     # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
     args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - SECONDS - 60))"
           $(resumed "$name" "$scratch"))
+    [[ -n ${ONLY_TASKS:-} ]] && args+=(--only-tasks "$ONLY_TASKS")
     (while sleep 30; do [[ -f "$scratch/$name" ]] && cp "$scratch/$name" "$out/$name.part" &&
         mv "$out/$name.part" "$out/$name"; done) &
     copier=$!
