@@ -28,7 +28,7 @@ from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_opti
                                      validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
-                             load_results, settings_conflicts)
+                             read_resumable)
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
@@ -74,23 +74,25 @@ def open_results(out: str | None, mode: str, config: dict, device: str, workers:
         raise ConfigError(str(error)) from None
 
 
+def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> None:
+    """ConfigError when the file's runs hold one that the plan repeats under other mixer
+    options (recall_config.option_conflicts): both would count in one cell."""
+    conflicts = option_conflicts(records, specs)
+    if conflicts:
+        raise ConfigError(f"{path} holds {len(conflicts)} run(s) that the plan repeats with "
+                          "other mixer options; both would count in one cell. Write the new "
+                          "plan to another --out. First: " + conflicts[0])
+
+
 def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
     """The keys of the runs finished (ok) in the results file `out`, read without taking
-    its lock, after the checks a resume makes: a recall file whole, of the same protocol,
-    holding no run the plan repeats under other mixer options (ConfigError otherwise)."""
+    its lock, after the checks a resume makes (ConfigError otherwise)."""
     try:
-        data = load_results(out, "recall", validate_recall)
+        data = read_resumable(out, "recall", {key: config[key] for key in PROTOCOL_KEYS},
+                              validate_recall)
     except StoreError as error:
-        raise ConfigError(f"cannot resume {error}") from None
-    conflicts = settings_conflicts(data.get("settings") or {},
-                                   {key: config[key] for key in PROTOCOL_KEYS})
-    if conflicts:
-        raise ConfigError(f"cannot resume {out}: its settings differ from this run's: "
-                          + "; ".join(conflicts))
-    repeated = option_conflicts(data["runs"], specs)
-    if repeated:
-        raise ConfigError(f"{out} holds {len(repeated)} run(s) that the plan repeats with "
-                          f"other mixer options. First: {repeated[0]}")
+        raise ConfigError(str(error)) from None
+    check_repeats(out, data["runs"], specs)
     return {run_key(run) for run in data["runs"] if run.get("status") == "ok"}
 
 
@@ -377,12 +379,10 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
 
     with store, exit_on_interrupt(store, "run", lambda text: console.print(
             f"[yellow]{escape(text)}[/]", soft_wrap=True)):
-        conflicts = option_conflicts(store.records(), specs)
-        if conflicts:
-            raise click.UsageError(
-                f"{store.path} holds {len(conflicts)} run(s) that the plan repeats with other "
-                "mixer options; both would count in one cell. Write the new plan to another "
-                "--out. First: " + conflicts[0])
+        try:
+            check_repeats(store.path, store.records(), specs)
+        except ConfigError as error:
+            raise click.UsageError(str(error)) from None
         finished = {run_key(run) for run in store.records() if run.get("status") == "ok"}
         runnable = []
         for spec in specs:

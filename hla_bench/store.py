@@ -184,6 +184,26 @@ def load_results(path: str | Path, kind: str | None = None,
     return data
 
 
+def read_resumable(path: str | Path, kind: str, settings: Mapping[str, Any],
+                   validate: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """The results file at `path`, checked as a resume with `settings` checks it (whole, of
+    `kind`, a resumable schema, the same settings), without taking its lock; StoreError
+    naming what is wrong otherwise."""
+    try:
+        data = load_results(path, kind, validate)
+    except StoreError as error:
+        raise StoreError(f"cannot resume {error}") from None
+    if data["schema_version"] < FIRST_STORE_SCHEMA:
+        raise StoreError(f"cannot resume {path}: schema version {data['schema_version']} "
+                         "predates resumable files (no settings, no completion marker); "
+                         "write to a new file")
+    conflicts = settings_conflicts(data["settings"], settings)
+    if conflicts:
+        raise StoreError(f"cannot resume {path}: its settings differ from this run's: "
+                         + "; ".join(conflicts))
+    return data
+
+
 def dump_results(data: Mapping[str, Any]) -> str:
     """The YAML text of a document, keys in their order; for store schemas it must end with
     the marker (the document was built with `STORE_KEYS` last)."""
@@ -541,18 +561,7 @@ class ResultsStore:
                              "(--overwrite)")
         if mode == "overwrite":
             return None
-        try:
-            data = load_results(path, self.kind, self.validate)
-        except StoreError as error:
-            raise StoreError(f"cannot resume {error}") from None
-        if data["schema_version"] < FIRST_STORE_SCHEMA:
-            raise StoreError(f"cannot resume {path}: schema version {data['schema_version']} "
-                             "predates resumable files (no settings, no completion marker); "
-                             "write to a new file")
-        conflicts = settings_conflicts(data["settings"], self.settings)
-        if conflicts:
-            raise StoreError(f"cannot resume {path}: its settings differ from this run's: "
-                             + "; ".join(conflicts))
+        data = read_resumable(path, self.kind, self.settings, self.validate)
         records_key = RECORDS_KEY[self.kind]
         header = {k: v for k, v in data.items()
                   if k not in ("kind", records_key, *STORE_KEYS)}
