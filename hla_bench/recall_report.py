@@ -525,9 +525,13 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     runs = data["runs"]
     summary = summarize(runs)
     env, config = data["environment"], data["config"]
+    parts = data.get("parts") or []
+    gpus = list(dict.fromkeys(str(part.get("gpu")) for part in parts))
     header = (f"recall (schema {data.get('schema_version')}): {len(runs)} runs, device "
-              f"{config.get('device', '?')}, {data.get('seconds', '?')} s; torch "
-              f"{env.get('torch', '?')}" + ("" if data.get("complete", True) else "; INCOMPLETE"))
+              f"{config.get('device', '?')}, {data.get('seconds', '?')} s"
+              + (f" in {len(parts)} parts on {', '.join(gpus)}" if len(parts) > 1 else "")
+              + f"; torch {env.get('torch', '?')}"
+              + ("" if data.get("complete", True) else "; INCOMPLETE"))
     console.print(header + ("\n" if markdown else ""), markup=False, highlight=False,
                   soft_wrap=True)
     for setting, by_mixer in summary.items() if tables != "reference" else ():

@@ -733,6 +733,8 @@ def test_each_part_of_a_resumed_sweep_is_recorded_and_each_run_names_its_device(
         "an earlier machine", 1, data["seconds"])
     assert latest["runs"] == 1 and latest["gpu"] == again["environment"]["gpu"]
     assert again["seconds"] == pytest.approx(earlier["seconds"] + latest["seconds"], abs=0.11)
+    shown = CliRunner().invoke(main, ["report", str(path)], env={"COLUMNS": "200"})
+    assert f"in 2 parts on an earlier machine, {latest['gpu']}" in shown.output, shown.output
 
 
 def test_resume_refuses_a_file_whose_runs_the_plan_repeats_with_other_mixer_options(tmp_path):
