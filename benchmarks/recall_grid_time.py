@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import yaml
 
+from hla_bench.recall import previous_parts
 from tasks.train import group_key
 
 
@@ -43,12 +44,10 @@ def grid_time(data: dict) -> dict:
             cell["model_steps"] / cell["group_seconds"], 1) if cell["group_seconds"] else None
     seconds = float(data.get("seconds") or 0.0)
     steps = sum(cell["model_steps"] for cell in rows)
-    gpu = data.get("environment", {}).get("gpu")
     parts = [{key: part.get(key) for key in ("utc_time", "gpu", "seconds", "runs")}
-             for part in data.get("parts") or
-             [{"utc_time": data.get("environment", {}).get("utc_time"), "gpu": gpu,
-               "seconds": seconds, "runs": len(data["runs"])}]]
-    return {"gpu": gpu, "gpus": sorted({str(part["gpu"]) for part in parts}), "parts": parts,
+             for part in previous_parts(data, len(data["runs"]))]
+    return {"gpu": data.get("environment", {}).get("gpu"),
+            "gpus": sorted({str(part["gpu"]) for part in parts}), "parts": parts,
             "complete": bool(data.get("complete")),
             "runs_ok": sum(cell["runs"] for cell in rows), "runs": len(data["runs"]),
             "sweep_seconds": seconds, "sweep_minutes": round(seconds / 60, 1),

@@ -288,7 +288,8 @@ def compare(old: dict[str, Any], new: dict[str, Any], alpha: float = ALPHA,
                 if not row["tested"] and row["ratio"] is not None and not row["is_control"]]
     return {"rows": rows, "only_old": matched["only_old"], "only_new": matched["only_new"],
             "by_sweep": matched["by_sweep"], "untested": untested, "missing_control": missing,
-            "environment": environment_changes(old, new), "alpha": alpha, "control": control, "memory_tolerance": memory_tolerance,
+            "environment": environment_changes(old, new), "alpha": alpha, "control": control,
+            "memory_tolerance": memory_tolerance,
             "min_change": min_change}
 
 

@@ -93,7 +93,12 @@ def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
     except StoreError as error:
         raise ConfigError(str(error)) from None
     check_repeats(out, data["runs"], specs)
-    return {run_key(run) for run in data["runs"] if run.get("status") == "ok"}
+    return ok_keys(data["runs"])
+
+
+def ok_keys(records: list[dict]) -> set[str]:
+    """The keys of the runs among `records` that finished (ok): a resume keeps them."""
+    return {run_key(run) for run in records if run.get("status") == "ok"}
 
 
 def part_record(env: dict, seconds: float, runs: int) -> dict:
@@ -383,7 +388,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             check_repeats(store.path, store.records(), specs)
         except ConfigError as error:
             raise click.UsageError(str(error)) from None
-        finished = {run_key(run) for run in store.records() if run.get("status") == "ok"}
+        finished = ok_keys(store.records())
         runnable = []
         for spec in specs:
             reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])
