@@ -419,8 +419,13 @@ def comparison_markdown(result: dict[str, Any], old_name: str, new_name: str) ->
 
 
 def where(rows: Iterable[dict[str, Any]]) -> str:
-    return ", ".join(f"{r['sweep']} {r['mode']} {r['mixer']} T={format_seq_len(r['seq_len'])}"
-                     for r in rows)
+    """The points named by sweep, mode and mixer, each with its lengths: "s fwd a T=1k,4k"."""
+    lengths: dict[tuple[str, str, str], list[str]] = {}
+    for r in rows:
+        lengths.setdefault((r["sweep"], r["mode"], r["mixer"]), []).append(
+            format_seq_len(r["seq_len"]))
+    return ", ".join(f"{sweep} {mode} {mixer} T={','.join(seq_lens)}"
+                     for (sweep, mode, mixer), seq_lens in lengths.items())
 
 
 def summary(result: dict[str, Any], old_name: str, new_name: str) -> list[str]:
@@ -440,9 +445,18 @@ def summary(result: dict[str, Any], old_name: str, new_name: str) -> list[str]:
                      "(files written before samples_ms), or whose control has none: ratio "
                      "shown, not tested, never significant")
     if result["missing_control"]:
+        # a sweep without the control at all (decode, say) is named once, with its count
+        missing = result["missing_control"]
+        with_control = {r["sweep"] for r in rows if r["is_control"]}
+        without = Counter(r["sweep"] for r in missing if r["sweep"] not in with_control)
+        named = []
+        if without:
+            named.append("sweeps without it: " + ", ".join(
+                f"{sweep} ({count} points)" for sweep, count in without.items()))
+        if sum(without.values()) < len(missing):
+            named.append(where(r for r in missing if r["sweep"] in with_control))
         lines.append(f"control {result['control']} not measured in both files at the shape "
-                     f"of {len(result['missing_control'])} points, which have no ratio: "
-                     + where(result["missing_control"]))
+                     f"of {len(missing)} points, which have no ratio: " + "; ".join(named))
     slower = [r for r in rows if r["significant"] and r["ratio"] > 1]
     faster = [r for r in rows if r["significant"] and r["ratio"] < 1]
     status = [r for r in rows if r["old_status"] != r["new_status"]]

@@ -195,6 +195,25 @@ def test_a_missing_control_is_reported_not_guessed():
     assert "s fwd a T=4k" in text
 
 
+def test_the_points_without_control_are_named_by_sweep_or_by_mixer_with_their_lengths():
+    """A sweep without the control (decode, say) is named once with its count; in a sweep
+    that has it, each mixer is named once with the lengths it lacks there."""
+    old, new = _pair({"a": 1.0, "b": 1.0, "ctl": 1.0}, {"a": 1.0, "b": 1.0, "ctl": 1.0},
+                     seq_lens=(1024, 4096, 16384))
+    other_old, other_new = _pair({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0},
+                                 seq_lens=(2048, 8192))
+    for doc, other in ((old, other_old), (new, other_new)):
+        doc["points"] = [p for p in doc["points"] if not (p["mixer"] == "ctl"
+                                                          and p["seq_len"] > 1024)]
+        doc["points"] += [{**p, "sweep": "dec"} for p in other["points"]]
+    result = compare.compare(old, new, control="ctl")
+    assert len(result["missing_control"]) == 8
+    text = " ".join(compare.summary(result, "old", "new"))
+    assert "sweeps without it: dec (4 points)" in text and "dec fwd" not in text
+    assert text.count("s fwd a T=") == 1 and "s fwd a T=4k,16k" in text
+    assert "s fwd b T=4k,16k" in text
+
+
 def test_points_match_across_renamed_sweeps_and_labels():
     old, new = _pair({"a": 1.0}, {"a": 1.0})
     for point in new["points"]:
