@@ -455,13 +455,13 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                                        or all(kind != "recall" for _, kind, _ in loaded)):
         raise click.UsageError("--recall-tables applies to the tables of recall files")
     if only:
-        loaded = [(path, kind, _only_sweeps(path, kind, data, only))
+        loaded = [(path, kind, _only_points(path, kind, data, "--sweep", "sweep", only))
                   for path, kind, data in loaded]
     if modes:
         if compare_files:
             raise click.UsageError("--mode applies to the tables of bench files; with "
                                    "--compare, -k MODE keeps a mode's points")
-        loaded = [(path, kind, _only_modes(path, kind, data, modes))
+        loaded = [(path, kind, _only_points(path, kind, data, "--mode", "mode", modes))
                   for path, kind, data in loaded]
     if baseline is not None:
         for path, kind, data in loaded:
@@ -561,34 +561,22 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
     return bool(failing)
 
 
-def _only_sweeps(path: str, kind: str, data: dict[str, Any],
-                 only: tuple[str, ...]) -> dict[str, Any]:
-    """`data` with the points and sweeps of the `only` sweeps; a usage error for a recall
-    file or a name that is not a sweep of the file."""
+def _only_points(path: str, kind: str, data: dict[str, Any], option: str, key: str,
+                 wanted: tuple[str, ...]) -> dict[str, Any]:
+    """`data` with the points whose `key` ("sweep" or "mode") is among `wanted` (for sweeps,
+    their configs too); a usage error for a recall file or a value the file has not."""
     if kind != "bench":
-        raise click.UsageError(f"--sweep applies to bench files; {path} is a {kind} file")
-    names = list(dict.fromkeys([s.get("name") for s in data.get("sweeps", [])]
-                               + [p["sweep"] for p in data["points"]]))
-    unknown = [name for name in only if name not in names]
+        raise click.UsageError(f"{option} applies to bench files; {path} is a {kind} file")
+    configured = [s.get("name") for s in data.get("sweeps", [])] if key == "sweep" else []
+    found = list(dict.fromkeys(configured + [p[key] for p in data["points"]]))
+    unknown = [value for value in wanted if value not in found]
     if unknown:
-        raise click.UsageError(f"--sweep {unknown[0]!r} is not a sweep of {path} "
-                               f"({', '.join(map(str, names))})")
-    return {**data, "sweeps": [s for s in data.get("sweeps", []) if s.get("name") in only],
-            "points": [p for p in data["points"] if p["sweep"] in only]}
-
-
-def _only_modes(path: str, kind: str, data: dict[str, Any],
-                modes: tuple[str, ...]) -> dict[str, Any]:
-    """`data` with the points of the `modes` only; a usage error for a recall file or a mode
-    that no point of the file has."""
-    if kind != "bench":
-        raise click.UsageError(f"--mode applies to bench files; {path} is a {kind} file")
-    found = list(dict.fromkeys(p["mode"] for p in data["points"]))
-    unknown = [mode for mode in modes if mode not in found]
-    if unknown:
-        raise click.UsageError(f"--mode {unknown[0]!r} is not a mode of {path}'s points "
+        raise click.UsageError(f"{option} {unknown[0]!r} is not a {key} of {path} "
                                f"({', '.join(map(str, found)) or 'no points'})")
-    return {**data, "points": [p for p in data["points"] if p["mode"] in modes]}
+    kept = {**data, "points": [p for p in data["points"] if p[key] in wanted]}
+    if key == "sweep":
+        kept["sweeps"] = [s for s in data.get("sweeps", []) if s.get("name") in wanted]
+    return kept
 
 
 def write_folder_index(folder: str, console: Console) -> None:
