@@ -29,9 +29,10 @@ values averaged weighted by their number of examples. It scores validation (and 
 early stop) and test alike.
 
 `test_at_best_val`: the test accuracy of each run is also recorded at its evaluation of
-lowest validation loss so far (`test_accuracy_at_best_val_loss`), MAD-lab's choice of
-checkpoint with validation in the place of its test split. Nothing the run does depends on
-it: test is read at those evaluations, never used to stop or to choose.
+lowest validation loss (`test_accuracy_at_best_val_loss`), MAD-lab's choice of checkpoint
+with validation in the place of its test split: the run's parameters at that evaluation are
+kept and scored on test once, when it stops. Nothing the run does depends on it: test is
+never used to stop or to choose.
 
 This module knows no mixer registry: the caller passes `build_model(spec) -> TinyLM`.
 """
@@ -59,6 +60,10 @@ STOP_ACCURACY = 0.99
 SCHEDULES = ("warmup-cosine", "epoch-cosine", "constant")
 METRICS = ("micro", "mad-macro")
 MILESTONES = (0.5, 0.9)
+# Tokens of each model in one evaluation forward (never fewer examples than the training
+# batch): few forwards per evaluation, each holding no more activations than a training step
+# of Zoology's 256/16 cell (256 x 256 tokens), which keeps no autograd state besides.
+EVAL_TOKENS = 65_536
 # Spec fields that may differ between the runs of one group.
 PER_RUN_FIELDS = ("lr", "weight_decay", "seed", "run_id")
 
@@ -271,6 +276,25 @@ def in_context_hits(predictions: torch.Tensor, valid: torch.Tensor, rows: torch.
     return ((candidates == predictions[..., None]).any(-1) & valid).sum(1)
 
 
+def _macro_by_batch(predictions: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                    seq_len: int, examples: int, num_classes: int) -> torch.Tensor:
+    """`[N]` sums over the MAD_METRIC_BATCH-example batches of one forward of `examples`
+    examples of each batch's macro accuracy times its number of examples.
+
+    predictions, targets, rows `[N, R]` (rows: flat positions b * seq_len + t); a batch is
+    scored on its own positions only (the others read as unlabelled)."""
+    N, R = targets.shape
+    batches = -(-examples // MAD_METRIC_BATCH)
+    batch_of = rows.div(seq_len * MAD_METRIC_BATCH, rounding_mode="floor")       # [N, R]
+    mine = batch_of[:, None, :] == torch.arange(batches, device=rows.device)[None, :, None]
+    own = torch.where(mine, targets[:, None, :], IGNORE).reshape(N * batches, R)
+    scores = macro_accuracy(predictions[:, None, :].expand(-1, batches, -1).reshape(N * batches, R),
+                            own, num_classes).view(N, batches)
+    sizes = (examples - torch.arange(batches, device=rows.device) * MAD_METRIC_BATCH
+             ).clamp(max=MAD_METRIC_BATCH)
+    return (scores * sizes.double()).sum(1)
+
+
 class _GroupTrainer:
     """The state of one group's training: stacked models, optimizer, counters, curves."""
 
@@ -318,6 +342,9 @@ class _GroupTrainer:
         self.step, self.last_eval = 0, 0
         self.curves: list[list[dict]] = [[] for _ in specs]
         self.best: dict[int, dict] = {}     # run index -> its evaluation of lowest val loss
+        # with test_at_best_val: row i, run i's parameters at that evaluation
+        self.best_params = (torch.zeros_like(self.model.flat) if first.test_at_best_val
+                            else None)
         self.results: dict[int, dict] = {}
         if first.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {first.metric!r}")
@@ -328,6 +355,7 @@ class _GroupTrainer:
         self.graphed, self.graph_failure = False, None
         self.compile = compile
         self._compiled: tuple[StackedLM, Callable] | None = None
+        self._labelled: dict[int, int] = {}
         if compile:
             import torch._dynamo as dynamo
             import torch._inductor.config as inductor_config
@@ -433,47 +461,73 @@ class _GroupTrainer:
             torch.cuda.synchronize()
         self.train_seconds += time.perf_counter() - started
 
+    def _eval_rows(self, seq_len: int) -> int:
+        """Examples of each model in one evaluation forward: at least the training batch, and
+        up to EVAL_TOKENS tokens a model; with "mad-macro", a multiple of its batch of
+        MAD_METRIC_BATCH examples, so no metric batch straddles two forwards."""
+        rows = max(self.batch_size, EVAL_TOKENS // max(1, seq_len))
+        if self.specs[0].metric == "mad-macro":
+            rows = max(MAD_METRIC_BATCH, rows // MAD_METRIC_BATCH * MAD_METRIC_BATCH)
+        return rows
+
+    def _labelled_per_example(self, split: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """The most labelled positions of any example of `split` (any seed), read once."""
+        key = id(split)
+        if key not in self._labelled:
+            self._labelled[key] = max(int((labels != IGNORE).sum(-1).max()) for _, labels in split)
+        return self._labelled[key]
+
     @torch.no_grad()
     def _scores(self, split: list[tuple[torch.Tensor, torch.Tensor]],
                 context: bool = False) -> tuple[list[float], list[float], list[float | None]]:
         """Accuracy (the runs' `metric`), mean cross-entropy over the labelled positions and,
         with `context`, the in-context value rate (None where the task defines no context
-        values) of every active model on its seed's `split`."""
+        values) of every active model on its seed's `split`.
+
+        The split goes through the models in forwards of `_eval_rows` examples; the sums
+        stay on the device and are read once at the end (the in-context values, computed on
+        the host, read each forward's tokens). "mad-macro" scores each batch of
+        MAD_METRIC_BATCH examples of a forward on its own, as MAD-lab's evaluation batches."""
         self.model.eval()
-        n = len(self.active)
+        n, device = len(self.active), self.device
         macro = self.specs[0].metric == "mad-macro"
-        batch = MAD_METRIC_BATCH if macro else self.batch_size
-        correct, total, hits = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-        loss_sum = torch.zeros(n, dtype=torch.float64)
-        macro_sum, examples = torch.zeros(n, dtype=torch.float64), 0
+        size, seq_len = split[0][0].shape
+        chunk = self._eval_rows(seq_len)
+        per_example = self._labelled_per_example(split)
+        correct = torch.zeros(n, dtype=torch.long, device=device)
+        total, hits = torch.zeros_like(correct), torch.zeros_like(correct)
+        loss_sum = torch.zeros(n, dtype=torch.float64, device=device)
+        macro_sum = torch.zeros(n, dtype=torch.float64, device=device)
         seeds = [self.seeds.index(self.specs[i].seed) for i in self.active]
         values_fn = self.task.context_values if context else None
-        for start in range(0, len(split[0][0]), batch):
-            tokens = torch.stack([split[s][0][start:start + batch] for s in seeds])
-            labels = torch.stack([split[s][1][start:start + batch] for s in seeds])
+        for start in range(0, size, chunk):
+            tokens = torch.stack([split[s][0][start:start + chunk] for s in seeds])
+            labels = torch.stack([split[s][1][start:start + chunk] for s in seeds])
             N, B, T = tokens.shape
             with self.autocast():
-                logits, targets, _, rows = self.model.labelled_logits(
-                    tokens, labels, int((labels != IGNORE).sum((1, 2)).max()))
+                logits, targets, _, rows = self.model.labelled_logits(tokens, labels,
+                                                                      B * per_example)
             predictions, valid = logits.argmax(-1), targets != IGNORE
-            correct += ((predictions == targets) & valid).sum(1).cpu()
-            total += valid.sum(1).cpu()
+            correct += ((predictions == targets) & valid).sum(1)
+            total += valid.sum(1)
             ce = F.cross_entropy(at_least_float32(logits).flatten(0, 1), targets.flatten(),
                                  ignore_index=IGNORE, reduction="none")
-            loss_sum += ce.view(N, -1).sum(1).double().cpu()
+            loss_sum += ce.view(N, -1).double().sum(1)
             if macro:
-                macro_sum += macro_accuracy(predictions, targets, self.vocab_size).cpu() * B
-                examples += B
+                macro_sum += _macro_by_batch(predictions, targets, rows, T, B, self.vocab_size)
             if values_fn is not None:
                 values = values_fn(tokens.reshape(N * B, T).cpu().numpy(), **self.params)
-                values = torch.as_tensor(np.asarray(values), device=tokens.device).view(N, B, -1)
-                hits += in_context_hits(predictions, valid, rows, values, T).cpu()
+                values = torch.as_tensor(np.asarray(values), device=device).view(N, B, -1)
+                hits += in_context_hits(predictions, valid, rows, values, T)
         self.model.train()
-        accuracy = (macro_sum / max(1, examples) if macro else correct / total.clamp_min(1)).tolist()
+        correct, total, hits, loss_sum, macro_sum = (
+            t.cpu() for t in (correct, total, hits, loss_sum, macro_sum))
+        accuracy = (macro_sum / max(1, size) if macro else
+                    correct.double() / total.clamp_min(1)).tolist()
         loss = (loss_sum / total.clamp_min(1).double()).tolist()
         if values_fn is None:
             return accuracy, loss, [None] * n
-        return accuracy, loss, (hits / total.clamp_min(1)).tolist()
+        return accuracy, loss, (hits.double() / total.clamp_min(1)).tolist()
 
     def _evaluate(self) -> None:
         accuracy, val_loss, _ = self._scores(self.data.val)
@@ -502,15 +556,37 @@ class _GroupTrainer:
 
     def _record_best(self, val_loss: list[float]) -> None:
         """For each active run whose validation loss is below every earlier one (strictly:
-        the first of equal evaluations is kept), its test accuracy now."""
+        the first of equal evaluations is kept), its parameters now (`best_params`, one row
+        per run), scored on test once, when the run stops (`_finish`)."""
         improved = [slot for slot, index in enumerate(self.active)
                     if val_loss[slot] < self.best.get(index, {}).get("val_loss", math.inf)]
         if not improved:
             return
-        test_accuracy, _, _ = self._scores(self.data.test)
-        for slot in improved:
-            self.best[self.active[slot]] = {"val_loss": val_loss[slot], "step": self.step,
-                                            "test_accuracy": test_accuracy[slot]}
+        runs = [self.active[slot] for slot in improved]
+        self.best_params.index_copy_(
+            0, torch.tensor(runs, device=self.device),
+            self.model.flat.index_select(0, torch.tensor(improved, device=self.device)))
+        for slot, index in zip(improved, runs):
+            self.best[index] = {"val_loss": val_loss[slot], "step": self.step}
+
+    def _test_at_best(self, index: int, slot: int, stack: StackedLM,
+                      test_accuracy: float) -> float | None:
+        """Run `index`'s test accuracy with its parameters of lowest validation loss (None
+        before any evaluation); `test_accuracy` (its test accuracy now) where that
+        evaluation is the latest, since a run stops right after an evaluation."""
+        best = self.best.get(index)
+        if best is None:
+            return None
+        if best["step"] == self.step:
+            return test_accuracy
+        active, self.active = self.active, [index]
+        self.model = stack.select([slot])
+        self.model.flat.copy_(self.best_params[index:index + 1])
+        try:
+            (accuracy,), _, _ = self._scores(self.data.test)
+        finally:
+            self.model, self.active = stack, active
+        return accuracy
 
     def _finish(self, index: int, early: bool, by_group: bool = False) -> None:
         """Score run `index` on test, once, and take it out of the stack (`by_group`: stopped
@@ -522,6 +598,7 @@ class _GroupTrainer:
             (test_accuracy,), _, (rate,) = self._scores(self.data.test, context=True)
         finally:
             self.model, self.active = stack, active
+        at_best = self._test_at_best(index, slot, stack, test_accuracy)
         spec, curve = self.specs[index], self.curves[index]
         best = self.best.get(index)
         self.results[index] = {
@@ -537,8 +614,7 @@ class _GroupTrainer:
             "final_train_loss": curve[-1]["loss"] if curve else None,
             "best_val_loss": None if best is None else round(best["val_loss"], 5),
             "best_val_loss_step": None if best is None else best["step"],
-            "test_accuracy_at_best_val_loss":
-                None if best is None else round(best["test_accuracy"], 5),
+            "test_accuracy_at_best_val_loss": None if at_best is None else round(at_best, 5),
             "n_params": self.n_params, "seq_len": int(self.data.train_x.shape[-1]),
             "curve": curve,
         }
@@ -559,6 +635,7 @@ class _GroupTrainer:
             "optimizer": {k: v.cpu() for k, v in self.optimizer.state().items()},
             "columns": self.columns.cpu(), "step": self.step, "last_eval": self.last_eval,
             "curves": self.curves, "best": self.best, "results": self.results,
+            "best_params": None if self.best_params is None else self.best_params.cpu(),
             "loss_sum": self.loss_sum.cpu(),
             "order_generators": [g.get_state() for g in self.order_generators],
             "order": self.order.cpu(), "batch_index": int(self.batch_index),
@@ -577,6 +654,8 @@ class _GroupTrainer:
             return  # a checkpoint of another plan: start over
         self.results, self.curves = state["results"], state["curves"]
         self.best = state.get("best", {})
+        if self.best_params is not None and state.get("best_params") is not None:
+            self.best_params.copy_(state["best_params"].to(self.device))
         self.active = list(range(len(self.specs)))
         self._keep([self.active.index(i) for i in state["active"]])
         self.model.flat.copy_(state["flat"].to(self.device))

@@ -514,6 +514,67 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
         assert a["best_val_loss_step"] == b["best_val_loss_step"]
 
 
+@pytest.mark.parametrize("metric", ["micro", "mad-macro"])
+def test_scores_do_not_depend_on_how_many_examples_one_evaluation_forward_holds(
+        monkeypatch, metric):
+    """300 test examples in one forward, and in forwards of the training batch (micro) or
+    of one metric batch of 128 (mad-macro, 128 + 128 + 44): the same scores, and each
+    evaluation reads the device once."""
+    import tasks.train as train
+
+    runs = group("linear-attn", lrs=(1e-2, 3e-3), seeds=(0, 1), metric=metric, num_test=300)
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(4)
+    forwards = []
+    original = StackedLM.labelled_logits
+
+    def counted(self, tokens, labels, max_rows):
+        forwards.append(tokens.shape[1])
+        return original(self, tokens, labels, max_rows)
+
+    monkeypatch.setattr(StackedLM, "labelled_logits", counted)
+    whole = trainer._scores(trainer.data.test, context=True)
+    assert forwards == [300]
+    forwards.clear()
+    monkeypatch.setattr(train, "EVAL_TOKENS", 1)
+    pieces = trainer._scores(trainer.data.test, context=True)
+    assert forwards == ([40] * 7 + [20] if metric == "micro" else [128, 128, 44])
+    assert all(rate is not None for rate in whole[2])  # MQAR has context values
+    for a, b in zip(whole, pieces):
+        assert a == pytest.approx(b, rel=1e-12)
+
+
+def test_the_test_split_is_scored_once_a_run_with_test_at_best_val(monkeypatch, tmp_path):
+    """test_at_best_val keeps each run's parameters of lowest validation loss and scores
+    them on test when the run stops (at most twice a run in all, not at every new low); a
+    group checkpointed after its runs' lows and resumed records the same scores."""
+    fields = dict(lrs=(3e-2, 1e-2), seeds=(0, 1), num_train=32, num_val=64, num_test=64,
+                  batch_size=16, epochs=12, test_at_best_val=True, **RECALL)
+    runs = group("linear-attn", **fields)
+    calls = []
+    original = _GroupTrainer._scores
+
+    def scores(self, split, context=False):
+        calls.append(split is self.data.test)
+        return original(self, split, context)
+
+    monkeypatch.setattr(_GroupTrainer, "_scores", scores)
+    whole = train_group(runs, build64, graphs=False)
+    assert 0 < sum(calls) <= 2 * len(runs)
+    lows = [r["best_val_loss_step"] for r in whole if r["best_val_loss_step"] < r["steps"]]
+    assert lows  # some run's lowest validation loss came before its last evaluation
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    while trainer.step < max(lows):
+        trainer.train_to(trainer.step + trainer.eval_every)
+        trainer._evaluate()
+    checkpoint = tmp_path / "group.pt"
+    trainer._save(checkpoint)
+    resumed = train_group(runs, build64, graphs=False, checkpoint=checkpoint)
+    for a, b in zip(resumed, whole):
+        assert a["test_accuracy_at_best_val_loss"] == b["test_accuracy_at_best_val_loss"]
+        assert a["best_val_loss_step"] == b["best_val_loss_step"]
+
+
 def _eager_and_compiled(runs):
     return [_GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None,
                           compile=compile) for compile in (False, True)]
