@@ -329,7 +329,7 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
     """Run the sweeps of a config file (default: the shipped cpu-smoke).
 
     CONFIG is a YAML file, or the name of a config shipped with hla-bench in
-    hla_bench/configs/ (cpu-smoke, cpu-short-forms, h200, h200-kernels, h200-decode,
+    configs/ (cpu-smoke, cpu-short-forms, h200, h200-kernels, h200-decode,
     h200-family), for example:
 
     \b

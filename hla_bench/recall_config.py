@@ -4,7 +4,7 @@ runs it plans.
 
 A config names the mixers, widths, learning rates, weight decays, seeds, the model (with
 per-mixer overrides in `mixer_model`), the training protocol and the task settings
-(hla_bench/configs/: recall-cpu, zoology-*, mad). A setting is `{task, params, train, model,
+(configs/: recall-cpu, zoology-*, mad). A setting is `{task, params, train, model,
 name}` (all but `task` optional); its label, which names it in the results and the report,
 is its `name`, else the task with its params and its `train` / `model` overrides
 (`setting_label`). Labels must differ between settings.
@@ -340,7 +340,7 @@ def load_config(path: str | None, overrides: dict) -> dict:
     if path:
         if not Path(path).read_text(encoding="utf-8", errors="replace").strip():
             raise ConfigError(f"{path} is empty: a recall config is a mapping of keys to "
-                              "values (hla_bench/configs/recall-cpu.yaml is one)")
+                              "values (configs/recall-cpu.yaml is one)")
         try:
             loaded = configs.read_yaml(path) or {}
         except yaml.YAMLError as error:

@@ -14,11 +14,11 @@ cell shows the mean over seeds with the sample standard deviation.
 Zoology view (`zoology_rows`): for a setting that is a panel of Zoology's Figure 2 (MQAR,
 vocab 8192, its sequence length and key-value pairs, zero fillers), the test-picked accuracy
 of each mixer by d_model (Zoology's own pick) beside the accuracies Zoology publishes there
-(hla_bench/configs/reference/zoology-fig2.yaml, read from its figure).
+(configs/reference/zoology-fig2.yaml, read from its figure).
 
 MAD score view (`mad_scores`): per task of the MAD suite, the mean over its settings of the
 cells' scores, val-picked and test-picked, beside MAD-lab's published scores
-(hla_bench/configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
+(configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def setting_markdown(setting: str, by_mixer: dict) -> str:
 
 
 def load_reference(path: str | Path) -> dict | None:
-    """Published scores (a file of hla_bench/configs/reference/), or None without the file."""
+    """Published scores (a file of configs/reference/), or None without the file."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except OSError:
@@ -320,7 +320,7 @@ def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, 
 def _zoology_caption(reference: dict) -> str:
     return ("test-picked accuracy by d_model (the best final test accuracy over the "
             "learning rates, as Zoology picks) beside Zoology's Figure 2, read from its "
-            f"figure (±{reference['precision']}; hla_bench/configs/reference/zoology-fig2.yaml); "
+            f"figure (±{reference['precision']}; configs/reference/zoology-fig2.yaml); "
             "-: not run, or a hidden marker")
 
 
@@ -346,7 +346,7 @@ def zoology_markdown(setting: str, d_models: list[int], rows: list[list[str]], r
 # --- the MAD score view ---------------------------------------------------------------------
 
 def load_mad_reference(path: str | Path = MAD_REFERENCE) -> dict | None:
-    """MAD-lab's published scores (hla_bench/configs/reference/mad-lab.yaml), or None without the file."""
+    """MAD-lab's published scores (configs/reference/mad-lab.yaml), or None without the file."""
     return load_reference(path)
 
 
@@ -417,9 +417,9 @@ def _mad_layout(scores: dict, reference: dict | None):
                + " or ".join(TEST_RULES[rule] for rule in sorted(rules))
                + "); (n/m): n of MAD-lab's m settings scored")
     if reference is None:
-        caption += "; MAD-lab's published scores: hla_bench/configs/reference/mad-lab.yaml not found"
+        caption += "; MAD-lab's published scores: configs/reference/mad-lab.yaml not found"
     elif not matches:
-        caption += ("; MAD-lab's published scores (hla_bench/configs/reference/mad-lab.yaml) are not shown: "
+        caption += ("; MAD-lab's published scores (configs/reference/mad-lab.yaml) are not shown: "
                     "no architecture it scored matches an hla-bench mixer")
     elif not any(m in {mixer for mixer, _ in scores} for m in matches.values()):
         caption += ("; MAD-lab's published scores: none of their architectures' hla-bench "

@@ -271,25 +271,33 @@ def test_shipped_configs_parse_name_registered_mixers_and_are_listed_in_run_help
             if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", help_text)] == []
 
 
-def test_shipped_configs_are_package_data_found_through_importlib_resources():
-    """What `pip install .` ships: the configs lie in the hla_bench.configs package (found
-    with importlib.resources, not from the checkout's layout), and pyproject's package-data
-    globs cover every file there."""
-    import importlib.resources
+def test_shipped_configs_are_the_checkouts_configs_folder_and_the_wheels_package_data():
+    """A checkout runs the repository's configs/; what `pip install .` ships is the same
+    folder as hla_bench/shipped_configs (pyproject's package-dir), whose package-data globs
+    cover every file there, and pyproject's package list is every package of the code."""
     from fnmatch import fnmatch
+
+    from setuptools import find_packages
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
 
+    root = Path(__file__).parents[1]
     folder = configs.folder()
-    assert folder == Path(str(importlib.resources.files("hla_bench.configs")))
+    assert folder == root / "configs" == configs.CHECKOUT
+    assert configs.INSTALLED.parent == Path(configs.__file__).parent
     assert configs.shipped("cpu-smoke") == folder / "cpu-smoke.yaml"
     assert configs.shipped("cpu-smoke.yaml").is_file()
     assert configs.reference("mad-lab.yaml").is_file()
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["hla_bench.configs"]
-    shipped = [p.relative_to(folder).as_posix() for p in folder.rglob("*")
-               if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
-    assert shipped and [f for f in shipped if not any(fnmatch(f, g) for g in globs)] == []
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = {"hla_bench.shipped_configs": "", "hla_bench.shipped_configs.reference": "reference/"}
+    assert setuptools["package-dir"] == {"hla_bench.shipped_configs": "configs"}
+    assert sorted(setuptools["packages"]) == sorted(
+        find_packages(str(root), include=["hla_bench*", "mixers*", "tasks*"]) + list(data))
+    globs = [prefix + glob for package, prefix in data.items()
+             for glob in setuptools["package-data"][package]]
+    files = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()]
+    assert files and [f for f in files if not any(fnmatch(f, g) and
+                                                  f.count("/") == g.count("/") for g in globs)] == []
 
 
 def test_config_argument_is_a_file_or_a_shipped_name(runner, tmp_path, monkeypatch):

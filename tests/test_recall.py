@@ -408,7 +408,7 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     assert entry["test"] == pytest.approx((0.95 + 0.5) / 2)  # MAD-lab's pick per setting
     assert entry["rule"] == "mad-lab" and (entry["settings"], entry["expected"]) == (2, 11)
     assert set(scores[("hla2", 128)]) == {"in_context_recall", "memorization"}
-    reference = yaml.safe_load((Path(__file__).parents[1] / "hla_bench" / "configs" / "reference" /
+    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
                                 "mad-lab.yaml").read_text())
     console = Console(record=True, width=250)
     console.print(mad_table(scores, reference))
@@ -485,7 +485,7 @@ def test_recall_tables_choose_the_setting_or_the_reference_views(tmp_path):
 
 
 def test_zoology_reference_is_consistent():
-    reference = yaml.safe_load((Path(__file__).parents[1] / "hla_bench" / "configs" / "reference" /
+    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
                                 "zoology-fig2.yaml").read_text())
     assert {"source", "metric", "precision", "settings", "scores",
             "architectures_in_hla_bench"} <= set(reference)
@@ -561,7 +561,7 @@ def test_configs_in_the_repository_are_valid():
     from hla_bench.training import plan_groups
 
     checked = []
-    for path in sorted(Path(__file__).parents[1].glob("hla_bench/configs/*.yaml")):
+    for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
         data = yaml.safe_load(path.read_text())
         if "settings" in data:  # a recall config
             config = load_config(str(path), {})

@@ -328,7 +328,7 @@ def test_mad_accuracy_is_torchmetrics_macro_accuracy():
 def test_mad_config_runs_mad_labs_protocol():
     from tasks.model import mad_swiglu_hidden
 
-    config = yaml.safe_load((ROOT / "hla_bench" / "configs" / "mad.yaml").read_text())
+    config = yaml.safe_load((ROOT / "configs" / "mad.yaml").read_text())
     # mad/configs.py: the 3 x 2 grid; benchmark.py: width 128, 2 x (sequence mixer, SwiGLU)
     assert tuple(config["lrs"]) == mad.MAD_LEARNING_RATES and config["d_model"] == [128]
     assert tuple(config["weight_decays"]) == mad.MAD_WEIGHT_DECAYS
@@ -363,7 +363,7 @@ def test_mad_config_runs_mad_labs_protocol():
 
 
 def test_mad_lab_reference_scores_are_consistent():
-    reference = yaml.safe_load((ROOT / "hla_bench" / "configs" / "reference" / "mad-lab.yaml").read_text())
+    reference = yaml.safe_load((ROOT / "configs" / "reference" / "mad-lab.yaml").read_text())
     assert {"source", "metric", "precision", "scores", "architectures_in_hla_bench"} <= set(reference)
     for architecture, scores in reference["scores"].items():
         assert set(scores) == set(mad.MAD_TASKS) | {"mean"}, architecture

@@ -1,5 +1,6 @@
-"""The configs shipped with hla-bench, found as package data (importlib.resources), so that
-an installed package runs them as a checkout does.
+"""The configs shipped with hla-bench: the repository's `configs/` folder, which a wheel
+carries as package data (`hla_bench/shipped_configs/`, pyproject's package-dir), so an
+installed package runs them as a checkout does.
 
 A CONFIG given to `hla-bench run` or `hla-bench recall --config` is a path to a YAML file,
 or the name of a shipped config (`h200-kernels` or `h200-kernels.yaml`); a file at that
@@ -9,18 +10,21 @@ configs.
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 DEFAULT = "cpu-smoke"
+# Where a wheel installs the configs, beside this module; in a checkout (an editable
+# install, or the repository on the path) they are the repository's configs/ folder.
+INSTALLED = Path(__file__).with_name("shipped_configs")
+CHECKOUT = Path(__file__).resolve().parents[1] / "configs"
 
 
 def folder() -> Path:
-    """The folder of the shipped configs (a plain folder: wheels install as files)."""
-    return Path(str(resources.files(__name__)))
+    """The folder of the shipped configs: the installed copy, else the checkout's."""
+    return INSTALLED if INSTALLED.is_dir() else CHECKOUT
 
 
 def names() -> list[str]:
