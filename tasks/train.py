@@ -569,38 +569,31 @@ class _GroupTrainer:
         for slot, index in zip(improved, runs):
             self.best[index] = {"val_loss": val_loss[slot], "step": self.step}
 
-    def _test_at_best(self, index: int, slot: int, stack: StackedLM,
-                      test_accuracy: float) -> float | None:
-        """Run `index`'s test accuracy with its parameters of lowest validation loss (None
-        before any evaluation); `test_accuracy` (its test accuracy now) where that
-        evaluation is the latest, since a run stops right after an evaluation."""
-        best = self.best.get(index)
-        if best is None:
-            return None
-        if best["step"] == self.step:
-            return test_accuracy
-        active, self.active = self.active, [index]
-        self.model = stack.select([slot])
-        self.model.flat.copy_(self.best_params[index:index + 1])
+    def _score_alone(self, slot: int, split: list[tuple[torch.Tensor, torch.Tensor]],
+                     context: bool = False, params: torch.Tensor | None = None):
+        """`_scores` of the active run at `slot` alone, with the `[1, P]` parameters `params`
+        in place of its own where given."""
+        stack, active = self.model, self.active
+        self.model, self.active = stack.select([slot]), [active[slot]]
+        if params is not None:
+            self.model.flat.copy_(params)
         try:
-            (accuracy,), _, _ = self._scores(self.data.test)
+            return self._scores(split, context)
         finally:
             self.model, self.active = stack, active
-        return accuracy
 
     def _finish(self, index: int, early: bool, by_group: bool = False) -> None:
         """Score run `index` on test, once, and take it out of the stack (`by_group`: stopped
-        by another run's early stop, `group_stop`)."""
+        by another run's early stop, `group_stop`). A run stops right after an evaluation:
+        where that evaluation had its lowest validation loss, its test accuracy there is the
+        one just scored."""
         slot = self.active.index(index)
-        stack, active = self.model, self.active
-        self.model, self.active = stack.select([slot]), [index]
-        try:
-            (test_accuracy,), _, (rate,) = self._scores(self.data.test, context=True)
-        finally:
-            self.model, self.active = stack, active
-        at_best = self._test_at_best(index, slot, stack, test_accuracy)
-        spec, curve = self.specs[index], self.curves[index]
+        (test_accuracy,), _, (rate,) = self._score_alone(slot, self.data.test, context=True)
         best = self.best.get(index)
+        at_best = (None if best is None else test_accuracy if best["step"] == self.step else
+                   self._score_alone(slot, self.data.test,
+                                     params=self.best_params[index:index + 1])[0][0])
+        spec, curve = self.specs[index], self.curves[index]
         self.results[index] = {
             **spec.as_dict(),
             "resolved": {"params": self.params, **self.sizes},
