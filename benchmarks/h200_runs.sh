@@ -25,6 +25,8 @@
 #   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
 #   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS (ONLY_TASKS=a,b: the
 #                 settings of those tasks only, recall --only-tasks)
+#                 recall and mad with LARGEST_FIRST=1: the costliest groups first
+#                 (recall --largest-first), for parts chained on one machine
 # The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
 # earlier cut-short call left, they continue it (`--resume`) instead of starting over, and
 # stop themselves before TIME_LIMIT seconds (default 540, counted from the script's start,
@@ -117,6 +119,7 @@ recall|mad)
     args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - SECONDS - 60))"
           $(resumed "$name" "$scratch"))
     [[ -n ${ONLY_TASKS:-} ]] && args+=(--only-tasks "$ONLY_TASKS")
+    [[ -n ${LARGEST_FIRST:-} ]] && args+=(--largest-first)
     (while sleep 30; do [[ -f "$scratch/$name" ]] && cp "$scratch/$name" "$out/$name.part" &&
         mv "$out/$name.part" "$out/$name"; done) &
     copier=$!

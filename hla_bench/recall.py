@@ -289,12 +289,18 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "Dask cluster (a local one, one worker per GPU or CPU slot, without --scheduler).")
 @click.option("--scheduler", metavar="ADDRESS", help="An existing Dask scheduler "
               "(tcp://host:8786) for --executor dask.")
+@click.option("--largest-first", "largest_first", is_flag=True, help="Start the widest, "
+              "longest groups first (default: the cheapest first, so a sweep cut at "
+              "--time-limit has finished the most runs). For a sweep continued in parts on one "
+              "machine, where a cut group resumes from its checkpoint: its longest groups "
+              "then have every part.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (runs, groups and the most "
               "training steps per task setting and width; with --resume, of the runs the "
               "--out file lacks) and exit: nothing is trained or written, and a config's "
               "CUDA device need not be visible.")
 def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, extra_params, out,
-           resume, overwrite, time_limit, plots_dir, executor, scheduler, dry_run, **options):
+           resume, overwrite, time_limit, plots_dir, executor, scheduler, largest_first,
+           dry_run, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
     d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
@@ -398,10 +404,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                 store.add(failed_result(spec, "unavailable", reason))
             else:
                 runnable.append(spec)
-        # cheapest first (width x length), so a sweep cut at --time-limit has finished the most
-        groups = sorted(plan_groups(runnable, config["max_group"]),
-                        key=lambda g: g[0]["d_model"] * tasks.get(g[0]["task"]).resolve_params(
-                            g[0]["params"])["seq_len"])
+        groups = order_groups(plan_groups(runnable, config["max_group"]), largest_first)
         console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({len(runnable)} to train in "
                       f"{len(groups)} groups) on {device}, {workers} worker(s)")
         gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
@@ -458,6 +461,16 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
     console.print(f"results written to {escape(str(store.path))}")
     if not complete:
         console.print("[yellow]stopped at --time-limit[/]: rerun with --resume to continue")
+
+
+def order_groups(groups: list[list[dict]], largest_first: bool = False) -> list[list[dict]]:
+    """The order groups start in: by width x sequence length, the cheapest first (or with
+    `largest_first` the costliest first); groups of one size keep the plan's order."""
+    def size(group: list[dict]) -> int:
+        spec = group[0]
+        return spec["d_model"] * tasks.get(spec["task"]).resolve_params(spec["params"])["seq_len"]
+
+    return sorted(groups, key=lambda group: -size(group) if largest_first else size(group))
 
 
 def _flops(flops: int) -> str:

@@ -892,6 +892,35 @@ def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_pat
     assert sorted(r["d_model"] for r in yaml.safe_load(out.read_text())["runs"]) == [16, 16, 32, 32]
 
 
+@pytest.mark.parametrize("flag, widths", [([], [16, 32, 64]), (["--largest-first"], [64, 32, 16])])
+def test_groups_start_cheapest_first_or_with_largest_first_costliest_first(tmp_path, monkeypatch,
+                                                                           flag, widths):
+    from hla_bench import recall as recall_command
+
+    started = []
+
+    def record(groups, workers, on_event, on_group, **options):
+        started.extend(group[0]["d_model"] for group in groups)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recall_command, "run_groups", record)
+    result = CliRunner().invoke(main, recall_args(tmp_path, "--d-model", "32,64,16", *flag))
+    assert result.exit_code == 130 and started == widths, result.output
+
+
+def test_order_groups_by_width_times_length_keeps_the_plan_order_of_a_size():
+    from hla_bench.recall import order_groups
+
+    def group(d_model, seq_len, tag):
+        return [{"d_model": d_model, "task": "mqar", "tag": tag,
+                 "params": {"seq_len": seq_len, "num_kv_pairs": 4, "vocab_size": 64}}]
+
+    groups = [group(64, 64, "a"), group(32, 256, "b"), group(128, 32, "c"), group(16, 64, "d")]
+    tags = lambda ordered: [g[0]["tag"] for g in ordered]  # noqa: E731
+    assert tags(order_groups(groups)) == ["d", "a", "c", "b"]
+    assert tags(order_groups(groups, largest_first=True)) == ["b", "a", "c", "d"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("settings: [{task: mqar, params: 5}]", "params must be a mapping of task parameters"),
     ("settings: [{task: 5}]", "task must be a task name, got 5"),
