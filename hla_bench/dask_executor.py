@@ -75,23 +75,28 @@ def scheduler_problem(address: str, timeout: float = 5.0) -> str | None:
     return None
 
 
-def worker_specs(gpus: int, cpu_workers: int, threads: int = 1) -> dict[str, dict]:
-    """One Nanny-supervised worker per GPU (that GPU alone visible, resource GPU=1), or
-    `cpu_workers` CPU workers when there is no GPU."""
+def worker_specs(gpus: int, workers: int, threads: int = 1) -> dict[str, dict]:
+    """`workers` Nanny-supervised workers of one thread. With GPUs they are spread over them
+    round-robin: worker k sees GPU k % gpus alone and holds the resource GPU=1, so each runs
+    one GPU task at a time and workers of one GPU share it (side by side under CUDA MPS).
+    Without, they are CPU workers of `threads` OpenMP threads each."""
     distributed = _distributed()
+    count = max(1, workers)
     if gpus:
-        return {f"gpu-{index}": {"cls": distributed.Nanny, "options": {
-                    "nthreads": 1, "resources": {"GPU": 1},
-                    "env": {"CUDA_VISIBLE_DEVICES": str(index)}}}
-                for index in range(gpus)}
+        return {f"gpu-{k % gpus}" + (f"-{k // gpus}" if count > gpus else ""): {
+                    "cls": distributed.Nanny, "options": {
+                        "nthreads": 1, "resources": {"GPU": 1},
+                        "env": {"CUDA_VISIBLE_DEVICES": str(k % gpus)}}}
+                for k in range(count)}
     return {f"cpu-{index}": {"cls": distributed.Nanny, "options": {
                 "nthreads": 1, "env": {"OMP_NUM_THREADS": str(threads)}}}
-            for index in range(max(1, cpu_workers))}
+            for index in range(count)}
 
 
-def connect(scheduler: str | None, *, gpus: int, cpu_workers: int):
-    """A client of the scheduler at `scheduler`, or of a new local cluster (see
-    `worker_specs`); close it with `.close()` (a local cluster is closed with it)."""
+def connect(scheduler: str | None, *, gpus: int, workers: int):
+    """A client of the scheduler at `scheduler`, or of a new local cluster of `workers`
+    workers over `gpus` GPUs, or on the CPU without (see `worker_specs`); close it with
+    `.close()` (a local cluster is closed with it)."""
     distributed = _distributed()
     import dask
 
@@ -102,10 +107,10 @@ def connect(scheduler: str | None, *, gpus: int, cpu_workers: int):
                      "distributed.worker.daemon": False})  # workers start their own processes
     if scheduler:
         return distributed.Client(scheduler, timeout="30s")
-    threads = max(1, (os.cpu_count() or 1) // max(1, cpu_workers))
+    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
     cluster = distributed.SpecCluster(
         scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": None}},
-        workers=worker_specs(gpus, cpu_workers, threads), asynchronous=False)
+        workers=worker_specs(gpus, workers, threads), asynchronous=False)
     client = distributed.Client(cluster)
     client.wait_for_workers(len(cluster.workers), timeout=120)
     original_close = client.close
@@ -200,8 +205,10 @@ def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
     distributed = _distributed()
     groups = point_groups(sweeps)
     cuda = any(str(sweep.resolved_device()).startswith("cuda") for sweep in sweeps)
-    client = connect(scheduler, gpus=cuda_device_count() if cuda else 0,
-                     cpu_workers=min(len(groups), max(1, (os.cpu_count() or 2) // 2)))
+    # timings do not share a GPU: one worker per GPU
+    gpus = cuda_device_count() if cuda else 0
+    client = connect(scheduler, gpus=gpus,
+                     workers=gpus or min(len(groups), max(1, (os.cpu_count() or 2) // 2)))
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     records: dict = {}
     try:

@@ -443,7 +443,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             from hla_bench.dask_executor import connect, cuda_device_count, describe
 
             client = connect(scheduler, gpus=cuda_device_count() if device.startswith("cuda") else 0,
-                             cpu_workers=workers)
+                             workers=workers)
             store.update_header({"executor": describe(client)}, write=False)
             console.print(f"dask: {describe(client)['workers']} worker(s) at "
                           f"{describe(client)['scheduler']}", highlight=False)

@@ -73,7 +73,7 @@ def always_dies(group, options):
 
 @pytest.mark.parametrize("task,status", [(dies_once, "ok"), (always_dies, "crashed")])
 def test_a_task_whose_worker_dies_runs_once_more_then_is_recorded(tmp_path, task, status):
-    client = dask_executor.connect(None, gpus=0, cpu_workers=2)
+    client = dask_executor.connect(None, gpus=0, workers=2)
     try:
         groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(3)]
         finished = []
@@ -88,6 +88,31 @@ def test_a_task_whose_worker_dies_runs_once_more_then_is_recorded(tmp_path, task
     assert by_id[0]["status"] == status
     if status == "crashed":
         assert "KilledWorker" in by_id[0]["error"]
+
+
+@pytest.mark.parametrize("gpus, workers, visible", [
+    (2, 4, ["0", "1", "0", "1"]), (8, 8, [str(g) for g in range(8)]), (1, 4, ["0"] * 4)])
+def test_a_local_clusters_gpu_workers_are_spread_over_the_gpus(gpus, workers, visible):
+    """As the local executor's workers_per_gpu: several workers may share a GPU (under CUDA
+    MPS their kernels run side by side); each sees its GPU alone and runs one task at a time."""
+    specs = dask_executor.worker_specs(gpus, workers)
+    assert len(set(specs)) == workers
+    assert [spec["options"]["env"]["CUDA_VISIBLE_DEVICES"] for spec in specs.values()] == visible
+    assert all(spec["options"]["resources"] == {"GPU": 1} and spec["options"]["nthreads"] == 1
+               for spec in specs.values())
+
+
+def test_a_recall_sweep_asks_the_local_cluster_for_its_workers(tmp_path, monkeypatch):
+    asked = {}
+
+    def connect(scheduler, *, gpus, workers):
+        asked.update(gpus=gpus, workers=workers)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dask_executor, "connect", connect)
+    result = CliRunner().invoke(main, SWEEP + ["--executor", "dask", "--workers", "3",
+                                               "--out", str(tmp_path / "o.yaml")])
+    assert result.exit_code == 130 and asked == {"gpus": 0, "workers": 3}, result.output
 
 
 def test_executor_flags_are_checked_before_work(tmp_path, monkeypatch):
