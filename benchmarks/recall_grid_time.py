@@ -3,8 +3,8 @@ runs, the model steps they trained, the seconds of their groups (each group's lo
 its set-up and compiling included) and the model steps per group-second; in all, the
 sweep's own seconds (its wall time, the parts of a resumed sweep summed): on one GPU, the
 grid's GPU time; and per part (each invocation that wrote the file, `parts`), its GPU,
-seconds and runs. A file from before parts were recorded counts as one part on its
-`environment.gpu`.
+seconds, runs and how busy it kept each GPU (`gpu_use`, where recorded). A file from before
+parts were recorded counts as one part on its `environment.gpu`.
 
     python benchmarks/recall_grid_time.py results/h200-2026-12-05/zoology-fig2.yaml \
         [--yaml out.yaml]
@@ -44,7 +44,7 @@ def grid_time(data: dict) -> dict:
             cell["model_steps"] / cell["group_seconds"], 1) if cell["group_seconds"] else None
     seconds = float(data.get("seconds") or 0.0)
     steps = sum(cell["model_steps"] for cell in rows)
-    parts = [{key: part.get(key) for key in ("utc_time", "gpu", "seconds", "runs")}
+    parts = [{key: part.get(key) for key in ("utc_time", "gpu", "seconds", "runs", "gpu_use")}
              for part in previous_parts(data, len(data["runs"]))]
     return {"gpu": data.get("environment", {}).get("gpu"),
             "gpus": sorted({str(part["gpu"]) for part in parts}), "parts": parts,
@@ -54,6 +54,17 @@ def grid_time(data: dict) -> dict:
             "model_steps": steps,
             "model_steps_per_second": round(steps / seconds, 1) if seconds else None,
             "cells": rows}
+
+
+def gpu_use_text(gpu_use) -> str:
+    """A part's GPU utilisation (hla_bench.gpu_use) in words, or nothing where unrecorded."""
+    if not gpu_use:
+        return ""
+    if isinstance(gpu_use, dict):
+        return f"; GPU use not sampled: {gpu_use.get('unavailable')}"
+    return "; GPU use " + ", ".join(
+        f"{gpu['index']}: {gpu['utilization_mean']}% mean, {gpu['utilization_median']}% median, "
+        f"{gpu['memory_used_max_mib']:,.0f} MiB at most" for gpu in gpu_use)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['sweep_minutes']} min of sweep time, {summary['model_steps']:,} model "
           f"steps, {summary['model_steps_per_second']} a second"
           + ("" if summary["complete"] else " (incomplete)"))
-    if len(summary["parts"]) > 1:
-        for part in summary["parts"]:
-            print(f"  part from {part['utc_time']} on {part['gpu']}: {part['seconds']} s, "
-                  f"{part['runs']} runs")
+    parts = summary["parts"]
+    for part in parts if len(parts) > 1 or (parts and parts[0]["gpu_use"]) else []:
+        print(f"  part from {part['utc_time']} on {part['gpu']}: {part['seconds']} s, "
+              f"{part['runs']} runs{gpu_use_text(part['gpu_use'])}")
     for cell in summary["cells"]:
         print(f"  {cell['setting']}  d_model {cell['d_model']}: {cell['runs']} runs in "
               f"{cell['groups']} groups, {cell['model_steps']:,} model steps, "

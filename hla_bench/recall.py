@@ -21,6 +21,7 @@ from rich.table import Table
 
 import tasks
 from hla_bench import configs, registry
+from hla_bench.gpu_use import GpuUse
 from hla_bench.plots import plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
@@ -421,11 +422,14 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         earlier_parts = previous_parts(store.previous_header, len(finished))
         deadline = time.time() + time_limit if time_limit else None
         trained = [0]  # runs this part trained (finished or failed)
+        gpu_use: list[GpuUse] = []  # sampling this host's GPUs while the groups train
 
         def timed() -> dict:
             """The header's seconds (every part's) and parts (this one's so far appended)."""
             seconds = round(time.perf_counter() - started, 1)
             part = part_record(store.header["environment"], seconds, trained[0])
+            if gpu_use:
+                part["gpu_use"] = gpu_use[0].summary()
             return {"seconds": round(previous_seconds + seconds, 1),
                     "parts": earlier_parts + [part]}
 
@@ -448,6 +452,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             console.print(f"dask: {describe(client)['workers']} worker(s) at "
                           f"{describe(client)['scheduler']}", highlight=False)
         try:
+            if device.startswith("cuda") and groups and not scheduler:
+                gpu_use.append(GpuUse())  # not a --scheduler's workers: they are elsewhere
             complete = run_with_progress(
                 groups, min(workers, max(1, len(groups))), console, on_results, client=client,
                 deadline=deadline, checkpoint_dir=f"{store.path}.checkpoints",
@@ -455,6 +461,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         finally:
             if client is not None:
                 client.close()
+            for sampler in gpu_use:
+                sampler.stop()
         store.update_header(timed(), write=False)
         data = store.close(complete=complete)
     render_recall(data, console, plots_dir=plots_dir)

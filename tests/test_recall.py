@@ -1213,7 +1213,17 @@ def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tm
                            str(path)], capture_output=True, text=True, cwd=root,
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0 and "runs ok on GPU, other GPU" in done.stdout, done.stderr
-    assert "part from t1 on other GPU: 30.0 s, 2 runs" in done.stdout
+    assert "part from t1 on other GPU: 30.0 s, 2 runs\n" in done.stdout
+    data["parts"][0]["gpu_use"] = [{"index": 0, "samples": 30, "utilization_mean": 81.5,
+                                    "utilization_median": 90.0, "memory_used_max_mib": 20480.0}]
+    data["parts"][1]["gpu_use"] = {"unavailable": "nvidia-smi not found"}
+    path.write_text(yaml.safe_dump(data))
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "recall_grid_time.py"),
+                           str(path)], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert ("part from t0 on GPU: 60.0 s, 3 runs; GPU use 0: 81.5% mean, 90.0% median, "
+            "20,480 MiB at most\n") in done.stdout, done.stdout
+    assert "2 runs; GPU use not sampled: nvidia-smi not found\n" in done.stdout
     refused = subprocess.run([sys.executable, str(root / "benchmarks" / "recall_grid_time.py"),
                               str(root / "results" / "h100-2026-12-05" / "h200-a.yaml")],
                              capture_output=True, text=True, cwd=root,
