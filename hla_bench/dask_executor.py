@@ -6,9 +6,10 @@ of one sweep, measured in a fresh process on its worker). Every finished task co
 the client, which stores its records at once, as the local executor does, so `--resume`
 works across executors.
 
-Without `--scheduler` a local cluster is started: one worker per GPU, each seeing only its
-GPU (`CUDA_VISIBLE_DEVICES`), or one worker per CPU slot. GPU tasks ask for the resource
-`GPU: 1`, so a worker runs one at a time. A worker that dies loses only its task: the
+Without `--scheduler` a local cluster is started: for a recall sweep its workers (the
+config's `workers_per_gpu` a GPU) spread over the GPUs, for a bench sweep one worker per
+GPU, each worker seeing only its GPU (`CUDA_VISIBLE_DEVICES`); without a GPU, one worker
+per CPU slot. GPU tasks ask for the resource `GPU: 1`, so a worker runs one at a time. A worker that dies loses only its task: the
 scheduler runs it once more elsewhere and then gives up, and the task's runs or points are
 recorded as `crashed`.
 

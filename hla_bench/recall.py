@@ -287,7 +287,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.option("--plots-dir", type=click.Path(file_okay=False), help="Also write plots here.")
 @click.option("--executor", type=click.Choice(["local", "dask"]), default="local",
               show_default=True, help="local: worker processes on this host; dask: tasks on a "
-              "Dask cluster (a local one, one worker per GPU or CPU slot, without --scheduler).")
+              "Dask cluster (without --scheduler a local one of --workers workers, spread over "
+              "the GPUs, or CPU workers without one).")
 @click.option("--scheduler", metavar="ADDRESS", help="An existing Dask scheduler "
               "(tcp://host:8786) for --executor dask.")
 @click.option("--largest-first", "largest_first", is_flag=True, help="Start the widest, "
