@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
           f"steps, {summary['model_steps_per_second']} a second"
           + ("" if summary["complete"] else " (incomplete)"))
     parts = summary["parts"]
-    for part in parts if len(parts) > 1 or (parts and parts[0]["gpu_use"]) else []:
-        print(f"  part from {part['utc_time']} on {part['gpu']}: {part['seconds']} s, "
-              f"{part['runs']} runs{gpu_use_text(part['gpu_use'])}")
+    if len(parts) > 1 or any(part["gpu_use"] for part in parts):
+        for part in parts:
+            print(f"  part from {part['utc_time']} on {part['gpu']}: {part['seconds']} s, "
+                  f"{part['runs']} runs{gpu_use_text(part['gpu_use'])}")
     for cell in summary["cells"]:
         print(f"  {cell['setting']}  d_model {cell['d_model']}: {cell['runs']} runs in "
               f"{cell['groups']} groups, {cell['model_steps']:,} model steps, "
