@@ -9,9 +9,9 @@ works across executors.
 Without `--scheduler` a local cluster is started: for a recall sweep its workers (the
 config's `workers_per_gpu` a GPU) spread over the GPUs, for a bench sweep one worker per
 GPU, each worker seeing only its GPU (`CUDA_VISIBLE_DEVICES`); without a GPU, one worker
-per CPU slot. GPU tasks ask for the resource `GPU: 1`, so a worker runs one at a time. A worker that dies loses only its task: the
-scheduler runs it once more elsewhere and then gives up, and the task's runs or points are
-recorded as `crashed`.
+per CPU slot. GPU tasks ask for the resource `GPU: 1`, so a worker runs one at a time. A
+worker that dies loses only its task: the scheduler runs it once more elsewhere and then
+gives up, and the task's runs or points are recorded as `crashed`.
 
 `dask[distributed]` is an optional extra (`pip install "hla-bench[dask]"`).
 """

@@ -423,14 +423,14 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         earlier_parts = previous_parts(store.previous_header, len(finished))
         deadline = time.time() + time_limit if time_limit else None
         trained = [0]  # runs this part trained (finished or failed)
-        gpu_use: list[GpuUse] = []  # sampling this host's GPUs while the groups train
+        gpu_use: GpuUse | None = None  # sampling this host's GPUs while the groups train
 
         def timed() -> dict:
             """The header's seconds (every part's) and parts (this one's so far appended)."""
             seconds = round(time.perf_counter() - started, 1)
             part = part_record(store.header["environment"], seconds, trained[0])
-            if gpu_use:
-                part["gpu_use"] = gpu_use[0].summary()
+            if gpu_use is not None:
+                part["gpu_use"] = gpu_use.summary()
             return {"seconds": round(previous_seconds + seconds, 1),
                     "parts": earlier_parts + [part]}
 
@@ -454,7 +454,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                           f"{describe(client)['scheduler']}", highlight=False)
         try:
             if device.startswith("cuda") and groups and not scheduler:
-                gpu_use.append(GpuUse())  # not a --scheduler's workers: they are elsewhere
+                gpu_use = GpuUse()  # not a --scheduler's workers: they are elsewhere
             complete = run_with_progress(
                 groups, min(workers, max(1, len(groups))), console, on_results, client=client,
                 deadline=deadline, checkpoint_dir=f"{store.path}.checkpoints",
@@ -462,8 +462,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         finally:
             if client is not None:
                 client.close()
-            for sampler in gpu_use:
-                sampler.stop()
+            if gpu_use is not None:
+                gpu_use.stop()
         store.update_header(timed(), write=False)
         data = store.close(complete=complete)
     render_recall(data, console, plots_dir=plots_dir)
