@@ -337,7 +337,8 @@ class _GroupTrainer:
         self.batch_index = torch.zeros((), dtype=torch.long, device=self.device)
         self.global_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.loss_sum = torch.zeros(len(specs), device=self.device, dtype=dtype)
-        self.order = torch.arange(num_train, device=self.device).expand(len(self.seeds), -1)
+        # [S, num_train]: row s, the batch order of seed s's epoch; rewritten in place
+        self.order = torch.arange(num_train, device=self.device).repeat(len(self.seeds), 1)
         self.order_generators = [torch.Generator().manual_seed(seed) for seed in self.seeds]
         self.step, self.last_eval = 0, 0
         self.curves: list[list[dict]] = [[] for _ in specs]
@@ -400,7 +401,7 @@ class _GroupTrainer:
         if self.specs[0].shuffle:
             orders = [torch.randperm(self.sizes["num_train"], generator=g)
                       for g in self.order_generators]
-            self.order = torch.stack(orders).to(self.device)
+            self.order.copy_(torch.stack(orders))  # in place: a captured step reads this tensor
         self.batch_index.zero_()
 
     def _keep(self, keep: list[int]) -> None:
@@ -658,7 +659,7 @@ class _GroupTrainer:
         self.loss_sum = state["loss_sum"].to(self.device)
         for generator, saved in zip(self.order_generators, state["order_generators"]):
             generator.set_state(saved)
-        self.order = state["order"].to(self.device)
+        self.order.copy_(state["order"])
         self.batch_index.fill_(state["batch_index"])
         self.global_step.fill_(self.step)
         torch.set_rng_state(state["rng"])

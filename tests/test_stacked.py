@@ -136,6 +136,38 @@ def test_training_stacked_equals_training_each_alone(mixer, schedule, shuffle):
         assert losses[n].item() == pytest.approx(sum(alone), rel=1e-9)
 
 
+def test_a_step_captured_once_trains_as_each_run_alone_across_shuffled_epochs(monkeypatch):
+    """A CUDA graph replays the tensors it captured, not the trainer's attributes of the
+    moment: the step here is bound to the trainer's tensors once, after its eager warm-up
+    steps, as a capture binds their memory, and replayed from them. With a new batch order
+    every epoch, training still equals each run alone (the order is rewritten in place)."""
+    import types
+
+    import tasks.train as train
+
+    def frozen_call(step):
+        if step.eager_steps < step.WARM_STEPS:
+            step.eager_steps += 1
+            return step.run()
+        if step.graph is None:   # "capture": the trainer's tensors as they are now
+            live = step.trainer
+            step.graph = types.SimpleNamespace(**vars(live), losses=live.losses,
+                                               autocast=live.autocast)
+            step.trainer = step.graph
+        step.run()
+
+    monkeypatch.setattr(train._Step, "__call__", frozen_call)
+    runs = group("linear-attn", shuffle=True, epochs=4)
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    steps = 10  # 3 batches an epoch: the third step captures, then three new orders
+    trainer.train_to(steps)
+    losses = trainer.loss_sum.clone()
+    for n, run in enumerate(runs):
+        model, alone = train_alone(run, steps)
+        assert_same_params(trainer.model, n, model)
+        assert losses[n].item() == pytest.approx(sum(alone), rel=1e-9)
+
+
 def test_a_run_leaving_the_stack_does_not_change_the_others():
     runs = group("linear-attn")
     trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
