@@ -141,7 +141,7 @@ def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[i
     """`hla_bench.training.run_groups` on a Dask cluster: every group is one `task`;
     results reach `on_results` as each task finishes. Returns False when the deadline left
     work."""
-    from hla_bench.training import failed_result
+    from hla_bench.training import CudaFault, failed_result
 
     distributed = _distributed()
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
@@ -166,9 +166,22 @@ def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[i
         if results is None:
             complete = False
             continue
+        if isinstance(results, CudaFault):
+            _restart_worker_of(client, future)
         # report the planned device, not the worker's view of it
         on_results([{**result, "device": spec["device"]} for result, spec in zip(results, group)])
     return complete
+
+
+def _restart_worker_of(client, future) -> None:
+    """Restart the worker that computed `future`: it returned a CUDA fault, after which its
+    process cannot use the GPU (a task given to it meanwhile is run again elsewhere)."""
+    try:
+        holders = client.who_has([future]).get(future.key, ())
+        if holders:
+            client.restart_workers(list(holders), raise_for_error=False)
+    except Exception:  # noqa: BLE001 - a worker already gone needs no restart
+        pass
 
 
 def _measure_points(sweep: dict, previous: list[dict]) -> list[dict]:

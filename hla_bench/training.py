@@ -8,7 +8,10 @@ so the caller can store it at once. A group that runs out of memory beside other
 waits for them: it goes back to the head of the queue and the pool starts no more groups
 at once than were still running (memory, not the worker count, then bounds the groups on
 a GPU). Out of memory with no other group running splits the group in two and retries;
-any other failure is recorded on each of its runs.
+any other failure is recorded on each of its runs. A CUDA fault (a device-side assert, an
+illegal address) leaves its process unable to use the GPU again and, under CUDA MPS, may
+break the groups running beside it: the worker is replaced, and a group that faulted beside
+others runs again alone before the fault is recorded as its own.
 """
 
 from __future__ import annotations
@@ -170,6 +173,25 @@ def failed_result(spec: dict, status: str, message: str) -> dict:
 RETRY_WITH_FEWER = "out of memory beside other groups: retry with fewer at once"
 
 
+# What run_group returns for a group whose CUDA context broke while other groups may have
+# been running beside it (under MPS one client's fault can end the others'): the caller runs
+# it again alone, in a fresh worker, to learn whether the fault is its own.
+RETRY_ALONE = "CUDA fault beside other groups: retry alone"
+
+
+class CudaFault(list):
+    """A group's failed results after a CUDA fault of its own: its process can no longer use
+    the GPU, so the caller replaces the worker that returns it."""
+
+
+def is_cuda_fault(error: BaseException) -> bool:
+    """Whether `error` is a CUDA error other than running out of memory (a device-side assert,
+    an illegal address, a launch failure); most leave the CUDA context unusable."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return not is_oom(error) and (isinstance(error, accelerator_error)
+                                  or "CUDA error" in str(error))
+
+
 def is_oom(error: BaseException) -> bool:
     """Whether `error` says memory ran out (CUDA's allocator, cuBLAS's handle, the host)."""
     text = str(error)
@@ -180,11 +202,13 @@ def is_oom(error: BaseException) -> bool:
 
 def run_group(group: list[dict], progress: Callable[[dict], None], *,
               deadline: float | None = None, checkpoint_dir: str | None = None,
-              graphs: bool = True, compile: bool = False,
-              shared: bool = False) -> list[dict] | str | None:
+              graphs: bool = True, compile: bool = False, shared: bool = False,
+              isolated: bool = True) -> list[dict] | str | None:
     """Train one group; returns its results, or None when stopped at the deadline (its
     checkpoint holds the state). Out of memory: with `shared` (other groups were running
-    when it started) RETRY_WITH_FEWER, else the group splits in two and retries."""
+    when it started) RETRY_WITH_FEWER, else the group splits in two and retries. A CUDA
+    fault: RETRY_ALONE unless `isolated` (no other group ran beside it), else its failed
+    results as a CudaFault."""
     checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
     try:
         results = train_group(group, build_model, progress=progress, graphs=graphs,
@@ -204,9 +228,14 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
             return None if any(part is None for part in parts) else parts[0] + parts[1]
         if not oom:
             traceback.print_exc()
+        fault = is_cuda_fault(error)
+        if fault and not isolated:
+            return RETRY_ALONE
         status = "oom" if oom else "error"
         message = str(error).splitlines()[0] if oom else f"{type(error).__name__}: {error}"
         results = [failed_result(spec, status, message) for spec in group]
+        if fault:
+            results = CudaFault(results)
     finally:
         _release_memory()
     first = group[0]  # the runs of a group share the mixer, its options and the shapes
@@ -221,7 +250,10 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
 
 def _release_memory() -> None:
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - a CUDA fault breaks this too; the caller knows
+            pass
 
 
 # --- worker processes ----------------------------------------------------------------
@@ -260,7 +292,11 @@ def run_groups(groups: list[list[dict]], workers: int,
     STOP_GRACE_S seconds after the deadline if they have not returned by then. A group that
     runs out of memory beside others goes back to the head of the queue, and from then on
     at most as many groups run at once as were still running (`on_event` gets a "retry"
-    event naming that number)."""
+    event naming that number). A CUDA fault retires the pool once its running groups are
+    back (a new one takes the rest); a group that faulted beside others goes back to the
+    head of the queue and runs alone (a "retry" event with `alone`). In this process, a
+    CUDA fault ends the sweep (False): the process cannot use the GPU again, and --resume
+    continues in a fresh one."""
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
                "compile": compile}
     complete = True
@@ -273,7 +309,9 @@ def run_groups(groups: list[list[dict]], workers: int,
             if results is None:
                 complete = False
             else:
-                on_results(results)
+                on_results(list(results))
+                if isinstance(results, CudaFault):
+                    return False
         return complete
 
     import multiprocessing
@@ -282,21 +320,36 @@ def run_groups(groups: list[list[dict]], workers: int,
     threads = max(1, (os.cpu_count() or 1) // workers)
     # A plain queue inherited by the workers (no manager process to outlive the sweep).
     events = context.Queue()
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                             initargs=(threads, os.getpid(), events)) as pool:
+
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
+                                   initargs=(threads, os.getpid(), events))
+
+    pool = new_pool()
+    try:
         todo = list(groups)
         pending: dict = {}
         killed = False
         at_once = workers  # lowered when a group runs out of memory beside others
+        alone: set[int] = set()  # id() of groups that run with no other group beside them
+        retiring = False  # a worker of the pool faulted: start nothing more in this pool
         while todo or pending:
-            while todo and len(pending) < at_once:
+            while todo and len(pending) < at_once and not retiring:
                 if deadline is not None and time.time() > deadline:
                     complete, todo = False, []
                     break
+                if pending and (id(todo[0]) in alone
+                                or any(id(g) in alone for g in pending.values())):
+                    break
                 group = todo.pop(0)
-                beside_others = {**options, "shared": bool(pending)}
+                isolated = not pending and (at_once == 1 or id(group) in alone)
+                beside_others = {**options, "shared": bool(pending), "isolated": isolated}
                 pending[pool.submit(_worker, group, beside_others)] = group
             if not pending:
+                if retiring and todo:
+                    _retire(pool)
+                    pool, retiring = new_pool(), False
+                    continue
                 break
             if (deadline is not None and not killed
                     and time.time() > deadline + STOP_GRACE_S):
@@ -310,22 +363,46 @@ def run_groups(groups: list[list[dict]], workers: int,
             _drain(events, on_event)
             for future in done:
                 group = pending.pop(future)
+                ids = [spec["run_id"] for spec in group]
                 try:
                     results = future.result()
                 except BrokenProcessPool as error:
                     results = None if killed else [failed_result(spec, "crashed", str(error))
                                                    for spec in group]
-                if results == RETRY_WITH_FEWER:
+                except Exception as error:  # noqa: BLE001 - a result that could not come back
+                    results = [failed_result(spec, "crashed", f"{type(error).__name__}: {error}")
+                               for spec in group]
+                if isinstance(results, str) and results == RETRY_WITH_FEWER:
                     todo.insert(0, group)
                     at_once = max(1, min(at_once - 1, len(pending)))
-                    on_event([spec["run_id"] for spec in group],
-                             {"event": "retry", "at_once": at_once})
+                    on_event(ids, {"event": "retry", "at_once": at_once})
+                elif isinstance(results, str) and results == RETRY_ALONE:
+                    retiring = True
+                    todo.insert(0, group)
+                    alone.add(id(group))
+                    on_event(ids, {"event": "retry", "at_once": 1, "alone": True})
                 elif results is None:
                     complete = False
                 else:
-                    on_results(results)
+                    retiring = retiring or isinstance(results, CudaFault)
+                    on_results(list(results))
         _drain(events, on_event)
+    finally:
+        _retire(pool)
     return complete
+
+
+def _retire(pool: ProcessPoolExecutor) -> None:
+    """Shut `pool` down; a worker not gone within seconds (a broken CUDA context can hang
+    its exit) is killed."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.time() + 10.0
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.time()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _drain(events, notify) -> None:

@@ -90,6 +90,37 @@ def test_a_task_whose_worker_dies_runs_once_more_then_is_recorded(tmp_path, task
         assert "KilledWorker" in by_id[0]["error"]
 
 
+def faults_on_group_0(group, options):
+    """Group 0 returns a CUDA fault; every result names the process that computed it."""
+    import time
+
+    from hla_bench.training import CudaFault, failed_result
+
+    time.sleep(0.2)
+    if group[0]["run_id"] == 0:
+        return CudaFault([{**failed_result(spec, "error", "CUDA error: device-side assert"),
+                           "pid": os.getpid()} for spec in group])
+    return [{**spec, "status": "ok", "pid": os.getpid()} for spec in group]
+
+
+def test_the_worker_that_returns_a_cuda_fault_is_restarted(tmp_path):
+    client = dask_executor.connect(None, gpus=0, workers=2)
+    try:
+        groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(4)]
+        finished = []
+        complete = dask_executor.run_groups_dask(client, groups, lambda ids, event: None,
+                                                 finished.extend, checkpoint_dir=str(tmp_path),
+                                                 task=faults_on_group_0)
+        alive = set(client.run(os.getpid).values())
+    finally:
+        client.close()
+    by_id = {r["run_id"]: r for r in finished}
+    assert complete and sorted(by_id) == [0, 1, 2, 3]
+    assert by_id[0]["status"] == "error" and "device-side assert" in by_id[0]["error"]
+    assert all(by_id[i]["status"] == "ok" for i in (1, 2, 3))
+    assert by_id[0]["pid"] not in alive
+
+
 @pytest.mark.parametrize("gpus, workers, visible", [
     (2, 4, ["0", "1", "0", "1"]), (8, 8, [str(g) for g in range(8)]), (1, 4, ["0"] * 4)])
 def test_a_local_clusters_gpu_workers_are_spread_over_the_gpus(gpus, workers, visible):

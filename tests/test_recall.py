@@ -306,6 +306,70 @@ def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
     assert [r["run_id"] for r in results] == [0, 1, 2]
 
 
+def test_a_cuda_fault_reruns_its_group_alone_and_retires_the_worker_that_faulted(monkeypatch):
+    """A group whose kernels fault beside others is queued again and runs alone; its fault,
+    once alone, is recorded on its runs, and no group starts afterwards in the process that
+    faulted (its CUDA context is broken). Every other group finishes."""
+    import pool_workers
+    from hla_bench import training
+
+    monkeypatch.setattr(training, "_worker", pool_workers.cuda_fault)
+    groups = [[tiny_spec(mixer=mixer, run_id=i)]
+              for i, mixer in enumerate(["good", "bad", "good", "good", "good"])]
+    finished, retries = [], []
+    complete = run_groups(groups, 3, lambda ids, event: retries.append((ids, event))
+                          if event["event"] == "retry" else None, finished.extend)
+    assert complete and sorted(r["run_id"] for r in finished) == [0, 1, 2, 3, 4]
+    assert retries == [([1], {"event": "retry", "at_once": 1, "alone": True})]
+    (fault,) = [r for r in finished if r["mixer"] == "bad"]
+    assert fault["status"] == "error" and "device-side assert" in fault["error"]
+    assert fault["isolated"]
+    assert all(r["status"] == "ok" for r in finished if r["mixer"] == "good")
+    later = [r for r in finished if r["started"] > fault["started"]]
+    assert later and all(r["pid"] != fault["pid"] for r in later)
+
+
+def test_run_group_tells_a_cuda_fault_beside_others_from_its_own(monkeypatch):
+    """run_group: a CUDA error other than out of memory returns RETRY_ALONE when other groups
+    may have run beside it, else the failed runs as a CudaFault; releasing memory after it,
+    which fails too on a broken context, does not hide the result."""
+    from hla_bench import training
+
+    def fault(group, *args, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def broken_context():
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(training, "train_group", fault)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", broken_context)
+    group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 3e-3))]
+    assert training.run_group(group, lambda event: None, isolated=False) == training.RETRY_ALONE
+    results = training.run_group(group, lambda event: None)
+    assert isinstance(results, training.CudaFault)
+    assert [r["status"] for r in results] == ["error"] * 2
+    assert all("device-side assert" in r["error"] for r in results)
+    assert not training.is_cuda_fault(RuntimeError("CUDA out of memory. Tried to allocate"))
+
+
+def test_a_cuda_fault_in_the_sweeps_own_process_ends_the_sweep(monkeypatch):
+    """With one worker (this process) a CUDA fault is recorded and the sweep stops there,
+    incomplete: the process cannot use the GPU again; --resume goes on in a fresh one."""
+    from hla_bench import training
+
+    def fault(group, progress, **options):
+        if group[0]["mixer"] == "bad":
+            return training.CudaFault([training.failed_result(group[0], "error", "CUDA error")])
+        return [{**group[0], "status": "ok"}]
+
+    monkeypatch.setattr(training, "run_group", fault)
+    groups = [[tiny_spec(mixer=mixer, run_id=i)] for i, mixer in enumerate(["good", "bad", "good"])]
+    finished = []
+    assert not run_groups(groups, 1, lambda ids, event: None, finished.extend)
+    assert [(r["run_id"], r["status"]) for r in finished] == [(0, "ok"), (1, "error")]
+
+
 def test_a_worker_that_does_not_stop_at_the_deadline_is_killed_after_the_grace(monkeypatch):
     """A group still busy past deadline + STOP_GRACE_S (here: generating 3 million
     sequences, which looks at no clock) loses its process; the sweep reports itself
