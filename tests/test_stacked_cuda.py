@@ -22,16 +22,17 @@ def group(mixer, d_model=64, **changes):
             for i, (lr, seed) in enumerate([(1e-4, 0), (3e-4, 1), (1e-3, 0)])]
 
 
-def assert_replay_equals_the_eager_step(mixer: str, compile: bool) -> None:
+def assert_replay_equals_the_eager_step(mixer: str, compile: bool, steps: int = 8,
+                                        **changes) -> None:
     reason = registry.get(mixer).unavailable_reason()
     if reason:
         pytest.skip(reason)
     options = {"dropout": 0.0} if mixer == "sdpa" else {}
-    runs = group(mixer, mixer_options=options)
+    runs = group(mixer, mixer_options=options, **changes)
     eager = _GroupTrainer(runs, build_model, graphs=False, progress=None)
     graphed = _GroupTrainer(runs, build_model, graphs=True, progress=None, compile=compile)
-    eager.train_to(8)
-    graphed.train_to(8)
+    eager.train_to(steps)
+    graphed.train_to(steps)
     assert graphed.graphed and graphed.graph_failure is None, graphed.graph_failure
     # bf16 rounding differs between kernels picked in and out of capture, and AdamW turns a
     # tiny gradient into a step of about lr: compare losses and the parameters' norm.
@@ -43,6 +44,14 @@ def assert_replay_equals_the_eager_step(mixer: str, compile: bool) -> None:
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_graph_replay_equals_the_eager_step(mixer):
     assert_replay_equals_the_eager_step(mixer, compile=False)
+
+
+@pytest.mark.parametrize("mixer", ["linear-attn", "hla2"])
+def test_graph_replay_follows_a_new_batch_order_every_epoch(mixer):
+    """MAD's sweeps shuffle: the captured step reads each epoch's order (2 steps an epoch,
+    five epochs, four new orders after the capture)."""
+    assert_replay_equals_the_eager_step(mixer, compile=False, steps=10, shuffle=True,
+                                        num_train=256, epochs=5)
 
 
 def test_a_run_leaving_the_stack_is_recaptured():
