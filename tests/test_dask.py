@@ -71,18 +71,25 @@ def always_dies(group, options):
     return [{**spec, "status": "ok"} for spec in group]
 
 
-@pytest.mark.parametrize("task,status", [(dies_once, "ok"), (always_dies, "crashed")])
-def test_a_task_whose_worker_dies_runs_once_more_then_is_recorded(tmp_path, task, status):
+def run_stand_in_groups(tmp_path, task, count: int, after=lambda client: None):
+    """`count` one-run groups through `task` on a local cluster of 2 CPU workers: whether the
+    sweep completed, the results by run id and what `after(client)` says before it closes."""
     client = dask_executor.connect(None, gpus=0, workers=2)
     try:
-        groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(3)]
+        groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(count)]
         finished = []
         complete = dask_executor.run_groups_dask(client, groups, lambda ids, event: None,
                                                  finished.extend, checkpoint_dir=str(tmp_path),
                                                  task=task)
+        seen = after(client)
     finally:
         client.close()
-    by_id = {r["run_id"]: r for r in finished}
+    return complete, {r["run_id"]: r for r in finished}, seen
+
+
+@pytest.mark.parametrize("task,status", [(dies_once, "ok"), (always_dies, "crashed")])
+def test_a_task_whose_worker_dies_runs_once_more_then_is_recorded(tmp_path, task, status):
+    complete, by_id, _ = run_stand_in_groups(tmp_path, task, 3)
     assert complete and sorted(by_id) == [0, 1, 2]
     assert by_id[1]["status"] == by_id[2]["status"] == "ok"  # the others lost nothing
     assert by_id[0]["status"] == status
@@ -104,17 +111,8 @@ def faults_on_group_0(group, options):
 
 
 def test_the_worker_that_returns_a_cuda_fault_is_restarted(tmp_path):
-    client = dask_executor.connect(None, gpus=0, workers=2)
-    try:
-        groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(4)]
-        finished = []
-        complete = dask_executor.run_groups_dask(client, groups, lambda ids, event: None,
-                                                 finished.extend, checkpoint_dir=str(tmp_path),
-                                                 task=faults_on_group_0)
-        alive = set(client.run(os.getpid).values())
-    finally:
-        client.close()
-    by_id = {r["run_id"]: r for r in finished}
+    complete, by_id, alive = run_stand_in_groups(
+        tmp_path, faults_on_group_0, 4, after=lambda client: set(client.run(os.getpid).values()))
     assert complete and sorted(by_id) == [0, 1, 2, 3]
     assert by_id[0]["status"] == "error" and "device-side assert" in by_id[0]["error"]
     assert all(by_id[i]["status"] == "ok" for i in (1, 2, 3))

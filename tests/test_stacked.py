@@ -126,8 +126,13 @@ def test_swiglu_and_last_state_readout_stack():
     ("mamba2-ssd", "constant", True), ("based", "epoch-cosine", True)])
 def test_training_stacked_equals_training_each_alone(mixer, schedule, shuffle):
     runs = group(mixer, schedule=schedule, shuffle=shuffle, epochs=3)
+    assert_trains_as_each_alone(runs, 7)  # past an epoch boundary (3 batches: 40, 40, 16 rows)
+
+
+def assert_trains_as_each_alone(runs: list[dict], steps: int) -> None:
+    """`steps` steps of the runs stacked leave each run's parameters and summed loss as
+    training it alone does."""
     trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
-    steps = 7  # past an epoch boundary (3 batches an epoch: 40, 40, 16 rows)
     trainer.train_to(steps)
     losses = trainer.loss_sum.clone()
     for n, run in enumerate(runs):
@@ -157,15 +162,8 @@ def test_a_step_captured_once_trains_as_each_run_alone_across_shuffled_epochs(mo
         step.run()
 
     monkeypatch.setattr(train._Step, "__call__", frozen_call)
-    runs = group("linear-attn", shuffle=True, epochs=4)
-    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
-    steps = 10  # 3 batches an epoch: the third step captures, then three new orders
-    trainer.train_to(steps)
-    losses = trainer.loss_sum.clone()
-    for n, run in enumerate(runs):
-        model, alone = train_alone(run, steps)
-        assert_same_params(trainer.model, n, model)
-        assert losses[n].item() == pytest.approx(sum(alone), rel=1e-9)
+    # 3 batches an epoch: the third step captures, then three new orders
+    assert_trains_as_each_alone(group("linear-attn", shuffle=True, epochs=4), 10)
 
 
 def test_a_run_leaving_the_stack_does_not_change_the_others():
