@@ -372,11 +372,11 @@ def run_groups(groups: list[list[dict]], workers: int,
                 except Exception as error:  # noqa: BLE001 - a result that could not come back
                     results = [failed_result(spec, "crashed", f"{type(error).__name__}: {error}")
                                for spec in group]
-                if isinstance(results, str) and results == RETRY_WITH_FEWER:
+                if results == RETRY_WITH_FEWER:
                     todo.insert(0, group)
                     at_once = max(1, min(at_once - 1, len(pending)))
                     on_event(ids, {"event": "retry", "at_once": at_once})
-                elif isinstance(results, str) and results == RETRY_ALONE:
+                elif results == RETRY_ALONE:
                     retiring = True
                     todo.insert(0, group)
                     alone.add(id(group))
