@@ -18,7 +18,8 @@ of each mixer by d_model (Zoology's own pick) beside the accuracies Zoology publ
 
 MAD score view (`mad_scores`): per task of the MAD suite, the mean over its settings of the
 cells' scores, val-picked and test-picked, beside MAD-lab's published scores
-(configs/reference/mad-lab.yaml) for the architectures it maps to an hla-bench mixer.
+(configs/reference/mad-lab.yaml): under its mixer where the file maps an architecture to one,
+after every mixer otherwise.
 """
 
 from __future__ import annotations
@@ -410,7 +411,14 @@ def _mad_layout(scores: dict, reference: dict | None):
                           else "-" for task in shown]
                 if complete:
                     values.append(f"{published[architecture].get('mean', float('nan')):.3f}")
-                rows.append([f"MAD-lab: {architecture}", "128", *values])
+                rows.append([f"MAD-lab: {architecture} (= {mixer})", "128", *values])
+    # the architectures hla-bench has no mixer for, after every mixer: the published range
+    # its mixers' scores fall beside, as Zoology's view shows Zoology's other architectures
+    for architecture, values in published.items():
+        if architecture not in matches:
+            rows.append([f"MAD-lab: {architecture}", "128",
+                         *(f"{values[task]:.3f}" if task in values else "-" for task in shown),
+                         *([f"{values.get('mean', float('nan')):.3f}"] if complete else [])])
     rules = {entry["rule"] for by_task in scores.values() for entry in by_task.values()}
     caption = ("per task, the mean over its settings of each setting's best run; a cell is "
                "val-picked / test-picked (test-picked: "
@@ -418,14 +426,14 @@ def _mad_layout(scores: dict, reference: dict | None):
                + "); (n/m): n of MAD-lab's m settings scored")
     if reference is None:
         caption += "; MAD-lab's published scores: configs/reference/mad-lab.yaml not found"
-    elif not matches:
-        caption += ("; MAD-lab's published scores (configs/reference/mad-lab.yaml) are not shown: "
-                    "no architecture it scored matches an hla-bench mixer")
-    elif not any(m in {mixer for mixer, _ in scores} for m in matches.values()):
-        caption += ("; MAD-lab's published scores: none of their architectures' hla-bench "
-                    f"mixers ({', '.join(sorted(set(matches.values())))}) ran here")
-    else:
-        caption += "; MAD-lab rows: its published scores (read from its figure)"
+    elif published:
+        caption += ("; MAD-lab rows: its published scores, a task's mean over all its settings "
+                    "(configs/reference/mad-lab.yaml, read from its figure); "
+                    + ("(= MIXER) marks the hla-bench mixer of the same architecture"
+                       if matches else "none of its architectures is an hla-bench mixer"))
+        absent = sorted(set(matches.values()) - {mixer for mixer, _ in scores})
+        if absent:
+            caption += f"; not run here: {', '.join(absent)}"
     return shown + (["mean"] if complete else []), rows, caption
 
 

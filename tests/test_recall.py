@@ -478,14 +478,20 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     console.print(mad_table(scores, reference))
     text = " ".join(console.export_text().split())
     assert "0.600 / 0.725 (2/11)" in text and "0.300 / 0.300 (1/6)" in text
-    assert "no architecture it scored matches an hla-bench mixer" in text
-    # a mapped architecture gets its published row under its mixer
+    assert "none of its architectures is an hla-bench mixer" in text
+    # an unmapped architecture's published row comes after every mixer, for its tasks shown
+    lines = mad_markdown(scores, reference).splitlines()
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert rows[0].startswith("| hla2 |")
+    assert "| MAD-lab: Hyena + SwiGLU | 128 | 0.818 | 0.895 |" in rows
+    assert all(row.startswith("| MAD-lab: ") for row in rows[1:])
+    # a mapped architecture gets its published row right under its mixer
     mapped = {**reference, "architectures_in_hla_bench": {"Hyena + SwiGLU": "hla2"}}
-    markdown = mad_markdown(scores, mapped)
-    assert "| MAD-lab: Hyena + SwiGLU | 128 | 0.818 | 0.895 |" in markdown
-    assert "its published scores" in markdown
+    rows = [line for line in mad_markdown(scores, mapped).splitlines() if line.startswith("| ")]
+    assert rows[3] == "| MAD-lab: Hyena + SwiGLU (= hla2) | 128 | 0.818 | 0.895 |", rows
+    assert "(= MIXER) marks the hla-bench mixer" in mad_markdown(scores, mapped)
     absent = {**reference, "architectures_in_hla_bench": {"Hyena + SwiGLU": "sdpa"}}
-    assert "mixers (sdpa) ran here" in mad_markdown(scores, absent)
+    assert "not run here: sdpa" in mad_markdown(scores, absent)
 
 
 def zoology_run(seq_len=64, kv=4, mixer="sdpa", d_model=64, **fields):
@@ -1085,7 +1091,7 @@ def test_mad_config_smoke_on_the_cpu_through_the_cli(tmp_path):
     assert {r["group_size"] for r in runs} == {6}  # the grid of a mixer trains as one stack
     text = " ".join(result.output.split())
     assert "MAD scores" in text and "(1/11)" in text and "as MAD-lab" in text
-    assert "no architecture it scored matches an hla-bench mixer" in text
+    assert "MAD-lab: Hyena + SwiGLU" in text and "none of its architectures is an hla-bench mixer" in text
 
 
 def test_dry_run_prints_the_plan_and_trains_and_writes_nothing(tmp_path):
