@@ -24,6 +24,7 @@ after every mixer otherwise.
 
 from __future__ import annotations
 
+import math
 import statistics
 import textwrap
 from pathlib import Path
@@ -476,22 +477,31 @@ def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dic
     return curves
 
 
+PLOT_COLUMNS = 4  # panels per row of a recall plot (a MAD suite has 66 settings)
+
+
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                 published: dict | None = None) -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
-    and against d_model, one panel per setting, one point per (mixer, d_model); on the
+    and against d_model, one panel per setting (PLOT_COLUMNS to a row), one point per
+    (mixer, d_model), one legend naming every mixer of any panel; on the
     d_model panels, `published` curves ({setting: {label: {d_model: accuracy}}}, Zoology's
     Figure 2) dashed in grey."""
     plt, plots_dir = pyplot_for(plots_dir, fmt)
     settings = list(summary)
     colors = mixer_colors(sorted({m for by_mixer in summary.values() for m in by_mixer}))
+    columns = min(len(settings), PLOT_COLUMNS)
+    rows = math.ceil(len(settings) / columns)
     paths = []
     for name, x_key, x_label in (("recall_accuracy_vs_state", "state_bytes",
                                   "recurrent state per sequence, all layers (bytes)"),
                                  ("recall_accuracy_vs_d_model", "d_model", "d_model")):
-        figure, axes = plt.subplots(1, len(settings), figsize=(4.8 * len(settings), 4.0),
+        figure, axes = plt.subplots(rows, columns, figsize=(4.8 * columns, 4.0 * rows),
                                     squeeze=False, sharey=True)
-        for axis, setting in zip(axes[0], settings):
+        panels = list(axes.flat)
+        for axis in panels[len(settings):]:
+            axis.set_visible(False)
+        for axis, setting in zip(panels, settings):
             for mixer, cells in summary[setting].items():
                 points = []
                 for d_model, cell in cells.items():
@@ -512,8 +522,14 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
             axis.set_xscale("log", base=2)
             axis.set_ylim(-0.02, 1.02)
             axis.grid(alpha=0.3)
-        axes[0][0].set_ylabel("test accuracy (lr chosen on validation)")
-        axes[0][-1].legend(fontsize=7)
+        for row in axes:
+            row[0].set_ylabel("test accuracy (lr chosen on validation)")
+        # one legend for every panel: a mixer may have points in some settings only
+        entries = {}
+        for axis in panels:
+            for handle, label in zip(*axis.get_legend_handles_labels()):
+                entries.setdefault(label, handle)
+        panels[len(settings) - 1].legend(entries.values(), entries.keys(), fontsize=7)
         paths.append(save_figure(figure, plots_dir / f"{name}.{fmt}", dpi=120))
     return paths
 

@@ -494,6 +494,26 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     assert "not run here: sdpa" in mad_markdown(scores, absent)
 
 
+def test_recall_plots_wrap_their_panels_and_name_every_mixer_in_one_legend(tmp_path, monkeypatch):
+    """Five settings take two rows of four panels (three left blank); a mixer run in the
+    first setting only still has its legend entry, which sits on the last panel."""
+    from hla_bench import recall_report
+
+    figures = []
+    monkeypatch.setattr(recall_report, "save_figure",
+                        lambda figure, path, dpi: figures.append(figure) or path)
+    runs = [run(setting=f"s{i}", mixer="only-first" if i == 0 else "everywhere", lr=1e-3,
+                val_accuracy=0.9, test_accuracy=0.8, state_bytes=1024) for i in range(5)]
+    recall_report.plot_recall(summarize(runs), tmp_path)
+    assert len(figures) == 2
+    for figure in figures:
+        panels = figure.axes
+        assert len(panels) == 8 and [p.get_visible() for p in panels] == [True] * 5 + [False] * 3
+        assert panels[0].get_legend() is None
+        legend = panels[4].get_legend()
+        assert sorted(text.get_text() for text in legend.get_texts()) == ["everywhere", "only-first"]
+
+
 def zoology_run(seq_len=64, kv=4, mixer="sdpa", d_model=64, **fields):
     params = {"vocab_size": 8192, "seq_len": seq_len, "num_kv_pairs": kv,
               "random_non_queries": False}
