@@ -19,6 +19,9 @@
 #                 d_model 128 and 512, every mixer through impl=auto (the Triton kernels)
 #   step-parallel the same with Based, linear attention and the HLA ops through their
 #                 parallel forms (impl=parallel)
+#   step-mad      the MAD suite's step (recall_throughput.py --config mad, under CUDA MPS) at
+#                 in-context recall's baseline and memorization at vocab 8192: every mixer's
+#                 groups stacked all at once (aggregate rate), then each alone (profile)
 #   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
 #                 (the pair whose `report --compare` is the method's noise floor), and so on
 #                 to bench-z
@@ -42,9 +45,9 @@ out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 previous=${3:-}
 limit=${TIME_LIMIT:-540}
 case "$stage" in
-kernels|layers|step-auto|step-parallel|bench-[a-z]|recall|mad) ;;
+kernels|layers|step-auto|step-parallel|step-mad|bench-[a-z]|recall|mad) ;;
 *)
-    echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, bench-a ..." \
+    echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, step-mad, bench-a ..." \
         "bench-z, recall, mad)" >&2
     exit 2
     ;;
@@ -105,6 +108,13 @@ step-auto|step-parallel)
     python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 256:128,256:512 \
         --mixers "$mixers" --modes profile --compile "${options[@]}" \
         --out "$out/recall-$stage.yaml" 2>&1 | tee "$log"
+    ;;
+step-mad)
+    mps
+    python3 benchmarks/recall_throughput.py --config mad --num-train 12800 \
+        --cells "in_context_recall:128,memorization vocab_size=8192:128" \
+        --mixers sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule \
+        --modes stacked,profile --out "$out/recall-step-mad.yaml" 2>&1 | tee "$log"
     ;;
 bench-[a-z])
     name="h200-${stage#bench-}.yaml"

@@ -13,6 +13,9 @@ once all have warmed up). Writes one YAML with both rates per cell and their rat
     python benchmarks/recall_throughput.py --config zoology-smoke \
         --cells 64:64,256:128 --steps 150 --out throughput.yaml
 
+A cell names its setting by sequence length where that names one (Zoology's panels), else by
+its label (`--config mad --cells "in_context_recall vocab_size=32:128"`).
+
 `--option MIXER.KEY=VALUE` sets a layer option of the config's mixer (`hla2.impl=parallel`
 trains hla2 through its parallel form), so two runs of the benchmark compare two ways of
 computing the same mixer.
@@ -165,12 +168,47 @@ def _pool(function, items, workers: int, *args) -> list[dict]:
             return list(pool.map(function, items, *([a] * len(items) for a in args)))
 
 
+def seq_len_of(spec: dict) -> int:
+    """A run's sequence length: its task's default where its setting leaves it out."""
+    import tasks
+
+    return tasks.get(spec["task"]).resolve_params(spec["params"])["seq_len"]
+
+
+def cell_runs(specs: list[dict], cell: str) -> list[dict]:
+    """The runs of one `--cells` entry, `SETTING:D_MODEL`: SETTING is a sequence length,
+    which must name one setting of the config (Zoology's panels differ in it), or a
+    setting's label as the results name it (`in_context_recall vocab_size=32`: a MAD
+    config has many settings of one length)."""
+    key, sep, width = cell.rpartition(":")
+    if not (sep and key.strip() and width.strip().isdigit()):
+        raise ValueError(f"{cell!r} is not SETTING:D_MODEL (a seq_len or a setting's label)")
+    d_model, key = int(width), key.strip()
+    if key.isdigit():
+        chosen = [s for s in specs if seq_len_of(s) == int(key)]
+        settings = list(dict.fromkeys(s["setting"] for s in chosen))
+        if len(settings) > 1:
+            raise ValueError(f"seq_len {key} names {len(settings)} settings of the config; "
+                             f"give one's label instead: {'; '.join(settings)}")
+    else:
+        chosen = [s for s in specs if s["setting"] == key]
+        if not chosen:
+            labels = list(dict.fromkeys(s["setting"] for s in specs))
+            raise ValueError(f"no setting of the config is labelled {key!r}; its settings: "
+                             f"{'; '.join(labels)}")
+    runs = [s for s in chosen if s["d_model"] == d_model]
+    if not runs:
+        raise ValueError(f"no runs of the config at {key}, d_model {d_model}")
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True,
                         help="a recall config: a YAML file or a shipped config's name")
     parser.add_argument("--cells", required=True,
-                        help="seq_len:d_model,... (each seq_len names a setting of the config)")
+                        help="SETTING:D_MODEL,... with SETTING a seq_len that names one setting "
+                             "of the config, or a setting's label (in_context_recall:128)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--num-train", type=int, default=20_000,
                         help="training examples generated per seed (throughput does not "
@@ -242,13 +280,15 @@ def main() -> None:
               "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
               "mixer_options": config["mixer_options"], "cells": []}
     for cell in args.cells.split(","):
-        seq_len, d_model = (int(v) for v in cell.split(":"))
-        runs = [{**s, "num_train": args.num_train,
-                 "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"] / args.num_train) + 1}
-                for s in specs if s["params"]["seq_len"] == seq_len and s["d_model"] == d_model]
-        if not runs:
-            raise SystemExit(f"no runs of the config at seq_len {seq_len}, d_model {d_model}")
+        try:
+            runs = [{**s, "num_train": args.num_train,
+                     "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"]
+                                         / args.num_train) + 1}
+                    for s in cell_runs(specs, cell)]
+        except ValueError as error:
+            raise SystemExit(f"error: --cells: {error}") from None
         groups = plan_groups(runs, config["max_group"])
+        seq_len, d_model = seq_len_of(runs[0]), runs[0]["d_model"]
         entry = {"seq_len": seq_len, "d_model": d_model, "setting": runs[0]["setting"],
                  "batch_size": runs[0]["batch_size"], "runs": len(runs), "groups": len(groups)}
         try:

@@ -1265,6 +1265,29 @@ def test_checking_a_plan_leaves_no_meta_tensor_in_any_cache():
     assert layer(torch.randn(1, 8, 48)).device.type == "cpu"
 
 
+def test_recall_throughput_cells_name_a_setting_by_its_length_or_its_label():
+    """benchmarks/recall_throughput.py --cells: a length picks Zoology's panel; in a MAD
+    config, where many settings share a length, a length is refused naming them and a
+    label picks one."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "recall_throughput.py"
+    spec = importlib.util.spec_from_file_location("recall_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    zoology = plan_runs(load_config(str(configs.find("zoology-fig2")), {}), "cpu")
+    runs = module.cell_runs(zoology, "256:128")
+    assert len(runs) == 9 * 4 and {r["params"]["seq_len"] for r in runs} == {256}
+    mad = plan_runs(load_config(str(configs.find("mad")), {}), "cpu")
+    runs = module.cell_runs(mad, "in_context_recall vocab_size=32:128")
+    assert len(runs) == 9 * 6 and {r["setting"] for r in runs} == {"in_context_recall vocab_size=32"}
+    for cell, message in (("128:128", "names 28 settings"), ("in_context:128", "no setting"),
+                          ("in_context_recall:64", "no runs"), ("128", "not SETTING:D_MODEL"),
+                          ("128:x", "not SETTING:D_MODEL")):
+        with pytest.raises(ValueError, match=message):
+            module.cell_runs(mad, cell)
+
+
 def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tmp_path):
     """benchmarks/recall_grid_time.py: a group's seconds are its longest run's, a cell's the
     sum over its groups; failed runs count in `runs` only; the total is the file's seconds."""
