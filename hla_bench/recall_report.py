@@ -388,6 +388,12 @@ def _mad_layout(scores: dict, reference: dict | None):
     complete = len(shown) == len(MAD_TASKS)
     matches = dict((reference or {}).get("architectures_in_hla_bench") or {})
     published = (reference or {}).get("scores") or {}
+
+    def published_cells(values: dict) -> list[str]:
+        """An architecture's published scores in the view's columns."""
+        return ([f"{values[task]:.3f}" if task in values else "-" for task in shown]
+                + ([f"{values.get('mean', math.nan):.3f}"] if complete else []))
+
     rows = []
     for (mixer, d_model), by_task in scores.items():
         texts = []
@@ -408,18 +414,13 @@ def _mad_layout(scores: dict, reference: dict | None):
         rows.append([mixer, str(d_model), *texts])
         for architecture, matched in matches.items():
             if matched == mixer and architecture in published:
-                values = [f"{published[architecture][task]:.3f}" if task in published[architecture]
-                          else "-" for task in shown]
-                if complete:
-                    values.append(f"{published[architecture].get('mean', float('nan')):.3f}")
-                rows.append([f"MAD-lab: {architecture} (= {mixer})", "128", *values])
+                rows.append([f"MAD-lab: {architecture} (= {mixer})", "128",
+                             *published_cells(published[architecture])])
     # the architectures hla-bench has no mixer for, after every mixer: the published range
     # its mixers' scores fall beside, as Zoology's view shows Zoology's other architectures
     for architecture, values in published.items():
         if architecture not in matches:
-            rows.append([f"MAD-lab: {architecture}", "128",
-                         *(f"{values[task]:.3f}" if task in values else "-" for task in shown),
-                         *([f"{values.get('mean', float('nan')):.3f}"] if complete else [])])
+            rows.append([f"MAD-lab: {architecture}", "128", *published_cells(values)])
     rules = {entry["rule"] for by_task in scores.values() for entry in by_task.values()}
     caption = ("per task, the mean over its settings of each setting's best run; a cell is "
                "val-picked / test-picked (test-picked: "
