@@ -514,6 +514,29 @@ def test_recall_plots_wrap_their_panels_and_name_every_mixer_in_one_legend(tmp_p
         assert sorted(text.get_text() for text in legend.get_texts()) == ["everywhere", "only-first"]
 
 
+def test_mad_score_view_adds_the_mean_over_the_six_tasks_once_every_task_is_scored():
+    """With a score for each of MAD's six tasks the view gains a "mean" column: a mixer's
+    mean of its six scores, and for a published row MAD-lab's own mean; with one task
+    missing, no mean."""
+    from tasks.mad import MAD_TASKS
+    from hla_bench.recall_report import load_mad_reference, mad_markdown, mad_scores
+
+    reference = load_mad_reference()
+    tests = dict(zip(MAD_TASKS, (0.9, 0.6, 0.3, 0.8, 0.5, 0.7)))
+    runs = [mad_run(task, task, val=0.5, test=value, at_best=value)
+            for task, value in tests.items()]
+    rows = {line.split(" | ")[0].lstrip("| "): line.strip("| ").split(" | ")
+            for line in mad_markdown(mad_scores(runs), reference).splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert rows["mixer"][-1] == "mean" and len(rows["mixer"]) == 2 + 6 + 1
+    assert rows["hla2"][-1] == f"{sum(tests.values()) / 6:.3f} / {sum(tests.values()) / 6:.3f}"
+    hyena = reference["scores"]["Hyena + SwiGLU"]
+    assert rows["MAD-lab: Hyena + SwiGLU"][2:] == [f"{hyena[task]:.3f}" for task in MAD_TASKS] + [
+        f"{hyena['mean']:.3f}"]
+    partial = mad_markdown(mad_scores(runs[:-1]), reference)
+    assert "| mean |" not in partial and "selective_copying" not in partial
+
+
 def zoology_run(seq_len=64, kv=4, mixer="sdpa", d_model=64, **fields):
     params = {"vocab_size": 8192, "seq_len": seq_len, "num_kv_pairs": kv,
               "random_non_queries": False}
