@@ -21,7 +21,9 @@
 #                 parallel forms (impl=parallel)
 #   step-mad      the MAD suite's step (recall_throughput.py --config mad, under CUDA MPS) at
 #                 in-context recall's baseline and memorization at vocab 8192: every mixer's
-#                 groups stacked all at once (aggregate rate), then each alone (profile)
+#                 groups stacked all at once (aggregate rate), then each alone (profile);
+#                 then Based, linear attention and the HLA ops again through their parallel
+#                 forms (MAD's config keeps impl=auto: its sequences run up to 1024 tokens)
 #   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
 #                 (the pair whose `report --compare` is the method's noise floor), and so on
 #                 to bench-z
@@ -111,10 +113,15 @@ step-auto|step-parallel)
     ;;
 step-mad)
     mps
-    python3 benchmarks/recall_throughput.py --config mad --num-train 12800 \
-        --cells "in_context_recall:128,memorization vocab_size=8192:128" \
+    cells="in_context_recall:128,memorization vocab_size=8192:128"
+    python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
         --mixers sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule \
-        --modes stacked,profile --out "$out/recall-step-mad.yaml" 2>&1 | tee "$log"
+        --modes stacked,profile --out "$out/recall-step-mad-auto.yaml" 2>&1 | tee "$log"
+    options=()
+    for mixer in based linear-attn hla2 ahla2 hla3; do options+=(--option "$mixer.impl=parallel"); done
+    python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
+        --mixers based,linear-attn,hla2,ahla2,hla3 "${options[@]}" \
+        --modes stacked,profile --out "$out/recall-step-mad-parallel.yaml" 2>&1 | tee -a "$log"
     ;;
 bench-[a-z])
     name="h200-${stage#bench-}.yaml"
