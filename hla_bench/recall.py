@@ -86,20 +86,26 @@ def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> N
 
 
 def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
-    """The keys of the runs finished (ok) in the results file `out`, read without taking
-    its lock, after the checks a resume makes (ConfigError otherwise)."""
+    """The keys of the runs finished (FINISHED_STATUSES) in the results file `out`, read
+    without taking its lock, after the checks a resume makes (ConfigError otherwise)."""
     try:
         data = read_resumable(out, "recall", {key: config[key] for key in PROTOCOL_KEYS},
                               validate_recall)
     except StoreError as error:
         raise ConfigError(str(error)) from None
     check_repeats(out, data["runs"], specs)
-    return ok_keys(data["runs"])
+    return kept_keys(data["runs"])
 
 
-def ok_keys(records: list[dict]) -> set[str]:
-    """The keys of the runs among `records` that finished (ok): a resume keeps them."""
-    return {run_key(run) for run in records if run.get("status") == "ok"}
+# A run's outcomes that a resume keeps: trained, or refused by its mixer at its shape (a
+# NotImplementedError, such as a head dim a kernel does not take), which another try repeats
+FINISHED_STATUSES = ("ok", "unsupported")
+
+
+def kept_keys(records: list[dict]) -> set[str]:
+    """The keys of the runs among `records` that finished (FINISHED_STATUSES): a resume
+    keeps them."""
+    return {run_key(run) for run in records if run.get("status") in FINISHED_STATUSES}
 
 
 def part_record(env: dict, seconds: float, runs: int) -> dict:
@@ -398,7 +404,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             check_repeats(store.path, store.records(), specs)
         except ConfigError as error:
             raise click.UsageError(str(error)) from None
-        finished = ok_keys(store.records())
+        finished = kept_keys(store.records())
         runnable = []
         for spec in specs:
             reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])

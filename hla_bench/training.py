@@ -7,8 +7,10 @@ to worker processes (spawned: CUDA needs it), and every finished run comes back 
 so the caller can store it at once. A group that runs out of memory beside other groups
 waits for them: it goes back to the head of the queue and the pool starts no more groups
 at once than were still running (memory, not the worker count, then bounds the groups on
-a GPU). Out of memory with no other group running splits the group in two and retries;
-any other failure is recorded on each of its runs. A CUDA fault (a device-side assert, an
+a GPU). A group counts as beside others when any other may run during its run, including
+groups started after it. Out of memory with no other group running splits the group in two
+and retries; any other failure is recorded on each of its runs (a NotImplementedError, a
+shape its mixer refuses, as unsupported). A CUDA fault (a device-side assert, an
 illegal address) leaves its process unable to use the GPU again and, under CUDA MPS, may
 break the groups running beside it: the worker is replaced, and a group that faulted beside
 others runs again alone before the fault is recorded as its own.
@@ -119,8 +121,8 @@ def stackable(spec: dict) -> bool:
     run = RunSpec(**spec)
     try:
         layer = registry.get(run.mixer).layer(run.d_model, run.n_heads, **run.mixer_options)
-    except registry.MixerUnavailableError:
-        return False  # it cannot run here at all; the sweep records why
+    except (registry.MixerUnavailableError, NotImplementedError):
+        return False  # it cannot run here, or not at this shape; the sweep records why
     return callable(getattr(layer, "forward_stacked", None))
 
 
@@ -168,7 +170,7 @@ def failed_result(spec: dict, status: str, message: str) -> dict:
             "val_accuracy": None, "curve": []}
 
 
-# What run_group returns for a group that ran out of memory while other groups were running
+# What run_group returns for a group that ran out of memory while other groups may have run
 # (`shared`): the caller runs it again once fewer groups run at once.
 RETRY_WITH_FEWER = "out of memory beside other groups: retry with fewer at once"
 
@@ -205,8 +207,8 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
               graphs: bool = True, compile: bool = False, shared: bool = False,
               isolated: bool = True) -> list[dict] | str | None:
     """Train one group; returns its results, or None when stopped at the deadline (its
-    checkpoint holds the state). Out of memory: with `shared` (other groups were running
-    when it started) RETRY_WITH_FEWER, else the group splits in two and retries. A CUDA
+    checkpoint holds the state). Out of memory: with `shared` (other groups may run during
+    its run) RETRY_WITH_FEWER, else the group splits in two and retries. A CUDA
     fault: RETRY_ALONE unless `isolated` (no other group ran beside it), else its failed
     results as a CudaFault."""
     checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
@@ -226,13 +228,15 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
                                graphs=graphs, compile=compile)
                      for part in (group[:half], group[half:])]
             return None if any(part is None for part in parts) else parts[0] + parts[1]
-        if not oom:
+        unsupported = isinstance(error, NotImplementedError)
+        if not oom and not unsupported:
             traceback.print_exc()
         fault = is_cuda_fault(error)
         if fault and not isolated:
             return RETRY_ALONE
-        status = "oom" if oom else "error"
-        message = str(error).splitlines()[0] if oom else f"{type(error).__name__}: {error}"
+        status = "oom" if oom else "unsupported" if unsupported else "error"
+        message = (str(error).splitlines()[0] if oom or unsupported
+                   else f"{type(error).__name__}: {error}")
         results = [failed_result(spec, status, message) for spec in group]
         if fault:
             results = CudaFault(results)
@@ -342,8 +346,10 @@ def run_groups(groups: list[list[dict]], workers: int,
                                 or any(id(g) in alone for g in pending.values())):
                     break
                 group = todo.pop(0)
+                # a group is shared when any other group may run during its run: one
+                # already running, or one the pool may start beside it later
                 isolated = not pending and (at_once == 1 or id(group) in alone)
-                beside_others = {**options, "shared": bool(pending), "isolated": isolated}
+                beside_others = {**options, "shared": not isolated, "isolated": isolated}
                 pending[pool.submit(_worker, group, beside_others)] = group
             if not pending:
                 if retiring and todo:

@@ -6,7 +6,9 @@ values, so every entry is a plain `op(q, k, v)` like the other mixers:
 - simple GLA / gated delta rule: a per-head log decay log(1 - 2^-(5..9)) (RetNet's range);
 - GLA: the same decay on every key channel of a head;
 - delta rules: L2-normalised q and k and a constant beta.
-Nothing here catches fla's errors: the sweep runner records them.
+Nothing here catches fla's errors: the sweep runner records them. A key head dim the delta
+rules' chunk kernels refuse (over 256) raises NotImplementedError first, which sweeps record
+as unsupported.
 """
 
 from __future__ import annotations
@@ -68,11 +70,21 @@ class FlaKernel:
     extras: Callable[[torch.Tensor, dict], dict]
     l2_qk: bool = False
     recurrent_extras: Callable[[torch.Tensor, dict], dict] | None = None
+    max_key_dim: int | None = None  # the largest key head dim its chunk kernels take
 
     def function(self, name: str):
         return getattr(importlib.import_module(self.module), name)
 
+    def check_key_dim(self, key_dim: int) -> None:
+        """NotImplementedError (recorded as unsupported) for a key head dim the kernels
+        refuse, before any work: fla says so only by an assert deep in its chunk forward."""
+        if self.max_key_dim is not None and key_dim > self.max_key_dim:
+            raise NotImplementedError(
+                f"{self.module}'s chunk kernels take key head dims up to {self.max_key_dim}, "
+                f"not {key_dim}")
+
     def run(self, name, extras, q, k, v, state, output_final_state, options):
+        self.check_key_dim(q.shape[-1])
         if self.l2_qk:  # back to v's dtype: under autocast the norm runs in float32
             q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
         o, final = self.function(name)(
@@ -112,6 +124,7 @@ def fla_entry(name: str, kernel: FlaKernel, description: str, options: dict,
         return op
 
     def build_layer(d_model, n_heads, **opts):
+        kernel.check_key_dim(d_model // n_heads)
         return MixerLayer(d_model, n_heads, build_op(**opts), qk_norm=opts["qk_norm"],
                           short_conv=opts["short_conv"], output_norm=opts["output_norm"])
 
@@ -146,12 +159,13 @@ def fla_mixers() -> list[Mixer]:
                   flops=linear_attn_flops),
         fla_entry("fla-delta-rule",
                   FlaKernel("fla.ops.delta_rule", "chunk_delta_rule",
-                            "fused_recurrent_delta_rule", _beta, l2_qk=True),
+                            "fused_recurrent_delta_rule", _beta, l2_qk=True, max_key_dim=256),
                   "fla DeltaNet: delta-rule state update, L2-normalised q/k, fixed beta.",
                   {"beta": 1.0}),
         fla_entry("fla-gated-delta-rule",
                   FlaKernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
-                            "fused_recurrent_gated_delta_rule", _gated_beta, l2_qk=True),
+                            "fused_recurrent_gated_delta_rule", _gated_beta, l2_qk=True,
+                            max_key_dim=256),
                   "fla Gated DeltaNet: delta rule with a fixed per-head decay and beta.",
                   {"beta": 1.0}),
     ]

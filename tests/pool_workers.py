@@ -3,15 +3,32 @@ module of their own: the pool pickles its function by name)."""
 
 import os
 import time
+from pathlib import Path
 
 from hla_bench.training import RETRY_WITH_FEWER
 
 
 def memory_bound(group: list[dict], options: dict):
-    """A "big" group runs out of memory whenever it starts beside another group."""
-    time.sleep(0.3)
-    if group[0]["mixer"] == "big" and options["shared"]:
-        return RETRY_WITH_FEWER
+    """A "big" group runs out of memory when another group runs at any time during its own
+    run, whichever started first; it then answers as run_group does: RETRY_WITH_FEWER when
+    told that others may run beside it, else its runs are out of memory. Running groups
+    mark themselves in the directory `group[0]["marks"]`."""
+    from hla_bench.training import failed_result
+
+    marks = Path(group[0]["marks"])
+    mark = marks / str(os.getpid())
+    mark.touch()
+    try:
+        crowded = False
+        for _ in range(6):
+            time.sleep(0.05)
+            crowded = crowded or any(other != mark for other in marks.iterdir())
+    finally:
+        mark.unlink()
+    if group[0]["mixer"] == "big" and crowded:
+        if options["shared"]:
+            return RETRY_WITH_FEWER
+        return [failed_result(spec, "oom", "CUDA out of memory") for spec in group]
     return [{**spec, "status": "ok", "shared": options["shared"]} for spec in group]
 
 

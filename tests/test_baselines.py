@@ -332,6 +332,26 @@ def stand_in_fla(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
 
 
+def test_fla_delta_rule_refuses_key_head_dims_its_kernels_do_not_take(stand_in_fla):
+    """fla's delta-rule chunk kernels take key head dims up to 256 (an assert deep in their
+    forward): the adapter refuses more up front with NotImplementedError, which sweeps
+    record as unsupported, for a layer and for the op; 256 itself builds and runs."""
+    mixer = get("fla-delta-rule")
+    options = mixer.resolve_options({})
+    with pytest.raises(NotImplementedError, match="up to 256, not 512"):
+        mixer.build_layer(512, 1, **options)
+    assert mixer.build_layer(512, 2, **options).head_dim == 256
+    op = mixer.build_op(**options)
+    q, k, v = qkv(T=3, D=257)
+    with pytest.raises(NotImplementedError, match="up to 256, not 257"):
+        op(q, k, v)
+    q, k, v = qkv(T=3, D=256)
+    assert op(q, k, v)[0].shape == v.shape
+    gated = get("fla-gated-delta-rule")
+    with pytest.raises(NotImplementedError, match="up to 256, not 512"):
+        gated.build_layer(512, 1, **gated.resolve_options({}))
+
+
 @pytest.mark.parametrize("name", ["fla-simple-gla", "fla-delta-rule"])
 def test_fla_adapter_op_and_decoder_agree(stand_in_fla, name):
     from mixers.fla import head_log_decay

@@ -266,19 +266,24 @@ def test_parallel_workers_report_failures():
     assert default_workers("cpu") >= 1
 
 
-def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(monkeypatch):
+@pytest.mark.parametrize("order", [["small", "big", "small", "big", "small"],
+                                   ["big", "small", "small", "big", "small"]])
+def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(
+        monkeypatch, tmp_path, order):
     """A group that runs out of memory while others run is queued again and the pool starts
-    fewer groups at once, down to one: every group finishes, the big ones alone."""
+    fewer groups at once, down to one: every group finishes, the big ones alone. This holds
+    for a group that started first, with the others started beside it afterwards."""
     import pool_workers
     from hla_bench import training
 
     monkeypatch.setattr(training, "_worker", pool_workers.memory_bound)
-    groups = [[tiny_spec(mixer=mixer, run_id=i)]
-              for i, mixer in enumerate(["small", "big", "small", "big", "small"])]
+    groups = [[{**tiny_spec(mixer=mixer, run_id=i), "marks": str(tmp_path)}]
+              for i, mixer in enumerate(order)]
     finished, retries = [], []
     complete = run_groups(groups, 3, lambda ids, event: retries.append(event["at_once"])
                           if event["event"] == "retry" else None, finished.extend)
     assert complete and sorted(r["run_id"] for r in finished) == [0, 1, 2, 3, 4]
+    assert [r["status"] for r in finished] == ["ok"] * 5
     assert all(not r["shared"] for r in finished if r["mixer"] == "big")
     assert retries and retries == sorted(retries, reverse=True) and retries[-1] == 1
 
@@ -304,6 +309,28 @@ def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
     assert calls == [3, 1, 2, 1, 1]
     assert [r["status"] for r in results] == ["oom"] * 3
     assert [r["run_id"] for r in results] == [0, 1, 2]
+
+
+def test_a_shape_the_mixer_refuses_is_recorded_unsupported_and_kept_on_resume(monkeypatch):
+    """run_group: NotImplementedError (a mixer refusing a shape, as fla's delta rule a key
+    head dim over 256) is recorded as unsupported with the mixer's words; a resume keeps
+    such runs and ok ones, and trains again those that failed otherwise."""
+    from hla_bench import training
+    from hla_bench.recall import kept_keys
+    from hla_bench.recall_config import run_key
+
+    def refuse(group, *args, **kwargs):
+        raise NotImplementedError("fla.ops.delta_rule's chunk kernels take key head dims "
+                                  "up to 256, not 512")
+
+    monkeypatch.setattr(training, "train_group", refuse)
+    group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 1e-2))]
+    results = training.run_group(group, lambda event: None, shared=True)
+    assert [r["status"] for r in results] == ["unsupported"] * 2
+    assert results[0]["error"].endswith("up to 256, not 512")
+    records = [{**tiny_spec(lr=lr), "status": status}
+               for lr, status in zip((1e-4, 1e-3, 1e-2, 3e-2), ("ok", "unsupported", "error", "oom"))]
+    assert kept_keys(records) == {run_key(records[0]), run_key(records[1])}
 
 
 def test_a_cuda_fault_reruns_its_group_alone_and_retires_the_worker_that_faulted(monkeypatch):
