@@ -538,6 +538,25 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
 RECALL_TABLES = ("all", "settings", "reference")
 
 
+def failure_lines(runs: list[dict]) -> list[str]:
+    """A line per (status, mixer, d_model, seed, setting, message) of the runs not ok, their
+    learning rates joined, in the runs' order. An out-of-memory message keeps its first two
+    sentences (what ran out, how much it asked for); the results file keeps it whole."""
+    failed: dict[tuple, list[float]] = {}
+    for run in runs:
+        if run.get("status") == "ok":
+            continue
+        message = run.get("error") or ""
+        if run["status"] == "oom":
+            message = ". ".join(message.split(". ")[:2]).rstrip(".") + "."
+        key = (run["status"], run["mixer"], run["d_model"], run.get("seed", 0), run["setting"],
+               message)
+        failed.setdefault(key, []).append(run["lr"])
+    return [f"{status}: {mixer} d={d_model} lr={','.join(f'{lr:g}' for lr in lrs)} "
+            f"seed={seed} [{setting}]: {message}".rstrip()
+            for (status, mixer, d_model, seed, setting, message), lrs in failed.items()]
+
+
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
                   markdown: bool = False, fmt: str = "png", tables: str = "all") -> list[Path]:
     """Print one table per task setting ("settings"), the Zoology view of the settings that
@@ -584,12 +603,9 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         else:
             table = mad_table(scores, reference)
             print_table(console, table, lambda: table_lines(table, console))
-    for run in runs:
-        if run.get("status") != "ok":
-            where = f"{run['mixer']} d={run['d_model']} lr={run['lr']:g} seed={run.get('seed', 0)} [{run['setting']}]"
-            line = f"{run['status']}: {where}: {run.get('error', '')}".rstrip()
-            console.print(f"- {line}" if markdown else line, markup=False, highlight=False,
-                          soft_wrap=True)
+    for line in failure_lines(runs):
+        console.print(f"- {line}" if markdown else line, markup=False, highlight=False,
+                      soft_wrap=True)
     if plots_dir is None or not summary:
         return []
     paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None)

@@ -466,6 +466,23 @@ def test_summary_picks_over_lr_and_weight_decay_and_offers_mad_labs_test_pick():
     assert "as Zoology" in text and " wd " not in text and "MAD scores" not in text
 
 
+def test_failed_runs_are_listed_once_per_cell_and_reason_with_their_learning_rates():
+    """Runs that failed alike (status, mixer, width, seed, setting, message) share a line
+    naming their learning rates; an out-of-memory message keeps its first two sentences."""
+    from hla_bench.recall_report import failure_lines
+
+    oom = ("CUDA out of memory. Tried to allocate 196.00 MiB. GPU 0 has a total capacity of "
+           "79.18 GiB of which 34.31 MiB is free.")
+    runs = [run(lr=1e-4, status="oom", error=oom), run(lr=1e-2, status="oom", error=oom),
+            run(lr=1e-3, val_accuracy=0.9, test_accuracy=0.8),
+            run(lr=1e-3, status="error", error="AssertionError: head dim"),
+            run(lr=1e-3, d_model=128, status="oom", error=oom)]
+    assert failure_lines(runs) == [
+        "oom: m d=64 lr=0.0001,0.01 seed=0 [s]: CUDA out of memory. Tried to allocate 196.00 MiB.",
+        "error: m d=64 lr=0.001 seed=0 [s]: AssertionError: head dim",
+        "oom: m d=128 lr=0.001 seed=0 [s]: CUDA out of memory. Tried to allocate 196.00 MiB."]
+
+
 def test_recall_markdown_is_paragraphs_a_table_and_a_list_of_failed_runs():
     runs = [run(lr=1e-3, val_accuracy=0.9, test_accuracy=0.8),
             run(lr=1e-2, status="error", error="AssertionError: ", val_accuracy=None,
