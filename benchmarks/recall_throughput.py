@@ -258,20 +258,27 @@ def main() -> None:
     config["mixers"] = args.mixers.split(",")
     for mixer, changes in options.items():
         if mixer not in config["mixers"]:
-            raise SystemExit(f"--option names {mixer!r}, which is not among --mixers")
+            parser.error(f"--option names {mixer!r}, which is not among --mixers")
         config["mixer_options"][mixer] = {**(config["mixer_options"].get(mixer) or {}),
                                           **changes}
         try:
             registry.get(mixer).resolve_options(config["mixer_options"][mixer])
         except ValueError as error:
-            raise SystemExit(f"error: --option: {error}") from None
+            parser.error(f"--option: {error}")
     specs = plan_runs(config, "cuda:0")
     try:
         check_layers(specs)
         check_mixer_options(config, "cpu")
     except ConfigError as error:
-        raise SystemExit(f"error: {error}") from None
+        parser.error(str(error))
     specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]
+    for cell in args.cells.split(","):
+        try:
+            cell_runs(specs, cell)
+        except ValueError as error:
+            parser.error(f"--cells: {error}")
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device visible: this benchmark times the training step on a GPU")
     from hla_bench.results import git_commit
 
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
@@ -280,13 +287,10 @@ def main() -> None:
               "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
               "mixer_options": config["mixer_options"], "cells": []}
     for cell in args.cells.split(","):
-        try:
-            runs = [{**s, "num_train": args.num_train,
-                     "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"]
-                                         / args.num_train) + 1}
-                    for s in cell_runs(specs, cell)]
-        except ValueError as error:
-            raise SystemExit(f"error: --cells: {error}") from None
+        runs = [{**s, "num_train": args.num_train,
+                 "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"]
+                                     / args.num_train) + 1}
+                for s in cell_runs(specs, cell)]
         groups = plan_groups(runs, config["max_group"])
         seq_len, d_model = seq_len_of(runs[0]), runs[0]["d_model"]
         entry = {"seq_len": seq_len, "d_model": d_model, "setting": runs[0]["setting"],

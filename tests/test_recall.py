@@ -1355,6 +1355,25 @@ def test_recall_throughput_cells_name_a_setting_by_its_length_or_its_label():
             module.cell_runs(mad, cell)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_recall_throughput_refuses_bad_arguments_and_a_machine_without_a_gpu_with_exit_2():
+    """benchmarks/recall_throughput.py: a bad --cells or --option is a usage error, and so
+    is a machine without CUDA (checked after the arguments); none of them a traceback."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "recall_throughput.py"
+    base = [sys.executable, str(script), "--config", "zoology-fig2", "--mixers", "mamba2-ssd",
+            "--modes", "profile", "--out", "unused.yaml"]
+    for extra, message in ((["--cells", "99:64"], "--cells: no runs"),
+                           (["--cells", "64:64", "--option", "mamba2-ssd.impl=bogus"],
+                            "impl must be one of"),
+                           (["--cells", "64:64"], "no CUDA device visible")):
+        result = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
 def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tmp_path):
     """benchmarks/recall_grid_time.py: a group's seconds are its longest run's, a cell's the
     sum over its groups; failed runs count in `runs` only; the total is the file's seconds."""
