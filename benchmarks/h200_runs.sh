@@ -24,6 +24,11 @@
 #                 groups stacked all at once (aggregate rate), then each alone (profile);
 #                 then Based, linear attention and the HLA ops again through their parallel
 #                 forms (MAD's config keeps impl=auto: its sequences run up to 1024 tokens)
+#   step-mamba    the recall step of the Mamba-2 block, each group alone (profile, compiled,
+#                 under CUDA MPS) at the Zoology cells 64/4, 128/8 and 256/16 x d_model 512:
+#                 first through mamba_ssm's Triton scan (impl=auto), then through the
+#                 PyTorch chunked SSD (impl=chunk, 64-token chunks), which at these lengths
+#                 is a few batched matmuls that torch.compile can fuse around
 #   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
 #                 (the pair whose `report --compare` is the method's noise floor), and so on
 #                 to bench-z
@@ -47,9 +52,10 @@ out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
 previous=${3:-}
 limit=${TIME_LIMIT:-540}
 case "$stage" in
-kernels|layers|step-auto|step-parallel|step-mad|bench-[a-z]|recall|mad) ;;
+kernels|layers|step-auto|step-parallel|step-mad|step-mamba|bench-[a-z]|recall|mad) ;;
 *)
-    echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, step-mad, bench-a ..." \
+    echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, step-mad," \
+        "step-mamba, bench-a ..." \
         "bench-z, recall, mad)" >&2
     exit 2
     ;;
@@ -122,6 +128,14 @@ step-mad)
     python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
         --mixers based,linear-attn,hla2,ahla2,hla3 "${options[@]}" \
         --modes stacked,profile --out "$out/recall-step-mad-parallel.yaml" 2>&1 | tee -a "$log"
+    ;;
+step-mamba)
+    mps
+    for impl in auto chunk; do
+        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 64:512,128:512,256:512 \
+            --mixers mamba2-ssd --modes profile --compile --option "mamba2-ssd.impl=$impl" \
+            --out "$out/recall-step-mamba-$impl.yaml" 2>&1 | tee -a "$log"
+    done
     ;;
 bench-[a-z])
     name="h200-${stage#bench-}.yaml"
