@@ -79,3 +79,20 @@ def test_compiled_graph_replay_equals_the_eager_step(mixer):
     chunk form) and breaks around Triton kernels (hla2, mamba_ssm's SSD): the compiled,
     captured step still computes the eager one."""
     assert_replay_equals_the_eager_step(mixer, compile=True)
+
+
+def test_mamba2_stacked_steps_agree_through_the_triton_scan_and_the_chunk_form():
+    """The Mamba-2 block as the Zoology grid runs it (head dim 64, so d_model 256 gives 8
+    heads a copy and 24 heads in one scan of 3 stacked copies): the eager training steps
+    through mamba_ssm's scan compute what the chunked PyTorch SSD computes."""
+    reason = registry.get("mamba2-ssd").unavailable_reason({"impl": "triton"})
+    if reason:
+        pytest.skip(reason)
+    losses = {}
+    for impl in ("triton", "chunk"):
+        runs = group("mamba2-ssd", d_model=256,
+                     mixer_options={"impl": impl, "layer_head_dim": 64})
+        trainer = _GroupTrainer(runs, build_model, graphs=False, progress=None)
+        trainer.train_to(6)
+        losses[impl] = trainer.loss_sum
+    torch.testing.assert_close(losses["triton"], losses["chunk"], rtol=2e-2, atol=1e-3)
