@@ -168,18 +168,13 @@ def _pool(function, items, workers: int, *args) -> list[dict]:
             return list(pool.map(function, items, *([a] * len(items) for a in args)))
 
 
-def seq_len_of(spec: dict) -> int:
-    """A run's sequence length: its task's default where its setting leaves it out."""
-    import tasks
-
-    return tasks.get(spec["task"]).resolve_params(spec["params"])["seq_len"]
-
-
 def cell_runs(specs: list[dict], cell: str) -> list[dict]:
     """The runs of one `--cells` entry, `SETTING:D_MODEL`: SETTING is a sequence length,
     which must name one setting of the config (Zoology's panels differ in it), or a
     setting's label as the results name it (`in_context_recall vocab_size=32`: a MAD
     config has many settings of one length)."""
+    from hla_bench.training import seq_len_of
+
     key, sep, width = cell.rpartition(":")
     if not (sep and key.strip() and width.strip().isdigit()):
         raise ValueError(f"{cell!r} is not SETTING:D_MODEL (a seq_len or a setting's label)")
@@ -252,7 +247,7 @@ def main() -> None:
     from hla_bench.processes import cuda_mps_active
     from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options,
                                          load_config, plan_runs)
-    from hla_bench.training import plan_groups
+    from hla_bench.training import plan_groups, seq_len_of
 
     config = load_config(str(configs.find(args.config)), {})
     config["mixers"] = args.mixers.split(",")
@@ -272,9 +267,10 @@ def main() -> None:
     except ConfigError as error:
         parser.error(str(error))
     specs = [s for s in specs if registry.get(s["mixer"]).unavailable_reason(s["mixer_options"]) is None]
+    cells = []
     for cell in args.cells.split(","):
         try:
-            cell_runs(specs, cell)
+            cells.append(cell_runs(specs, cell))
         except ValueError as error:
             parser.error(f"--cells: {error}")
     if not torch.cuda.is_available():
@@ -286,11 +282,11 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
               "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
               "mixer_options": config["mixer_options"], "cells": []}
-    for cell in args.cells.split(","):
+    for chosen in cells:
         runs = [{**s, "num_train": args.num_train,
                  "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"]
                                      / args.num_train) + 1}
-                for s in cell_runs(specs, cell)]
+                for s in chosen]
         groups = plan_groups(runs, config["max_group"])
         seq_len, d_model = seq_len_of(runs[0]), runs[0]["d_model"]
         entry = {"seq_len": seq_len, "d_model": d_model, "setting": runs[0]["setting"],

@@ -19,7 +19,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import tasks
 from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
 from hla_bench.plots import plots_dir_problem
@@ -33,7 +32,7 @@ from hla_bench.store import (ResultsStore, StoreError, default_out_path, exit_on
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
-                                plan_groups, run_groups, step_flops)
+                                plan_groups, run_groups, seq_len_of, step_flops)
 from tasks.model import STATE_MIXERS
 
 SCHEMA_VERSION = 2
@@ -485,7 +484,7 @@ def order_groups(groups: list[list[dict]], largest_first: bool = False) -> list[
     `largest_first` the costliest first); groups of one size keep the plan's order."""
     def size(group: list[dict]) -> int:
         spec = group[0]
-        return spec["d_model"] * tasks.get(spec["task"]).resolve_params(spec["params"])["seq_len"]
+        return spec["d_model"] * seq_len_of(spec)
 
     return sorted(groups, key=lambda group: -size(group) if largest_first else size(group))
 

@@ -116,6 +116,11 @@ def _counted_step(spec: dict, inputs, labels, count: int, device: str) -> int:
     return counter.get_total_flops()
 
 
+def seq_len_of(spec: dict) -> int:
+    """A run's sequence length: its task's default where its setting leaves it out."""
+    return int(tasks.get(spec["task"]).resolve_params(spec["params"])["seq_len"])
+
+
 def stackable(spec: dict) -> bool:
     """Whether runs of `spec`'s shape can train stacked (their mixer layer says how)."""
     run = RunSpec(**spec)
@@ -244,7 +249,7 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
         _release_memory()
     first = group[0]  # the runs of a group share the mixer, its options and the shapes
     seq_len = next((r["seq_len"] for r in results if r.get("seq_len")), None) or \
-        tasks.get(first["task"]).resolve_params(first["params"])["seq_len"]
+        seq_len_of(first)
     size = state_bytes(first["mixer"], first["mixer_options"], first["d_model"],
                        first["n_heads"], first["n_layers"], seq_len)
     for result in results:
