@@ -45,11 +45,13 @@ def test_without_a_sample_the_reason_is_said(tmp_path, monkeypatch, body, why):
 
 def test_the_summary_is_mean_median_and_most_memory_over_the_samples(tmp_path, monkeypatch):
     """The stand-in reports utilisation 0, 1, 2, ... and memory ten times that on GPU 0, and
-    a constant on GPU 3, one step per call."""
+    a constant on GPU 3, one step per call. The counter is replaced by a rename, so the test
+    never reads it half written."""
     counter = tmp_path / "count"
     counter.write_text("0")
     monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, f'n=$(cat {counter})\n'
-                                                         f'echo $((n + 1)) > {counter}\n'
+                                                         f'echo $((n + 1)) > {counter}.new\n'
+                                                         f'mv {counter}.new {counter}\n'
                                                          'echo "0, $n, $((n * 10))"\n'
                                                          'echo "3, 50, 7"'))
     sampler = gpu_use.GpuUse(interval=0.01)
