@@ -7,6 +7,10 @@ from pathlib import Path
 
 from hla_bench.training import RETRY_WITH_FEWER
 
+# memory_bound's groups run for RUN_CHECKS x 50 ms: long against the spread of the pool's
+# worker start-up (each spawned process imports torch), so groups started together overlap
+RUN_CHECKS = 20
+
 
 def memory_bound(group: list[dict], options: dict):
     """A "big" group runs out of memory when another group runs at any time during its own
@@ -20,7 +24,7 @@ def memory_bound(group: list[dict], options: dict):
     mark.touch()
     try:
         crowded = False
-        for _ in range(6):
+        for _ in range(RUN_CHECKS):
             time.sleep(0.05)
             crowded = crowded or any(other != mark for other in marks.iterdir())
     finally:
