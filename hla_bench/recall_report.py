@@ -557,11 +557,31 @@ def failure_lines(runs: list[dict]) -> list[str]:
             for (status, mixer, d_model, seed, setting, message), lrs in failed.items()]
 
 
+def path_lines(runs: list[dict]) -> list[str]:
+    """A line per (mixer, what its dispatch ran) over the runs that record it (`mixer_path`),
+    with the widths it covers, in the runs' order: which form or kernel trained each model."""
+    widths: dict[tuple[str, str], list[int]] = {}
+    for run in runs:
+        ran = run.get("mixer_path")
+        if not isinstance(ran, dict):
+            continue
+        facts = ", ".join(f"{key}={value}" for key, value in ran.items() if key != "packages")
+        packages = ", ".join(f"{name} {version or 'missing'}"
+                             for name, version in (ran.get("packages") or {}).items())
+        what = (facts or "no dispatch noted") + (f" ({packages})" if packages else "")
+        found = widths.setdefault((run["mixer"], what), [])
+        if run["d_model"] not in found:
+            found.append(run["d_model"])
+    return [f"ran: {mixer} [d {', '.join(str(d) for d in sorted(ds))}]: {what}"
+            for (mixer, what), ds in widths.items()]
+
+
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
                   markdown: bool = False, fmt: str = "png", tables: str = "all") -> list[Path]:
     """Print one table per task setting ("settings"), the Zoology view of the settings that
     are panels of its Figure 2 and, for runs of MAD tasks, the MAD score view ("reference"),
-    or all of them; then the runs that failed (GitHub markdown with `markdown`). With
+    or all of them; then what each mixer's dispatch ran (the runs' `mixer_path`) and the
+    runs that failed (GitHub markdown with `markdown`). With
     `plots_dir`, write the plots there and return their paths."""
     if tables not in RECALL_TABLES:
         raise ValueError(f"tables must be one of {RECALL_TABLES}, got {tables!r}")
@@ -603,7 +623,7 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         else:
             table = mad_table(scores, reference)
             print_table(console, table, lambda: table_lines(table, console))
-    for line in failure_lines(runs):
+    for line in path_lines(runs) + failure_lines(runs):
         console.print(f"- {line}" if markdown else line, markup=False, highlight=False,
                       soft_wrap=True)
     if plots_dir is None or not summary:

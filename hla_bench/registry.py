@@ -10,14 +10,16 @@ use, so importing the registry does not import the operators.
 
 from __future__ import annotations
 
+import importlib.metadata
 from importlib.metadata import entry_points
+from typing import Any
 
 from mixers.entry import (FLOP_MODES, PACKAGE_NAMES, Decoder, Mixer, MixerUnavailableError,
                           requirement_missing, state_nbytes)
 
 __all__ = ["ENTRY_POINT_GROUP", "FLOP_MODES", "PACKAGE_NAMES", "Decoder", "Mixer",
            "MixerUnavailableError", "UnknownMixerError", "all_mixers", "get", "register",
-           "requirement_missing", "state_nbytes"]
+           "requirement_missing", "state_nbytes", "what_ran"]
 
 ENTRY_POINT_GROUP = "hla_bench.mixers"
 
@@ -77,3 +79,21 @@ def all_mixers() -> list[Mixer]:
     """Every registered mixer, sorted by family then name."""
     _load()
     return sorted(_REGISTRY.values(), key=lambda m: (m.family, m.name))
+
+
+def what_ran(mixer: Mixer, notes: dict[str, Any]) -> dict[str, Any]:
+    """What ran: the notes of the mixer's dispatch (`mixers.dispatch`), and the installed
+    versions of torch and of the packages whose kernels the mixer needs or its dispatch
+    named (None: not installed)."""
+    names = ["torch", *(name for name in mixer.requires if name != "cuda")]
+    if notes.get("impl") == "triton":
+        names.append("triton")
+    if notes.get("kernel"):
+        names.append(notes["kernel"])
+    packages = {}
+    for name in dict.fromkeys(names):
+        try:
+            packages[name] = importlib.metadata.version(PACKAGE_NAMES.get(name, name))
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    return {**notes, "packages": packages}

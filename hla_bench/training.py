@@ -34,6 +34,7 @@ import torch
 import tasks
 from hla_bench import registry
 from hla_bench.processes import exit_with_parent
+from mixers import dispatch
 from tasks import IGNORE
 from tasks.model import TinyLM
 from tasks.train import Interrupted, RunSpec, group_key, train_group
@@ -218,8 +219,15 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     results as a CudaFault."""
     checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
     try:
-        results = train_group(group, build_model, progress=progress, graphs=graphs,
-                              compile=compile, deadline=deadline, checkpoint=checkpoint)
+        # what the group's first eager forward ran: its first training step's (eager on the
+        # CPU, and on CUDA before the step is captured as a graph), or with `compile`, whose
+        # steps note nothing, its first evaluation's (evaluations are never compiled)
+        with dispatch.noting(keep="first") as notes:
+            results = train_group(group, build_model, progress=progress, graphs=graphs,
+                                  compile=compile, deadline=deadline, checkpoint=checkpoint)
+        ran = registry.what_ran(registry.get(group[0]["mixer"]), dict(notes))
+        for result in results:
+            result["mixer_path"] = ran
     except Interrupted:
         return None
     except Exception as error:  # noqa: BLE001 - a sweep records any failing group, goes on

@@ -3,7 +3,8 @@
 A dispatcher that picks among implementations calls `note(impl=..., ...)` with what it chose
 and, where it fell back, why (`fallback=`). Outside a `noting()` block a note costs one
 context-variable lookup and is dropped; inside, the facts of every note in the block are
-merged into the block's mapping (a later note of the same key replaces the earlier one).
+merged into the block's mapping (a later note of the same key replaces the earlier one, or
+with `keep="first"` leaves it).
 Values are plain data (str, int, float, bool), so they can be written to a results file.
 While torch.compile traces, nobody listens: a traced dispatch runs as a graph without its
 host-side notes (a context variable would break the graph).
@@ -34,10 +35,21 @@ def listening() -> bool:
     return not torch.compiler.is_compiling() and _NOTES.get() is not None
 
 
+class _FirstNotes(dict):
+    """Notes where the first fact of a key stays."""
+
+    def update(self, facts: dict[str, Any]) -> None:  # type: ignore[override]
+        for key, value in facts.items():
+            self.setdefault(key, value)
+
+
 @contextlib.contextmanager
-def noting() -> Iterator[dict[str, Any]]:
-    """A mapping that collects the notes of every dispatch inside the block."""
-    notes: dict[str, Any] = {}
+def noting(keep: str = "last") -> Iterator[dict[str, Any]]:
+    """A mapping that collects the notes of every dispatch inside the block; of notes of one
+    key it keeps the `keep` ("last" or "first") one."""
+    if keep not in ("last", "first"):
+        raise ValueError(f"keep must be 'last' or 'first', got {keep!r}")
+    notes: dict[str, Any] = {} if keep == "last" else _FirstNotes()
     token = _NOTES.set(notes)
     try:
         yield notes

@@ -1,6 +1,7 @@
 """Tiny LM, the recall protocol (validation split, scoring, in-context rate), result YAML,
 resume and the `recall` / `tasks` commands."""
 
+import importlib.metadata
 import time
 from pathlib import Path
 
@@ -481,6 +482,47 @@ def test_failed_runs_are_listed_once_per_cell_and_reason_with_their_learning_rat
         "oom: m d=64 lr=0.0001,0.01 seed=0 [s]: CUDA out of memory. Tried to allocate 196.00 MiB.",
         "error: m d=64 lr=0.001 seed=0 [s]: AssertionError: head dim",
         "oom: m d=128 lr=0.001 seed=0 [s]: CUDA out of memory. Tried to allocate 196.00 MiB."]
+
+
+@pytest.mark.parametrize("mixer, d_model, seq_len, recorded", [
+    ("hla2", 8, 16, {"impl": "parallel", "fallback": "not triton: no CUDA device"}),
+    ("hla2", 8, 18, {"impl": "chunk", "fallback": "not triton: no CUDA device"}),
+    ("mamba2-ssd", 16, 8, {"impl": "chunk",
+                           "fallback": "not mamba_ssm's Triton kernel: no CUDA device"}),
+    ("test-softmax", 8, 8, {})])
+def test_each_run_records_what_its_mixers_dispatch_ran(mixer, d_model, seq_len, recorded):
+    """`mixer_path`: the notes of the mixer's dispatch (impl="auto" without CUDA takes the
+    parallel form up to T = 2 D, the chunk form beyond) and the versions of the packages
+    that ran; the report lists them per mixer with the widths they cover."""
+    from hla_bench.recall_report import path_lines
+    from hla_bench.training import run_group
+
+    params = dict(TINY["params"], seq_len=seq_len, vocab_size=32)
+    results = run_group([tiny_spec(mixer=mixer, d_model=d_model, params=params, run_id=i, lr=lr)
+                         for i, lr in enumerate((1e-3, 3e-3))], lambda event: None)
+    assert [r["status"] for r in results] == ["ok", "ok"]
+    torch_version = importlib.metadata.version("torch")
+    assert results[0]["mixer_path"] == {**recorded, "packages": {"torch": torch_version}}
+    assert results[1]["mixer_path"] == results[0]["mixer_path"]
+    facts = ", ".join(f"{key}={value}" for key, value in recorded.items())
+    wider = dict(results[0], d_model=2 * d_model)
+    assert path_lines([*results, wider, run(lr=1e-3)]) == [
+        f"ran: {mixer} [d {d_model}, {2 * d_model}]: {facts or 'no dispatch noted'} "
+        f"(torch {torch_version})"]
+
+
+def test_notes_keep_the_first_or_the_last_fact_of_a_key():
+    from mixers.dispatch import note, noting
+
+    for keep, expected in (("last", {"impl": "chunk", "fallback": "x"}),
+                           ("first", {"impl": "triton", "fallback": "x"})):
+        with noting(keep=keep) as notes:
+            note(impl="triton")
+            note(impl="chunk", fallback="x")
+        assert notes == expected
+    with pytest.raises(ValueError, match="keep must be"):
+        with noting(keep="middle"):
+            pass
 
 
 def test_recall_markdown_is_paragraphs_a_table_and_a_list_of_failed_runs():

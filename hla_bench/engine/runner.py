@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.metadata
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
@@ -169,7 +168,7 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
             call = cuda_graph_replay(call, f"the {point.mode} call")
             estimate = warm_up(call, Sampling(warmup=ESTIMATE_CALLS), cuda)
         record["peak_memory_bytes"] = peak_memory_bytes(call, device)
-    record["resolved"] = resolved(mixer, notes)
+    record["resolved"] = registry.what_ran(mixer, notes)
     record["setup_s"] = round(time.perf_counter() - started, 3)
     return Built(call, steps, tokens, estimate, moved)
 
@@ -197,23 +196,6 @@ def _layer_call(point: Point, mixer: registry.Mixer, options: dict[str, Any], ba
         layer.zero_grad(set_to_none=True)
         x.grad = None
     return call
-
-
-def resolved(mixer: registry.Mixer, notes: dict[str, Any]) -> dict[str, Any]:
-    """What ran: the dispatch's notes, and the installed versions of torch and of the
-    packages whose kernels the mixer needs or its dispatch named (None: not installed)."""
-    names = ["torch", *(name for name in mixer.requires if name != "cuda")]
-    if notes.get("impl") == "triton":
-        names.append("triton")
-    if notes.get("kernel"):
-        names.append(notes["kernel"])
-    packages = {}
-    for name in dict.fromkeys(names):
-        try:
-            packages[name] = importlib.metadata.version(registry.PACKAGE_NAMES.get(name, name))
-        except importlib.metadata.PackageNotFoundError:
-            packages[name] = None
-    return {**notes, "packages": packages}
 
 
 def _fill_times(point: Point, mixer: registry.Mixer, options: dict[str, Any], record: dict,
