@@ -4,9 +4,11 @@
 # pyyaml, einops and matplotlib but no package index (the optional packages come as wheels
 # from benchmarks/offline_wheels.sh in .whl/).
 #
-#   bash benchmarks/h200_runs.sh STAGE OUT [PREVIOUS]
+#   bash benchmarks/h200_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]
 #
-# STAGE:
+# The stages run in the order given, within one TIME_LIMIT; with TESTS="PYTEST ARGS" the
+# tests they name run first (their log: OUT/tests.log), so no test shares the GPU with a
+# measurement. STAGE:
 #   kernels       hla-bench verify in bf16, the chain's launch plans (chain_plans.py) at
 #                 D 64/128 and, at T 256, D 256/512, hla2's fused kernels against its chain
 #                 (family_profile.py), and ahla2's and hla3's normalized bf16 precision
@@ -47,19 +49,22 @@
 # recall sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut
 # short starts over in the next call, while every finished run is kept.
 set -uo pipefail
-stage=${1:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
-out=${2:?usage: h200_runs.sh STAGE OUT [PREVIOUS]}
+usage="usage: h200_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]"
+stages=${1:?$usage}
+out=${2:?$usage}
 previous=${3:-}
 limit=${TIME_LIMIT:-540}
-case "$stage" in
-kernels|layers|step-auto|step-parallel|step-mad|step-mamba|bench-[a-z]|recall|mad) ;;
-*)
-    echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, step-mad," \
-        "step-mamba, bench-a ..." \
-        "bench-z, recall, mad)" >&2
-    exit 2
-    ;;
-esac
+for stage in ${stages//,/ }; do
+    case "$stage" in
+    kernels|layers|step-auto|step-parallel|step-mad|step-mamba|bench-[a-z]|recall|mad) ;;
+    *)
+        echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, step-mad," \
+            "step-mamba, bench-a ..." \
+            "bench-z, recall, mad)" >&2
+        exit 2
+        ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 # Triton's cache keeps compiled kernels and, with TRITON_CACHE_AUTOTUNING, the autotuners'
@@ -75,7 +80,10 @@ else
 fi
 hla() { python3 -m hla_bench "$@"; }
 mps() { nvidia-cuda-mps-control -d 2> /dev/null || true; }
-log="$out/$stage.log"
+if [[ -n ${TESTS:-} ]]; then
+    # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+    python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$out/tests.log"
+fi
 
 scratch=/tmp/h200-runs
 mkdir -p "$scratch"
@@ -86,76 +94,79 @@ resumed() {  # resumed NAME DIR: --resume when PREVIOUS holds NAME (copied into 
     fi
 }
 
-case "$stage" in
-kernels)
-    {
-        hla verify --device cuda --dtype bfloat16 --yaml "$out/verify-bf16.yaml"
-        python3 benchmarks/chain_plans.py --head-dims 64,128 --seq-lens 256,2048,8192,65536 \
-            --yaml "$out/chain-plans.yaml"
-        python3 benchmarks/chain_plans.py --head-dims 256,512 --seq-lens 256 \
-            --yaml "$out/chain-plans-wide.yaml"
-        python3 benchmarks/family_profile.py --ops hla2,hla2-chain --head-dims 64,128 \
-            --batch 32 --seq-len 2048 --yaml "$out/hla2-chain-profile.yaml"
-        python3 benchmarks/family_native_check.py --normalize-precision \
-            --yaml "$out/family-normalize-bf16.yaml"
-    } 2>&1 | tee "$log"
-    ;;
-layers)
-    python3 benchmarks/layer_parts.py --seq-lens 2048,65536 --yaml "$out/layer-parts.yaml" \
-        2>&1 | tee "$log"
-    ;;
-step-auto|step-parallel)
-    mps
-    mixers=based,linear-attn,hla2,ahla2,hla3
-    options=()
-    if [[ $stage == step-parallel ]]; then
-        for mixer in ${mixers//,/ }; do options+=(--option "$mixer.impl=parallel"); done
-    else
-        mixers=sdpa,$mixers
-    fi
-    python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 256:128,256:512 \
-        --mixers "$mixers" --modes profile --compile "${options[@]}" \
-        --out "$out/recall-$stage.yaml" 2>&1 | tee "$log"
-    ;;
-step-mad)
-    mps
-    cells="in_context_recall:128,memorization vocab_size=8192:128"
-    python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
-        --mixers sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule \
-        --modes stacked,profile --out "$out/recall-step-mad-auto.yaml" 2>&1 | tee "$log"
-    options=()
-    for mixer in based linear-attn hla2 ahla2 hla3; do options+=(--option "$mixer.impl=parallel"); done
-    python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
-        --mixers based,linear-attn,hla2,ahla2,hla3 "${options[@]}" \
-        --modes stacked,profile --out "$out/recall-step-mad-parallel.yaml" 2>&1 | tee -a "$log"
-    ;;
-step-mamba)
-    mps
-    for impl in auto chunk; do
-        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 64:512,128:512,256:512 \
-            --mixers mamba2-ssd --modes profile --compile --option "mamba2-ssd.impl=$impl" \
-            --out "$out/recall-step-mamba-$impl.yaml" 2>&1 | tee -a "$log"
-    done
-    ;;
-bench-[a-z])
-    name="h200-${stage#bench-}.yaml"
-    timeout "$((limit - SECONDS))" python3 -m hla_bench run h200 --out "$out/$name" \
-        $(resumed "$name" "$out") 2>&1 | tee "$log"
-    ;;
-recall|mad)
-    mps
-    config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
-    name="$config.yaml"
-    # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
-    args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - SECONDS - 60))"
-          $(resumed "$name" "$scratch"))
-    [[ -n ${ONLY_TASKS:-} ]] && args+=(--only-tasks "$ONLY_TASKS")
-    [[ -n ${LARGEST_FIRST:-} ]] && args+=(--largest-first)
-    (while sleep 30; do [[ -f "$scratch/$name" ]] && cp "$scratch/$name" "$out/$name.part" &&
-        mv "$out/$name.part" "$out/$name"; done) &
-    copier=$!
-    hla recall "${args[@]}" 2>&1 | tee "$log"
-    kill "$copier" 2> /dev/null
-    cp "$scratch/$name" "$out/"
-    ;;
-esac
+for stage in ${stages//,/ }; do
+    log="$out/$stage.log"
+    case "$stage" in
+    kernels)
+        {
+            hla verify --device cuda --dtype bfloat16 --yaml "$out/verify-bf16.yaml"
+            python3 benchmarks/chain_plans.py --head-dims 64,128 --seq-lens 256,2048,8192,65536 \
+                --yaml "$out/chain-plans.yaml"
+            python3 benchmarks/chain_plans.py --head-dims 256,512 --seq-lens 256 \
+                --yaml "$out/chain-plans-wide.yaml"
+            python3 benchmarks/family_profile.py --ops hla2,hla2-chain --head-dims 64,128 \
+                --batch 32 --seq-len 2048 --yaml "$out/hla2-chain-profile.yaml"
+            python3 benchmarks/family_native_check.py --normalize-precision \
+                --yaml "$out/family-normalize-bf16.yaml"
+        } 2>&1 | tee "$log"
+        ;;
+    layers)
+        python3 benchmarks/layer_parts.py --seq-lens 2048,65536 --yaml "$out/layer-parts.yaml" \
+            2>&1 | tee "$log"
+        ;;
+    step-auto|step-parallel)
+        mps
+        mixers=based,linear-attn,hla2,ahla2,hla3
+        options=()
+        if [[ $stage == step-parallel ]]; then
+            for mixer in ${mixers//,/ }; do options+=(--option "$mixer.impl=parallel"); done
+        else
+            mixers=sdpa,$mixers
+        fi
+        python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 256:128,256:512 \
+            --mixers "$mixers" --modes profile --compile "${options[@]}" \
+            --out "$out/recall-$stage.yaml" 2>&1 | tee "$log"
+        ;;
+    step-mad)
+        mps
+        cells="in_context_recall:128,memorization vocab_size=8192:128"
+        python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
+            --mixers sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule \
+            --modes stacked,profile --out "$out/recall-step-mad-auto.yaml" 2>&1 | tee "$log"
+        options=()
+        for mixer in based linear-attn hla2 ahla2 hla3; do options+=(--option "$mixer.impl=parallel"); done
+        python3 benchmarks/recall_throughput.py --config mad --num-train 12800 --cells "$cells" \
+            --mixers based,linear-attn,hla2,ahla2,hla3 "${options[@]}" \
+            --modes stacked,profile --out "$out/recall-step-mad-parallel.yaml" 2>&1 | tee -a "$log"
+        ;;
+    step-mamba)
+        mps
+        for impl in auto chunk; do
+            python3 benchmarks/recall_throughput.py --config zoology-fig2 --cells 64:512,128:512,256:512 \
+                --mixers mamba2-ssd --modes profile --compile --option "mamba2-ssd.impl=$impl" \
+                --out "$out/recall-step-mamba-$impl.yaml" 2>&1 | tee -a "$log"
+        done
+        ;;
+    bench-[a-z])
+        name="h200-${stage#bench-}.yaml"
+        timeout "$((limit - SECONDS))" python3 -m hla_bench run h200 --out "$out/$name" \
+            $(resumed "$name" "$out") 2>&1 | tee "$log"
+        ;;
+    recall|mad)
+        mps
+        config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
+        name="$config.yaml"
+        # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
+        args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - SECONDS - 60))"
+              $(resumed "$name" "$scratch"))
+        [[ -n ${ONLY_TASKS:-} ]] && args+=(--only-tasks "$ONLY_TASKS")
+        [[ -n ${LARGEST_FIRST:-} ]] && args+=(--largest-first)
+        (while sleep 30; do [[ -f "$scratch/$name" ]] && cp "$scratch/$name" "$out/$name.part" &&
+            mv "$out/$name.part" "$out/$name"; done) &
+        copier=$!
+        hla recall "${args[@]}" 2>&1 | tee "$log"
+        kill "$copier" 2> /dev/null
+        cp "$scratch/$name" "$out/"
+        ;;
+    esac
+done

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels of hla-bench's optional packages for a GPU host that cannot reach a package index:
 # flash-linear-attention (fla-core and flash-linear-attention), mamba-ssm built as pure Python
-# (its Triton SSD kernel, no CUDA extension), and dask[distributed] with its dependencies.
+# (its Triton SSD kernel, no CUDA extension), dask[distributed] with its dependencies, and
+# pytest with its own (the CUDA tests run only there: h200_runs.sh's TESTS).
 #
 #   bash benchmarks/offline_wheels.sh [DEST] [PYTHON_VERSION]      # defaults: .whl 3.12
 #
@@ -12,7 +13,8 @@
 #   export PYTHONPATH=/tmp/site
 #
 # The host's own torch and Triton are never replaced: fla and mamba-ssm come without their
-# dependencies (torch, triton, einops, transformers are expected there), dask with all of its.
+# dependencies (torch, triton, einops, transformers are expected there), dask and pytest
+# with all of theirs.
 set -euo pipefail
 dest=${1:-.whl}
 python_version=${2:-3.12}
@@ -25,6 +27,7 @@ download() {
 }
 download --no-deps fla-core flash-linear-attention
 download "dask[distributed]>=2024.1"
+download "pytest>=8"
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
     python3 -m pip wheel -q --no-deps --no-build-isolation -w "$dest" mamba-ssm
 ls "$dest"

@@ -1,6 +1,6 @@
 """benchmarks/h200_runs.sh runs where nothing can be fixed between calls (a GPU host without
 a package index): every command it calls, every option it passes and every shipped config
-it names must exist here, and an unknown stage is a usage error."""
+it names must exist here, and an unknown stage, alone or in a list, is a usage error."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def test_the_script_parses_and_refuses_an_unknown_stage(tmp_path):
     refused = subprocess.run(["bash", str(SCRIPT), "no-such-stage", str(tmp_path)],
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "unknown stage no-such-stage" in refused.stderr
+    # a list is checked whole before any stage runs or OUT is made
+    out = tmp_path / "out"
+    refused = subprocess.run(["bash", str(SCRIPT), "kernels,no-such-stage", str(out)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "unknown stage no-such-stage" in refused.stderr
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("name", sorted({m for line in commands()
