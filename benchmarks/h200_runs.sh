@@ -153,11 +153,17 @@ for stage in ${stages//,/ }; do
             $(resumed "$name" "$out") 2>&1 | tee "$log"
         ;;
     recall|mad)
+        # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
+        left=$((limit - SECONDS - 60))
+        if ((left < 60)); then
+            echo "$stage skipped: ${left} s left of TIME_LIMIT after the stages before it" |
+                tee "$log"
+            continue
+        fi
         mps
         config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
         name="$config.yaml"
-        # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
-        args=(--config "$config" --out "$scratch/$name" --time-limit "$((limit - SECONDS - 60))"
+        args=(--config "$config" --out "$scratch/$name" --time-limit "$left"
               $(resumed "$name" "$scratch"))
         [[ -n ${ONLY_TASKS:-} ]] && args+=(--only-tasks "$ONLY_TASKS")
         [[ -n ${LARGEST_FIRST:-} ]] && args+=(--largest-first)
