@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/offline_wheels.sh [DEST] [PYTHON_VERSION]      # defaults: .whl 3.12
 #
-# Run it where pip reaches an index and torch is installed (mamba-ssm's build imports it).
+# Run it where pip reaches an index and torch, setuptools and wheel are installed (mamba-ssm's
+# build runs without isolation and imports all three).
 # On the host, install them beside its own torch and Triton:
 #
 #   python3 -m pip install --no-index --no-deps --target /tmp/site DEST/*.whl
@@ -16,6 +17,13 @@
 # dependencies (torch, triton, einops, transformers are expected there), dask and pytest
 # with all of theirs.
 set -euo pipefail
+for module in torch setuptools wheel; do
+    python3 -c "import $module" 2> /dev/null || {
+        echo "offline_wheels.sh: mamba-ssm's build needs $module in this python3" \
+            "(pip install $module)" >&2
+        exit 2
+    }
+done
 dest=${1:-.whl}
 python_version=${2:-3.12}
 mkdir -p "$dest"
