@@ -306,7 +306,8 @@ def check_layers(specs: list[dict]) -> None:
     """Every (mixer, d_model, n_heads, options) the plan trains builds its layer (on the meta
     device), or the layer's ValueError or TypeError (say d_model 64 in 3 heads, or a head dim its kernel
     refuses) is a ConfigError before any run. Mixers that cannot run here are skipped: the
-    sweep records them as unavailable."""
+    sweep records them as unavailable; so are shapes a layer says it does not implement (a
+    NotImplementedError, say a head dim above its kernel's largest), recorded as unsupported."""
     seen = set()
     for spec in specs:
         options = spec["mixer_options"]
@@ -320,6 +321,8 @@ def check_layers(specs: list[dict]) -> None:
         try:
             with torch.device("meta"):  # shapes and checks only: no memory, any width
                 entry.layer(spec["d_model"], spec["n_heads"], **options)
+        except NotImplementedError:
+            continue
         except (ValueError, TypeError) as error:
             raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
                               f"{spec['n_heads']} head(s): {error}") from None

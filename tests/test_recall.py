@@ -1288,6 +1288,31 @@ def test_only_tasks_keeps_the_configs_settings_of_those_tasks_and_resume_adds_th
         assert bad.exit_code == 2 and message in bad.output, bad.output
 
 
+def test_a_layer_that_does_not_implement_a_shape_is_left_to_the_sweep_to_record(monkeypatch):
+    """check_layers: a shape a layer does not implement (NotImplementedError, as fla's delta
+    rule a key head dim over 256) is no config error: the sweep records its runs as
+    unsupported. A ValueError stays one."""
+    from hla_bench import registry
+    from hla_bench.recall_config import ConfigError, check_layers
+
+    class Refusing:
+        def __init__(self, error):
+            self.error = error
+
+        def unavailable_reason(self, options):
+            return None
+
+        def layer(self, d_model, n_heads, **options):
+            raise self.error
+
+    spec = tiny_spec(mixer="refusing", d_model=512)
+    monkeypatch.setattr(registry, "get", lambda name: Refusing(NotImplementedError("up to 256")))
+    check_layers([spec])
+    monkeypatch.setattr(registry, "get", lambda name: Refusing(ValueError("3 heads")))
+    with pytest.raises(ConfigError, match="refusing at d_model 512 with 1 head.*3 heads"):
+        check_layers([spec])
+
+
 def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_their_groups():
     """A step's FLOPs are one example's times the batch size; the short convolution's
     backward counts twice its forward (torch's counter alone takes a depthwise convolution's
