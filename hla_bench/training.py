@@ -18,6 +18,7 @@ others runs again alone before the fault is recorded as its own.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import queue as queue_module
@@ -218,6 +219,7 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     fault: RETRY_ALONE unless `isolated` (no other group ran beside it), else its failed
     results as a CudaFault."""
     checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
+    split = False
     try:
         # what the group's first eager forward ran: its first training step's (eager on the
         # CPU, and on CUDA before the step is captured as a graph), or with `compile`, whose
@@ -234,13 +236,7 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
         oom = is_oom(error)
         if oom and shared:
             return RETRY_WITH_FEWER
-        if oom and len(group) > 1:
-            _release_memory()
-            half = len(group) // 2
-            parts = [run_group(part, progress, deadline=deadline, checkpoint_dir=checkpoint_dir,
-                               graphs=graphs, compile=compile)
-                     for part in (group[:half], group[half:])]
-            return None if any(part is None for part in parts) else parts[0] + parts[1]
+        split = oom and len(group) > 1
         unsupported = isinstance(error, NotImplementedError)
         if not oom and not unsupported:
             traceback.print_exc()
@@ -254,7 +250,15 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
         if fault:
             results = CudaFault(results)
     finally:
+        # outside the except clause: the error's traceback, which holds the failed group's
+        # frames and through them its model, is gone, so its memory is freed here
         _release_memory()
+    if split:  # out of memory alone: each half gets the memory the whole group had
+        half = len(group) // 2
+        parts = [run_group(part, progress, deadline=deadline, checkpoint_dir=checkpoint_dir,
+                           graphs=graphs, compile=compile)
+                 for part in (group[:half], group[half:])]
+        return None if any(part is None for part in parts) else parts[0] + parts[1]
     first = group[0]  # the runs of a group share the mixer, its options and the shapes
     seq_len = next((r["seq_len"] for r in results if r.get("seq_len")), None) or \
         seq_len_of(first)
@@ -266,6 +270,11 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
 
 
 def _release_memory() -> None:
+    """Free what a finished or failed group left on the GPU. A group's trainer and its
+    captured step refer to each other, so only the cycle collector frees them (with their
+    model, optimizer state and graph pools); then the allocator's cache goes back to the
+    device, for the groups of other processes."""
+    gc.collect()
     if torch.cuda.is_available():
         try:
             torch.cuda.empty_cache()

@@ -312,6 +312,48 @@ def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
     assert [r["run_id"] for r in results] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_group_out_of_memory_frees_its_model_before_anything_else_runs(monkeypatch, shared):
+    """A group's trainer and its step refer to each other, so only the cycle collector frees
+    its model (on a GPU, with its optimizer state and graph pools, tens of GiB that other
+    groups wait for). run_group frees it before it returns RETRY_WITH_FEWER, and before the
+    halves of a group out of memory alone start (the cycle collector is off here)."""
+    import gc
+    import weakref
+
+    from hla_bench import training
+    from tasks import train as train_module
+
+    models, seen_alive = [], []
+    init, step = train_module._GroupTrainer.__init__, train_module._Step.run
+
+    def tracked_init(self, *args, **kwargs):
+        seen_alive.append([model() is not None for model in models])
+        init(self, *args, **kwargs)
+        models.append(weakref.ref(self.model))
+
+    def step_until_memory_runs_out(self):
+        if len(self.trainer.specs) > 1 and self.trainer.step == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 196.00 MiB")
+        step(self)
+
+    monkeypatch.setattr(train_module._GroupTrainer, "__init__", tracked_init)
+    monkeypatch.setattr(train_module._Step, "run", step_until_memory_runs_out)
+    group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 3e-3))]
+    gc.disable()
+    try:
+        results = training.run_group(group, lambda event: None, shared=shared)
+        alive_after = [model() is not None for model in models]
+    finally:
+        gc.enable()
+    if shared:
+        assert results == training.RETRY_WITH_FEWER and len(models) == 1
+    else:
+        assert [r["status"] for r in results] == ["ok", "ok"] and len(models) == 3
+    assert seen_alive == [[], [False], [False, False]][:len(models)]
+    assert alive_after == [False] * len(models)
+
+
 def test_a_shape_the_mixer_refuses_is_recorded_unsupported_and_kept_on_resume(monkeypatch):
     """run_group: NotImplementedError (a mixer refusing a shape, as fla's delta rule a key
     head dim over 256) is recorded as unsupported with the mixer's words; a resume keeps
