@@ -1,6 +1,7 @@
 """What a recall sweep cost, read from its results file: per (task setting, d_model) the
 runs, the model steps they trained, the seconds of their groups (each group's longest run,
-its set-up and compiling included) and the model steps per group-second; in all, the
+its set-up and compiling included), the model steps per group-second and the most GPU
+memory a group held (`gpu_memory_mib`, where its runs recorded it); in all, the
 sweep's own seconds (its wall time, the parts of a resumed sweep summed): on one GPU, the
 grid's GPU time; and per part (each invocation that wrote the file, `parts`), its GPU,
 seconds, runs and how busy it kept each GPU (`gpu_use`, where recorded). A file from before
@@ -32,8 +33,11 @@ def grid_time(data: dict) -> dict:
     for runs in groups.values():
         cell = cells.setdefault((runs[0]["setting"], runs[0]["d_model"]), {
             "setting": runs[0]["setting"], "d_model": runs[0]["d_model"], "runs": 0,
-            "groups": 0, "model_steps": 0, "group_seconds": 0.0})
+            "groups": 0, "model_steps": 0, "group_seconds": 0.0, "gpu_memory_mib": None})
         cell["runs"] += len(runs)
+        memory = [run["gpu_memory_mib"] for run in runs if run.get("gpu_memory_mib") is not None]
+        if memory:
+            cell["gpu_memory_mib"] = max(memory + [cell["gpu_memory_mib"] or 0])
         cell["groups"] += 1
         cell["model_steps"] += sum(run["steps"] for run in runs)
         cell["group_seconds"] += max(run["seconds"] for run in runs)
@@ -91,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {cell['setting']}  d_model {cell['d_model']}: {cell['runs']} runs in "
               f"{cell['groups']} groups, {cell['model_steps']:,} model steps, "
               f"{cell['group_seconds']} group-seconds, "
-              f"{cell['model_steps_per_group_second']} steps per group-second")
+              f"{cell['model_steps_per_group_second']} steps per group-second"
+              + (f", {cell['gpu_memory_mib']:,} MiB of GPU memory a group at most"
+                 if cell["gpu_memory_mib"] is not None else ""))
     if args.yaml:
         with open(args.yaml, "w") as handle:
             yaml.safe_dump(summary, handle, sort_keys=False)

@@ -688,13 +688,21 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
     if len(keys) != 1:
         raise ValueError("train_group needs runs that differ only in lr, weight_decay, seed "
                          "and run_id")
+    device = torch.device(runs[0].device)
+    if device.type == "cuda":  # from here the group's own peak (earlier groups freed theirs)
+        torch.cuda.reset_peak_memory_stats(device)
     trainer = _GroupTrainer(runs, build_model, graphs, progress, compile=compile)
     results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)
     seconds = round(time.perf_counter() - trainer.started, 2)
+    # the most GPU memory the group's process held from PyTorch's allocator (its CUDA graph
+    # pools included): what a group of this shape needs beside others on one GPU
+    memory = (round(torch.cuda.max_memory_reserved(device) / 2**20)
+              if device.type == "cuda" else None)
     for result in results:
         result.update({"seconds": seconds, "train_seconds": round(trainer.train_seconds, 2),
                        "group_size": len(runs), "graphs": trainer.graphed,
-                       "compiled": compile, "device_name": device_name(runs[0].device)})
+                       "compiled": compile, "device_name": device_name(runs[0].device),
+                       "gpu_memory_mib": memory})
         if trainer.graph_failure:
             result["graph_failure"] = trainer.graph_failure
     return results

@@ -962,6 +962,7 @@ def test_each_part_of_a_resumed_sweep_is_recorded_and_each_run_names_its_device(
     assert first["runs"] == 2 and first["seconds"] == data["seconds"] >= 0
     assert first["utc_time"] == data["environment"]["utc_time"]
     assert {run["device_name"] for run in data["runs"]} == {"cpu"}
+    assert {run["gpu_memory_mib"] for run in data["runs"]} == {None}
     del data["parts"]  # a file from before parts were recorded, its second run lost
     data["runs"], data["complete"] = data["runs"][:1], False
     data["environment"]["gpu"] = "an earlier machine"
@@ -1490,14 +1491,15 @@ def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tm
     import subprocess
     import sys
 
-    def run(mixer, lr, steps, seconds, status="ok", d_model=64):
+    def run(mixer, lr, steps, seconds, status="ok", d_model=64, memory=None):
         return {**RunSpec(task="mqar", mixer=mixer, lr=lr, d_model=d_model, setting="s").as_dict(),
-                "status": status, "steps": steps, "seconds": seconds}
+                "status": status, "steps": steps, "seconds": seconds, "gpu_memory_mib": memory}
 
     data = {"kind": "recall", "seconds": 90.0, "complete": True,
             "environment": {"gpu": "GPU"},
-            "runs": [run("a", 1e-3, 100, 5.0), run("a", 1e-2, 300, 7.0),
-                     run("b", 1e-3, 50, 2.0), run("b", 1e-2, 0, 1.0, status="error"),
+            "runs": [run("a", 1e-3, 100, 5.0, memory=900), run("a", 1e-2, 300, 7.0, memory=900),
+                     run("b", 1e-3, 50, 2.0, memory=1500),
+                     run("b", 1e-2, 0, 1.0, status="error", memory=9999),
                      run("a", 1e-3, 40, 4.0, d_model=128)]}
     path = tmp_path / "grid.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -1513,6 +1515,7 @@ def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tm
     d64, d128 = summary["cells"]
     assert (d64["runs"], d64["groups"], d64["model_steps"], d64["group_seconds"]) == (3, 2, 450, 9.0)
     assert (d128["runs"], d128["groups"], d128["model_steps"], d128["group_seconds"]) == (1, 1, 40, 4.0)
+    assert (d64["gpu_memory_mib"], d128["gpu_memory_mib"]) == (1500, None)  # ok runs' groups
     assert summary["gpus"] == ["GPU"] and summary["parts"][0]["seconds"] == 90.0  # no parts
     data["parts"] = [{"utc_time": "t0", "gpu": "GPU", "seconds": 60.0, "runs": 3},
                      {"utc_time": "t1", "gpu": "other GPU", "seconds": 30.0, "runs": 2}]
@@ -1522,6 +1525,7 @@ def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tm
                           env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0 and "runs ok on GPU, other GPU" in done.stdout, done.stderr
     assert "part from t1 on other GPU: 30.0 s, 2 runs\n" in done.stdout
+    assert "steps per group-second, 1,500 MiB of GPU memory a group at most\n" in done.stdout
     data["parts"][0]["gpu_use"] = [{"index": 0, "samples": 30, "utilization_mean": 81.5,
                                     "utilization_median": 90.0, "memory_used_max_mib": 20480.0}]
     data["parts"][1]["gpu_use"] = {"unavailable": "nvidia-smi not found"}

@@ -96,3 +96,16 @@ def test_mamba2_stacked_steps_agree_through_the_triton_scan_and_the_chunk_form()
         trainer.train_to(6)
         losses[impl] = trainer.loss_sum
     torch.testing.assert_close(losses["triton"], losses["chunk"], rtol=2e-2, atol=1e-3)
+
+
+def test_a_group_records_the_most_gpu_memory_it_held():
+    """train_group: every run of a group names the most memory the group's process held
+    from PyTorch's allocator, at least its stacked parameters and their AdamW moments."""
+    from tasks.train import train_group
+
+    runs = [run.as_dict() for run in group("linear-attn", epochs=1)]
+    results = train_group(runs, build_model)
+    parameters = build_model(runs[0]).parameters()
+    floor = 3 * len(runs) * sum(p.numel() * 4 for p in parameters) / 2**20
+    assert len({r["gpu_memory_mib"] for r in results}) == 1
+    assert results[0]["gpu_memory_mib"] >= floor, (results[0]["gpu_memory_mib"], floor)
