@@ -9,6 +9,7 @@ before that token, and every output of the other batch row and head, must be fin
 equal (bit for bit: the masked products only ever multiply the entry by zero). The Triton
 forms run in the interpreter on CPU (tests/conftest.py)."""
 
+import functools
 import os
 
 import pytest
@@ -166,6 +167,13 @@ def _run(name, xs, grad_up=None):
     return o.detach(), torch.autograd.grad(o, xs, grad_up(o.detach()))
 
 
+@functools.cache
+def _finite_run(name):
+    """(outputs, final state) of form `name` on its finite inputs, shared by the cases of
+    the form (the Triton forms run in the interpreter: each call takes seconds)."""
+    return _run(name, _inputs(name))
+
+
 def _upstream(o):
     gen = torch.Generator().manual_seed(1)
     return torch.randn(o.shape, generator=gen, dtype=torch.float64).to(DEVICE, o.dtype)
@@ -203,7 +211,7 @@ FORWARD_CASES = [(name, value) for name in FORMS for value in ("nan", "inf")
 def test_non_finite_input_changes_only_later_outputs(name, which, value):
     value = float(value)
     xs, (_, bad) = _inputs(name), _tokens(name)
-    o, state = _run(name, xs)
+    o, state = _finite_run(name)
     o_bad, state_bad = _run(name, _with_bad(xs, which, value, bad))
     _check_untouched(o_bad, o, bad)
     assert not torch.isfinite(o_bad[0, bad, 0]).all()  # the bad token's own output shows it
@@ -236,10 +244,14 @@ def test_non_finite_input_keeps_earlier_gradients(name, which, value):
     gradient of the bad entry is NaN."""
     xs, (_, bad) = _inputs(name), _tokens(name)
     xs_bad = _with_bad(xs, which, float(value), bad)
-    o_bad, _ = _run(name, xs_bad)
-    up = torch.where(torch.isfinite(o_bad), _upstream(o_bad), 0.0)
-    _, grads = _run(name, xs, grad_up=lambda o: up)
-    _, grads_bad = _run(name, xs_bad, grad_up=lambda o: up)
+    up = []  # the upstream gradient, from the outputs of the run with the bad entry
+
+    def zero_where_not_finite(o):
+        up.append(torch.where(torch.isfinite(o), _upstream(o), 0.0))
+        return up[0]
+
+    _, grads_bad = _run(name, xs_bad, grad_up=zero_where_not_finite)
+    _, grads = _run(name, xs, grad_up=lambda o: up[0])
     for grad_bad, grad in zip(grads_bad, grads):
         assert torch.isfinite(grad_bad[0, :bad, 0]).all()
         _equal(grad_bad[0, :bad, 0], grad[0, :bad, 0])
