@@ -35,9 +35,9 @@ def grid_time(data: dict) -> dict:
             "setting": runs[0]["setting"], "d_model": runs[0]["d_model"], "runs": 0,
             "groups": 0, "model_steps": 0, "group_seconds": 0.0, "gpu_memory_mib": None})
         cell["runs"] += len(runs)
-        memory = [run["gpu_memory_mib"] for run in runs if run.get("gpu_memory_mib") is not None]
-        if memory:
-            cell["gpu_memory_mib"] = max(memory + [cell["gpu_memory_mib"] or 0])
+        memory = max((run.get("gpu_memory_mib") or 0 for run in runs), default=0)
+        if memory:  # a group's runs share its process's figure
+            cell["gpu_memory_mib"] = max(memory, cell["gpu_memory_mib"] or 0)
         cell["groups"] += 1
         cell["model_steps"] += sum(run["steps"] for run in runs)
         cell["group_seconds"] += max(run["seconds"] for run in runs)

@@ -669,7 +669,7 @@ class _GroupTrainer:
         self.progress({"event": "resumed", "step": self.step})
 
 
-def device_name(device: str) -> str:
+def device_name(device: str | torch.device) -> str:
     """What a group trained on: the GPU's model name, or the device type ("cpu")."""
     device = torch.device(device)
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -701,7 +701,7 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
     for result in results:
         result.update({"seconds": seconds, "train_seconds": round(trainer.train_seconds, 2),
                        "group_size": len(runs), "graphs": trainer.graphed,
-                       "compiled": compile, "device_name": device_name(runs[0].device),
+                       "compiled": compile, "device_name": device_name(device),
                        "gpu_memory_mib": memory})
         if trainer.graph_failure:
             result["graph_failure"] = trainer.graph_failure
