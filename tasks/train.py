@@ -690,6 +690,7 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
                          "and run_id")
     device = torch.device(runs[0].device)
     if device.type == "cuda":  # from here the group's own peak (earlier groups freed theirs)
+        torch.cuda.init()  # the allocator's statistics exist only once CUDA is initialised
         torch.cuda.reset_peak_memory_stats(device)
     trainer = _GroupTrainer(runs, build_model, graphs, progress, compile=compile)
     results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)

@@ -1,6 +1,12 @@
 """Stacked training on CUDA: the captured step replays what the eager step computes, for
 every mixer that can run here (bf16 autocast both ways)."""
 
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,12 +106,23 @@ def test_mamba2_stacked_steps_agree_through_the_triton_scan_and_the_chunk_form()
 
 def test_a_group_records_the_most_gpu_memory_it_held():
     """train_group: every run of a group names the most memory the group's process held
-    from PyTorch's allocator, at least its stacked parameters and their AdamW moments."""
-    from tasks.train import train_group
-
+    from PyTorch's allocator, at least its stacked parameters and their AdamW moments. It
+    runs in a fresh interpreter, as in a sweep's worker: there the group is the first thing
+    that touches CUDA."""
+    script = textwrap.dedent("""
+        import json
+        from hla_bench.training import build_model
+        from tasks.train import train_group
+        runs = json.loads(input())
+        results = train_group(runs, build_model)
+        parameters = build_model(runs[0]).parameters()
+        floor = 3 * len(runs) * sum(p.numel() * 4 for p in parameters) / 2**20
+        print(json.dumps([[r["gpu_memory_mib"] for r in results], floor]))
+    """)
     runs = [run.as_dict() for run in group("linear-attn", epochs=1)]
-    results = train_group(runs, build_model)
-    parameters = build_model(runs[0]).parameters()
-    floor = 3 * len(runs) * sum(p.numel() * 4 for p in parameters) / 2**20
-    assert len({r["gpu_memory_mib"] for r in results}) == 1
-    assert results[0]["gpu_memory_mib"] >= floor, (results[0]["gpu_memory_mib"], floor)
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(runs),
+                          capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    memory, floor = json.loads(done.stdout.splitlines()[-1])
+    assert len(set(memory)) == 1
+    assert memory[0] >= floor, (memory, floor)
