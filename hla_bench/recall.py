@@ -193,9 +193,12 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                 told_why = ("a CUDA fault beside other groups; queued again, to run alone "
                             "in a fresh worker" if event.get("alone") else
                             f"out of memory beside other groups; queued again, "
-                            f"{event['at_once']} group(s) at once from now on")
+                            f"{event['at_once']} group(s) at once until it is done")
                 progress.console.print(f"  {names[key]}: {told_why}", soft_wrap=plain,
                                        highlight=False)
+            elif event["event"] == "at_once" and key in names:
+                progress.console.print(f"  {names[key]}: done; {event['at_once']} group(s) "
+                                       "at once again", soft_wrap=plain, highlight=False)
             elif event["event"] == "start" and key in names:
                 bars[key] = progress.add_task(names[key], total=event["total"], info="")
                 told[key] = (0, event["runs"])

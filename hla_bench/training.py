@@ -5,9 +5,9 @@ of worker processes, and the summary of a sweep's runs.
 seed) as one stacked model. Here a sweep's runs are planned into groups (`plan_groups`), the groups go
 to worker processes (spawned: CUDA needs it), and every finished run comes back as an event
 so the caller can store it at once. A group that runs out of memory beside other groups
-waits for them: it goes back to the head of the queue and the pool starts no more groups
-at once than were still running (memory, not the worker count, then bounds the groups on
-a GPU). A group counts as beside others when any other may run during its run, including
+waits for them: it goes back to the head of the queue and, until it has finished, the pool
+starts no more groups at once than were still running (memory, not the worker count, then
+bounds the groups on a GPU; the smaller groups after it run side by side again). A group counts as beside others when any other may run during its run, including
 groups started after it. Out of memory with no other group running splits the group in two
 and retries; any other failure is recorded on each of its runs (a NotImplementedError, a
 shape its mixer refuses, as unsupported). A CUDA fault (a device-side assert, an
@@ -316,9 +316,10 @@ def run_groups(groups: list[list[dict]], workers: int,
     finished group. Returns False when the deadline stopped some group (checkpointed) or
     left some unstarted. One worker runs in this process; more are spawned processes, killed
     STOP_GRACE_S seconds after the deadline if they have not returned by then. A group that
-    runs out of memory beside others goes back to the head of the queue, and from then on
-    at most as many groups run at once as were still running (`on_event` gets a "retry"
-    event naming that number). A CUDA fault retires the pool once its running groups are
+    runs out of memory beside others goes back to the head of the queue, and until it has
+    finished at most as many groups run at once as were still running (`on_event` gets a
+    "retry" event naming that number, and an "at_once" event with the number that holds
+    once the last such group has finished). A CUDA fault retires the pool once its running groups are
     back (a new one takes the rest); a group that faulted beside others goes back to the
     head of the queue and runs alone (a "retry" event with `alone`). In this process, a
     CUDA fault ends the sweep (False): the process cannot use the GPU again, and --resume
@@ -356,7 +357,10 @@ def run_groups(groups: list[list[dict]], workers: int,
         todo = list(groups)
         pending: dict = {}
         killed = False
-        at_once = workers  # lowered when a group runs out of memory beside others
+        # id() of each group that ran out of memory beside others -> how many groups may
+        # run at once until it has finished; the pool starts at most the least of them
+        limits: dict[int, int] = {}
+        at_once = workers
         alone: set[int] = set()  # id() of groups that run with no other group beside them
         retiring = False  # a worker of the pool faulted: start nothing more in this pool
         while todo or pending:
@@ -402,14 +406,20 @@ def run_groups(groups: list[list[dict]], workers: int,
                                for spec in group]
                 if results == RETRY_WITH_FEWER:
                     todo.insert(0, group)
-                    at_once = max(1, min(at_once - 1, len(pending)))
+                    limits[id(group)] = at_once = max(1, min(at_once - 1, len(pending)))
                     on_event(ids, {"event": "retry", "at_once": at_once})
-                elif results == RETRY_ALONE:
+                    continue
+                if results == RETRY_ALONE:
                     retiring = True
                     todo.insert(0, group)
                     alone.add(id(group))
                     on_event(ids, {"event": "retry", "at_once": 1, "alone": True})
-                elif results is None:
+                    continue
+                if limits.pop(id(group), None) is not None:  # it has finished, or stopped
+                    at_once = min([workers, *limits.values()])
+                    if not limits:
+                        on_event(ids, {"event": "at_once", "at_once": at_once})
+                if results is None:
                     complete = False
                 else:
                     retiring = retiring or isinstance(results, CudaFault)

@@ -286,7 +286,32 @@ def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(
     assert complete and sorted(r["run_id"] for r in finished) == [0, 1, 2, 3, 4]
     assert [r["status"] for r in finished] == ["ok"] * 5
     assert all(not r["shared"] for r in finished if r["mixer"] == "big")
-    assert retries and retries == sorted(retries, reverse=True) and retries[-1] == 1
+    assert retries and retries[-1] == 1
+
+
+def test_groups_after_one_that_needed_the_gpu_alone_run_side_by_side_again(monkeypatch,
+                                                                          tmp_path):
+    """The fewer-at-once limit lasts while the group that ran out of memory is unfinished:
+    once the big group has run alone, the small groups queued behind it run three at once
+    again (they see each other), and the sweep says so with an "at_once" event."""
+    import pool_workers
+    from hla_bench import training
+
+    monkeypatch.setattr(training, "_worker", pool_workers.memory_bound)
+    order = ["big", "small", "small", "small", "small", "small"]
+    groups = [[{**tiny_spec(mixer=mixer, run_id=i), "marks": str(tmp_path)}]
+              for i, mixer in enumerate(order)]
+    finished, events = [], []
+    complete = run_groups(groups, 3, lambda ids, event: events.append((ids, event)),
+                          finished.extend)
+    assert complete and [r["status"] for r in finished] == ["ok"] * 6
+    big = next(i for i, r in enumerate(finished) if r["mixer"] == "big")
+    assert not finished[big]["shared"]
+    after = finished[big + 1:]
+    assert len(after) >= 2 and all(r["shared"] for r in after), finished
+    limits = [event for _, event in events if event["event"] in ("retry", "at_once")]
+    assert limits[-1] == {"event": "at_once", "at_once": 3}
+    assert limits[-2] == {"event": "retry", "at_once": 1}
 
 
 def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
