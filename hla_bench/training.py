@@ -7,8 +7,9 @@ to worker processes (spawned: CUDA needs it), and every finished run comes back 
 so the caller can store it at once. A group that runs out of memory beside other groups
 waits for them: it goes back to the head of the queue and, until it has finished, the pool
 starts no more groups at once than were still running (memory, not the worker count, then
-bounds the groups on a GPU; the smaller groups after it run side by side again). A group counts as beside others when any other may run during its run, including
-groups started after it. Out of memory with no other group running splits the group in two
+bounds the groups on a GPU; the smaller groups after it run side by side again). A group
+counts as beside others when any other may run during its run, including groups started
+after it. Out of memory with no other group running splits the group in two
 and retries; any other failure is recorded on each of its runs (a NotImplementedError, a
 shape its mixer refuses, as unsupported). A CUDA fault (a device-side assert, an
 illegal address) leaves its process unable to use the GPU again and, under CUDA MPS, may
@@ -319,10 +320,10 @@ def run_groups(groups: list[list[dict]], workers: int,
     runs out of memory beside others goes back to the head of the queue, and until it has
     finished at most as many groups run at once as were still running (`on_event` gets a
     "retry" event naming that number, and an "at_once" event with the number that holds
-    once the last such group has finished). A CUDA fault retires the pool once its running groups are
-    back (a new one takes the rest); a group that faulted beside others goes back to the
-    head of the queue and runs alone (a "retry" event with `alone`). In this process, a
-    CUDA fault ends the sweep (False): the process cannot use the GPU again, and --resume
+    once the last such group has finished). A CUDA fault retires the pool once its running
+    groups are back (a new one takes the rest); a group that faulted beside others goes back
+    to the head of the queue and runs alone (a "retry" event with `alone`). In this process,
+    a CUDA fault ends the sweep (False): the process cannot use the GPU again, and --resume
     continues in a fresh one."""
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
                "compile": compile}
