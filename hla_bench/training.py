@@ -361,10 +361,14 @@ def run_groups(groups: list[list[dict]], workers: int,
         # id() of each group that ran out of memory beside others -> how many groups may
         # run at once until it has finished; the pool starts at most the least of them
         limits: dict[int, int] = {}
-        at_once = workers
+
+        def allowed() -> int:
+            return min([workers, *limits.values()])
+
         alone: set[int] = set()  # id() of groups that run with no other group beside them
         retiring = False  # a worker of the pool faulted: start nothing more in this pool
         while todo or pending:
+            at_once = allowed()
             while todo and len(pending) < at_once and not retiring:
                 if deadline is not None and time.time() > deadline:
                     complete, todo = False, []
@@ -407,8 +411,8 @@ def run_groups(groups: list[list[dict]], workers: int,
                                for spec in group]
                 if results == RETRY_WITH_FEWER:
                     todo.insert(0, group)
-                    limits[id(group)] = at_once = max(1, min(at_once - 1, len(pending)))
-                    on_event(ids, {"event": "retry", "at_once": at_once})
+                    limits[id(group)] = max(1, min(allowed() - 1, len(pending)))
+                    on_event(ids, {"event": "retry", "at_once": limits[id(group)]})
                     continue
                 if results == RETRY_ALONE:
                     retiring = True
@@ -416,10 +420,9 @@ def run_groups(groups: list[list[dict]], workers: int,
                     alone.add(id(group))
                     on_event(ids, {"event": "retry", "at_once": 1, "alone": True})
                     continue
-                if limits.pop(id(group), None) is not None:  # it has finished, or stopped
-                    at_once = min([workers, *limits.values()])
-                    if not limits:
-                        on_event(ids, {"event": "at_once", "at_once": at_once})
+                if limits.pop(id(group), None) is not None and not limits:
+                    # the last group that needed fewer at once has finished, or stopped
+                    on_event(ids, {"event": "at_once", "at_once": workers})
                 if results is None:
                     complete = False
                 else:
