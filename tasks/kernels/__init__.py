@@ -1,0 +1,23 @@
+"""Fused kernels for stacked training (tasks/stacked.py): N models' elementwise work done in
+one pass each, exact against the unstacked computation (a stacked layer's own fused
+convolution and q/k normalisation is mixers.short_conv).
+
+  norm.py           stacked_norm: LayerNorm or RMSNorm with per-model weights `[N, d]` over
+                    activations `[N, M, d]`, optionally fused with the residual add; the
+                    backward produces the per-model weight and bias gradients in the same
+                    kernel as the input gradient (per-program partials, summed once)
+  cross_entropy.py  labelled_cross_entropy: the head (hidden @ W^T + b) and the mean
+                    cross-entropy over each model's labelled rows, chunk by chunk, never
+                    holding every row's logits; the gradients come out of the forward
+  adamw.py          adamw_step_: FlatAdamW's update of `[N, P]` rows in one pass
+
+Each runs Triton kernels on CUDA and a PyTorch path on the CPU and for float64 (`impl`
+"auto"), and either on request (`impl="triton"` runs the kernels on the CPU under
+TRITON_INTERPRET=1).
+"""
+
+from tasks.kernels.adamw import adamw_step_
+from tasks.kernels.cross_entropy import labelled_cross_entropy
+from tasks.kernels.norm import stacked_norm
+
+__all__ = ["adamw_step_", "labelled_cross_entropy", "stacked_norm"]
