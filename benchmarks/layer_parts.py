@@ -2,7 +2,7 @@
 its parts switched off in turn (short convolution, q/k norm, output norm) and with all
 three off, beside the bare operator; and the layer's depthwise causal convolution alone,
 two ways: torch's Conv1d as `mixers.layer.ShortConv` runs it, and the shifted sums of the
-stacked training path (`mixers.layer.stacked_causal_conv`), eager and compiled.
+stacked training path (`mixers.short_conv.stacked_causal_conv`), eager and compiled.
 
     python benchmarks/layer_parts.py [--mixers fla-linear-attn,hla2] [--seq-lens 2048,65536]
         [--modes fwd,fwdbwd] [--yaml out.yaml]
@@ -23,7 +23,8 @@ import yaml
 
 from hla_bench import registry
 from hla_bench.engine.timing import percentile, spread, time_calls
-from mixers.layer import ShortConv, stacked_causal_conv
+from mixers.layer import ShortConv
+from mixers.short_conv import stacked_causal_conv
 
 PARTS = {"layer": {}, "no short conv": {"short_conv": 0}, "no q/k norm": {"qk_norm": "none"},
          "no output norm": {"output_norm": False},

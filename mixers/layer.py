@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixers.dispatch import opaque
+from mixers.short_conv import conv_split_norm
 
 QK_NORMS = ("none", "l2", "scale")
 
@@ -52,18 +53,6 @@ def stacked_linear(x: torch.Tensor, weight: torch.Tensor,
     else:
         out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
     return out.view(*x.shape[:-1], weight.shape[1])
-
-
-def stacked_causal_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """N depthwise causal convolutions: x `[N, B, T, C]`, weight `[N, C, 1, k]` (a stacked
-    `ShortConv.conv.weight`); y_t = sum_j w_j x_{t-k+1+j}, zero before the start."""
-    k, T = weight.shape[-1], x.shape[2]
-    padded = F.pad(x, (0, 0, k - 1, 0))
-    taps = weight.to(x.dtype).squeeze(2).unsqueeze(1).unsqueeze(1)      # [N, 1, 1, C, k]
-    out = padded[:, :, 0:T] * taps[..., 0]
-    for j in range(1, k):
-        out = out + padded[:, :, j:j + T] * taps[..., j]
-    return out
 
 
 class MixerLayer(nn.Module):
@@ -140,15 +129,9 @@ class MixerLayer(nn.Module):
         call over N * B rows; equals running each copy's `forward` on its own x."""
         N, B, T, _ = x.shape
         qkv = stacked_linear(x, params["qkv.weight"], params.get("qkv.bias"))
-        if self.conv is not None:
-            qkv = stacked_causal_conv(qkv, params["conv.conv.weight"])
-        q, k, v = qkv.split(self.split, dim=-1)
-        q, k = (t.reshape(N * B, T, self.n_heads, self.key_dim) for t in (q, k))
-        v = v.reshape(N * B, T, self.n_heads, self.head_dim)
-        if self.qk_norm == "l2":
-            q, k = F.normalize(q, dim=-1).to(v.dtype), F.normalize(k, dim=-1).to(v.dtype)
-        elif self.qk_norm == "scale":
-            q = q * self.key_dim ** -0.5
+        # convolution, split and q/k norm in one fused op (its PyTorch form under compile)
+        q, k, v = conv_split_norm(qkv, params.get("conv.conv.weight"), self.split,
+                                  self.n_heads, self.key_dim, self.head_dim, self.qk_norm)
         if self.traceable_op:
             o, _ = self.op(q, k, v, **self.op_kwargs())
         else:

@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mixers.entry import Mixer
-from mixers.layer import ShortConv, stacked_causal_conv, stacked_linear
+from mixers.layer import ShortConv, stacked_linear
+from mixers.short_conv import stacked_causal_conv
 from mixers.mamba2 import SSDDecoder, mamba2_ssd, ssd, ssd_flops, ssd_parameters
 
 
