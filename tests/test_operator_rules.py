@@ -177,3 +177,36 @@ def test_auto_off_cuda_measures_a_feature_map_by_its_width():
         with noting() as notes:
             linear_attn(q, k, v, feature_map="taylor")
         assert notes["impl"] == form, (T, notes)
+
+
+@pytest.mark.parametrize("name", ["hla2-chunk", "sdpa", "linear-parallel"])
+def test_trusted_finite_inputs_change_no_value_and_skip_the_rule(name):
+    """Within inputs_trusted_finite the PyTorch forms give the same outputs and gradients on
+    finite inputs, bit for bit, and no longer poison a non-finite token's later outputs
+    (the rule's passes are skipped: its NaN spreads as the arithmetic spreads it)."""
+    from mixers.hla.common import inputs_trusted_finite
+
+    op = {"hla2-chunk": _with(hla2, impl="chunk"), "sdpa": sdpa_attention,
+          "linear-parallel": _with(linear_attn, impl="parallel")}[name]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+
+    def run():
+        o, _ = op(q, k, v)
+        grads = torch.autograd.grad((o * torch.arange(o.numel()).view_as(o)).sum(), (q, k, v))
+        return o.detach(), grads
+
+    plain = run()
+    with inputs_trusted_finite():
+        trusted = run()
+    assert torch.equal(plain[0], trusted[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], trusted[1]))
+    bad = q.detach().clone()
+    bad[0, 5, 0, 0] = math.inf
+    with torch.no_grad():
+        guarded, _ = op(bad, k, v)
+        with inputs_trusted_finite():
+            unguarded, _ = op(bad, k, v)
+    assert torch.isnan(guarded[0, 5:, 0]).all()
+    assert not torch.equal(guarded.isnan(), unguarded.isnan())
