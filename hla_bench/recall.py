@@ -500,14 +500,15 @@ def plan_table(rows: list[dict]) -> Table:
     """`plan_rows` as a table, with a total row."""
     runs = sum(row["runs"] for row in rows)
     table = Table(title=f"recall plan: {runs} runs (steps: at most, before early stops)")
-    for column in ("setting", "d_model", "mixers", "runs", "groups", "steps a run",
-                   "model steps", "FLOPs"):
+    for column in ("setting", "d_model", "mixers", "runs", "groups", "stacks",
+                   "steps a run", "model steps", "FLOPs"):
         table.add_column(column, justify="left" if column == "setting" else "right")
     for row in rows:
         table.add_row(escape(row["setting"]), *(f"{row[key]:,}" for key in
-                      ("d_model", "mixers", "runs", "groups", "steps", "model_steps")),
+                      ("d_model", "mixers", "runs", "groups")), row["stacks"],
+                      *(f"{row[key]:,}" for key in ("steps", "model_steps")),
                       _flops(row["flops"]))
-    table.add_row("all", "", "", f"{runs:,}", f"{sum(r['groups'] for r in rows):,}", "",
+    table.add_row("all", "", "", f"{runs:,}", f"{sum(r['groups'] for r in rows):,}", "", "",
                   f"{sum(r['model_steps'] for r in rows):,}",
                   _flops(sum(r["flops"] for r in rows)))
     return table
@@ -518,7 +519,7 @@ def plan_lines(rows: list[dict]) -> list[str]:
     runs = sum(row["runs"] for row in rows)
     return [f"recall plan: {runs} runs (steps: at most, before early stops)"] + [
         f"{row['setting']} d_model {row['d_model']}: {row['mixers']} mixers, {row['runs']} "
-        f"runs in {row['groups']} groups, {row['steps']:,} steps a run, "
+        f"runs in {row['groups']} groups (stacks {row['stacks']}), {row['steps']:,} steps a run, "
         f"{row['model_steps']:,} model steps, {_flops(row['flops'])} FLOPs" for row in rows] + [
         f"all: {sum(r['model_steps'] for r in rows):,} model steps, "
         f"{_flops(sum(r['flops'] for r in rows))} FLOPs"]

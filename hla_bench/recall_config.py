@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -462,7 +463,8 @@ def run_key(run: dict) -> str:
 
 def plan_rows(specs: list[dict], max_group: int,
               step_flops: Callable[[dict], int | None] | None = None) -> list[dict]:
-    """Per (task setting, d_model): the mixers, runs, stacked groups, the most steps a run
+    """Per (task setting, d_model): the mixers, runs, stacked groups and their sizes
+    (`stacks`), the most steps a run
     takes (every epoch, no early stop) and the most model steps of all its runs; with
     `step_flops` (a run's FLOPs per training step, None where unknown) also the most FLOPs
     of its runs (`flops`) and the mixers not counted (`uncounted`)."""
@@ -474,10 +476,14 @@ def plan_rows(specs: list[dict], max_group: int,
         first = runs[0]
         num_train = first["num_train"] or tasks.get(first["task"]).num_train
         steps = first["epochs"] * math.ceil(num_train / first["batch_size"])
+        groups = plan_groups(runs, max_group)
+        sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
                "mixers": len({spec["mixer"] for spec in runs}), "runs": len(runs),
-               "groups": len(plan_groups(runs, max_group)), "steps": steps,
-               "model_steps": steps * len(runs)}
+               "groups": len(groups), "steps": steps, "model_steps": steps * len(runs),
+               # the stacks the groups train as: "9 x 4" is nine stacks of four models
+               "stacks": ", ".join(f"{count} x {size}" for size, count in
+                                   sorted(sizes.items(), reverse=True))}
         if step_flops is not None:
             flops, uncounted = 0, set()
             for spec in runs:

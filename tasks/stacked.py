@@ -9,7 +9,14 @@ each model with its own learning rate and weight decay.
 
 `losses(tokens, labels)` takes `[N, B, T]` tokens and labels (model n reads its own batch)
 and returns `[N]` mean cross-entropies over each model's labelled positions; their sum has,
-for model n's parameters, exactly model n's own gradient. Mixer layers run stacked through
+for model n's parameters, exactly model n's own gradient.
+
+Run eagerly (the CPU, and CUDA without torch.compile), the norms and the head's
+cross-entropy go through fused kernels (`tasks.kernels`): each norm one pass forward and one
+backward that also forms its per-model weight gradients, its output in bf16 under autocast
+where a matmul reads it next (the matmul would round it so), and the cross-entropy in chunks
+of labelled rows, never the `[N, R, V]` logits in float32. Under torch.compile the plain
+PyTorch forms run, for inductor to fuse. Mixer layers run stacked through
 their `forward_stacked(params, x)` (x `[N, B, T, d_model]`); a single model (N = 1) runs any
 mixer through `torch.func.functional_call`, so every mixer can train here.
 
@@ -28,6 +35,9 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from tasks import IGNORE
+from tasks.kernels.adamw import adamw_step_
+from tasks.kernels.cross_entropy import labelled_cross_entropy
+from tasks.kernels.norm import stacked_norm
 from tasks.model import Block, LastStateDecoder, SwiGLU, TinyLM, at_least_float32
 
 # Stacked parameters are strided rows of one buffer, and so are their gradients (in place,
@@ -55,6 +65,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x[:, None, None, :]
 
 
+def _fused() -> bool:
+    """Whether the fused kernels run: always but while torch.compile traces."""
+    return not torch.compiler.is_compiling()
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul under the active autocast reads `x` in (x's own without one)."""
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x `[N, ..., in]` through N linear maps (weight `[N, out, in]`, bias `[N, out]`)."""
     N = x.shape[0]
@@ -65,18 +87,20 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 class StackedLM:
-    """N `TinyLM`s with stacked parameters; the first model is the structural template."""
+    """N `TinyLM`s with stacked parameters. The structural template is `template` (a model of
+    the same structure whose own parameter values are never read: compiled code made for an
+    earlier stack on it runs this one too), else the first model."""
 
-    def __init__(self, models: list[TinyLM]):
+    def __init__(self, models: list[TinyLM], template: TinyLM | None = None):
         if not models:
             raise ValueError("StackedLM needs at least one model")
-        self.template = models[0]
+        self.template = models[0] if template is None else template
         self.count = len(models)
         reason = stack_unsupported_reason(self.template, self.count)
         if reason:
             raise ValueError(f"cannot stack {self.count} models: {reason}")
         shapes = [(name, tuple(p.shape)) for name, p in self.template.named_parameters()]
-        for model in models[1:]:
+        for model in models:
             other = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
             if other != shapes:
                 raise ValueError("stacked models must have the same parameter names and shapes")
@@ -140,9 +164,17 @@ class StackedLM:
     def _sub(self, prefix: str) -> dict[str, torch.Tensor]:
         return {name[len(prefix):]: p for name, p in self.params.items() if name.startswith(prefix)}
 
-    def _apply(self, module: nn.Module, prefix: str, x: torch.Tensor) -> torch.Tensor:
-        """`module` (a part of the template) for every model: x `[N, B, T, d]`."""
+    def _apply(self, module: nn.Module, prefix: str, x: torch.Tensor,
+               into_matmul: bool = False) -> torch.Tensor:
+        """`module` (a part of the template) for every model: x `[N, B, T, d]`.
+        `into_matmul`: a matmul reads the result next (a norm may then give it in the
+        matmul's dtype)."""
         p = self.params
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and _fused():
+            layer = isinstance(module, nn.LayerNorm)
+            return stacked_norm(x, p[prefix + "weight"], p[prefix + "bias"] if layer else None,
+                                eps=module.eps, kind="layer" if layer else "rms",
+                                out_dtype=_matmul_dtype(x) if into_matmul else None)
         if isinstance(module, nn.LayerNorm):
             y = F.layer_norm(x, module.normalized_shape, eps=module.eps)
             return torch.addcmul(_rows(p[prefix + "bias"]), y, _rows(p[prefix + "weight"]))
@@ -152,7 +184,9 @@ class StackedLM:
             return _linear(x, p[prefix + "weight"], p.get(prefix + "bias"))
         if isinstance(module, nn.Sequential):
             for index, child in enumerate(module):
-                x = self._apply(child, f"{prefix}{index}.", x)
+                following = module[index + 1] if index + 1 < len(module) else None
+                x = self._apply(child, f"{prefix}{index}.", x,
+                                into_matmul=isinstance(following, (nn.Linear, SwiGLU)))
             return x
         if isinstance(module, SwiGLU):
             gate = F.silu(_linear(x, p[prefix + "w1.weight"], None))
@@ -192,11 +226,11 @@ class StackedLM:
         if model.positions is not None:
             x = x + p["positions.weight"][:, None, :T]
         x = self._blocks(tuple(model.blocks), F.dropout(x, model.embed_dropout, self.training))
-        if model.decoder is None:
-            return self._apply(model.norm, "norm.", x)
+        if model.decoder is None:  # the head reads the normed states
+            return self._apply(model.norm, "norm.", x, into_matmul=True)
         if model.decoder_kind == "default":
             return self._decode(self._apply(model.norm, "norm.", x))
-        return self._apply(model.norm, "norm.", self._decode(x))
+        return self._apply(model.norm, "norm.", self._decode(x), into_matmul=True)
 
     def _blocks(self, blocks: tuple[Block, ...], x: torch.Tensor) -> torch.Tensor:
         """The template's last `len(blocks)` blocks, one call per block rather than a loop:
@@ -206,8 +240,10 @@ class StackedLM:
             return x
         block = blocks[0]
         prefix = f"blocks.{len(self.template.blocks) - len(blocks)}."
+        # every mixer layer's stacked forward begins with its input projection
         x = x + self._mixer(block, prefix + "mixer.",
-                            self._apply(block.mixer_norm, prefix + "mixer_norm.", x))
+                            self._apply(block.mixer_norm, prefix + "mixer_norm.", x,
+                                        into_matmul=True))
         if block.state_mixer is not None:
             x = x + self._apply(block.state_mixer, prefix + "state_mixer.", x)
         return self._blocks(blocks[1:], x)
@@ -225,21 +261,31 @@ class StackedLM:
             return torch.baddbmm(p["head.bias"].unsqueeze(1), hidden, p["head.weight"].transpose(1, 2))
         return torch.bmm(hidden, p["embed.weight"].transpose(1, 2))
 
-    def labelled_logits(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int):
-        """At each model's labelled positions: logits `[N, R, V]` (R = `max_rows`, at least
-        every model's count), targets `[N, R]` (IGNORE past a model's count), the counts
-        `[N]` and the flat positions `[N, R]` (b * T + t). Row r of model n is its r-th
-        labelled position in order."""
+    def labelled_hidden(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int):
+        """At each model's labelled positions: the head's input states `[N, R, d]` (R =
+        `max_rows`, at least every model's count), targets `[N, R]` (IGNORE past a model's
+        count), the counts `[N]` and the flat positions `[N, R]` (b * T + t). Row r of model
+        n is its r-th labelled position in order."""
         hidden = self.hidden(tokens)
         N, B, T, d = hidden.shape
         rows, counts = labelled_rows(labels.reshape(N, B * T), max_rows)
         valid = torch.arange(max_rows, device=labels.device) < counts[:, None]
         targets = torch.where(valid, labels.reshape(N, B * T).gather(1, rows), IGNORE)
         picked = hidden.reshape(N, B * T, d).gather(1, rows[..., None].expand(-1, -1, d))
+        return picked, targets, counts, rows
+
+    def labelled_logits(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int):
+        """`labelled_hidden` with the head's logits `[N, R, V]` in place of its input."""
+        picked, targets, counts, rows = self.labelled_hidden(tokens, labels, max_rows)
         return self._head(picked), targets, counts, rows
 
     def losses(self, tokens: torch.Tensor, labels: torch.Tensor, max_rows: int) -> torch.Tensor:
         """`[N]` mean cross-entropy of each model over its labelled positions."""
+        if _fused():
+            picked, targets, counts, _ = self.labelled_hidden(tokens, labels, max_rows)
+            p = self.params
+            weight = p["head.weight"] if "head.weight" in p else p["embed.weight"]
+            return labelled_cross_entropy(picked, weight, targets, counts, p.get("head.bias"))
         logits, targets, counts, _ = self.labelled_logits(tokens, labels, max_rows)
         N, R, V = logits.shape
         ce = F.cross_entropy(at_least_float32(logits).reshape(N * R, V), targets.reshape(-1),
@@ -302,13 +348,7 @@ class FlatAdamW:
     def step(self, lr: torch.Tensor) -> None:
         """One update with learning rates `lr` `[N]` (a tensor on the parameters' device)."""
         beta1, beta2 = self.betas
-        param, grad = self.model.flat, self.model.grad
-        lr = lr.to(param.dtype).view(-1, 1)
         self.steps.add_(1)
-        correction1 = 1 - torch.pow(beta1, self.steps)
-        correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, self.steps))
-        param.mul_(1 - lr * self.weight_decay)
-        self.exp_avg.lerp_(grad, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (self.exp_avg_sq.sqrt() / correction2_sqrt).add_(self.eps)
-        param.sub_(self.exp_avg / denom * (lr / correction1))
+        # one pass over the rows on CUDA; elsewhere the same ops as torch.optim.AdamW's
+        adamw_step_(self.model.flat, self.model.grad, self.exp_avg, self.exp_avg_sq, lr,
+                    self.weight_decay, self.steps, beta1=beta1, beta2=beta2, eps=self.eps)

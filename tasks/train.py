@@ -6,12 +6,15 @@ form a group (`group_key`); `train_group` trains a group as one stacked model
 (`tasks.stacked`): one launch per op for all of its runs, each run with its own
 initialisation (`torch.manual_seed` of its seed before its model is built), its own data
 (its seed's splits) and batch order, its own learning rate and weight decay, and its own
-early stop (a stopped run leaves the stack). On CUDA the training step is captured as a
-CUDA graph and replayed. With `compile`, the stacked forward and backward are compiled by
-`torch.compile` (inductor fuses the elementwise work of the tiny models; random ops stay
-PyTorch's own, so the captured graph draws fresh dropout masks at every replay); a group
-compiles at most three times however many of its runs stop early (its first stack size,
-every later size above 1 as one program with a symbolic stack size, and size 1).
+early stop. A run that stops keeps its slot in the stack, its parameters frozen (its
+learning rate is zero from then on), so the stack's shape, its compiled code and its captured
+graph stay as they are; once at most half of the slots still train, the stack is compacted to
+those (one new shape). On CUDA the training step is captured as a CUDA graph and replayed.
+With `compile`, the stacked forward and backward are compiled by `torch.compile` (inductor
+fuses the elementwise work of the tiny models; random ops stay PyTorch's own, so the captured
+graph draws fresh dropout masks at every replay). Compiled code stays with the process: a
+later group of the same model structure (`structure_key`) and stack size reuses it, compiling
+nothing, and workers share torch's and Triton's caches on disk.
 
 Protocol: each run evaluates its validation split every `eval_every` steps (0: once per
 epoch) and stops early once validation accuracy exceeds `stop_accuracy`; its test split is
@@ -120,6 +123,11 @@ class RunSpec:
 
 
 SPEC_FIELDS = tuple(f.name for f in fields(RunSpec))
+# Spec fields that shape no computation of the training step's forward and backward (what
+# runs and when, not how): runs that differ only in these share compiled code.
+PROTOCOL_FIELDS = ("epochs", "num_train", "num_val", "num_test", "eval_every", "schedule",
+                   "warmup_frac", "stop_accuracy", "group_stop", "shuffle", "metric",
+                   "test_at_best_val", "setting", "init")
 
 
 def group_key(spec: dict) -> str:
@@ -128,6 +136,61 @@ def group_key(spec: dict) -> str:
     return repr(sorted((key, repr(spec.get(key))) for key in SPEC_FIELDS
                        if key not in PER_RUN_FIELDS))
 
+
+def structure_key(spec: dict) -> str:
+    """What the compiled training step of `spec`'s stack depends on: every spec field but the
+    per-run ones and the protocol's (PROTOCOL_FIELDS; init sets values, not structure)."""
+    return repr(sorted((key, repr(spec.get(key))) for key in SPEC_FIELDS
+                       if key not in PER_RUN_FIELDS + PROTOCOL_FIELDS))
+
+
+# This process's model templates by structure_key: a stacked model built on the template of
+# an earlier group of its structure passes the guards of the code compiled for that group.
+_TEMPLATES: dict[str, TinyLM] = {}
+# Structures remembered at most; beyond them the process forgets its compiled code.
+MAX_TEMPLATES = 32
+
+
+def _compile_settings(n_layers: int) -> None:
+    """torch.compile's settings for stacked steps (once per process, idempotent)."""
+    import torch._dynamo as dynamo
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True  # graph-safe dropout
+    # Each structure and stack size a process trains compiles once and stays cached; a
+    # mixer op kept out of the trace makes each block's frames around it compile on their
+    # own (StackedLM._blocks). Room for every structure remembered, three sizes each.
+    limit = 4 * max(2, n_layers) * MAX_TEMPLATES
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, limit)
+    if hasattr(dynamo.config, "accumulated_recompile_limit"):
+        dynamo.config.accumulated_recompile_limit = max(
+            dynamo.config.accumulated_recompile_limit, 8 * limit)
+
+
+def template_for(spec: dict, model: TinyLM) -> TinyLM:
+    """The template of `spec`'s structure this process compiled for, else `model` (which
+    becomes it)."""
+    key = structure_key(spec)
+    if key not in _TEMPLATES and len(_TEMPLATES) >= MAX_TEMPLATES:
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        _TEMPLATES.clear()
+    return _TEMPLATES.setdefault(key, model)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (dynamo's own account)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover - an older torch
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+
+
+# What a group's runs record of its wall time (which varies from run to run).
+TIMING_FIELDS = ("seconds", "train_seconds", "eval_seconds", "setup_seconds", "warmup_seconds",
+                 "compile_seconds")
 
 _DATA_CACHE: dict[tuple, Splits] = {}
 
@@ -216,6 +279,7 @@ class _Step:
         self.span = torch.arange(self.batch, device=trainer.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_steps = 0
+        self.calls = 0  # calls before the graph replays (the warm-up ones are timed)
 
     def run(self) -> None:
         t = self.trainer
@@ -238,10 +302,25 @@ class _Step:
             t.global_step.add_(1)
 
     def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if self.calls > self.WARM_STEPS:  # past the warm-up: plain eager steps
+            self.run()
+            return
+        # a warm-up call: eager steps that compile and autotune, then the capture
+        started = time.perf_counter()
+        self._warm_call()
+        if self.trainer.cuda:
+            torch.cuda.synchronize()
+        self.calls += 1
+        warmup = self.trainer.warmup
+        warmup["steps"] += 1
+        warmup["seconds"] += time.perf_counter() - started
+
+    def _warm_call(self) -> None:
         if not self.use_graph:
             self.run()
-        elif self.graph is not None:
-            self.graph.replay()
         elif self.eager_steps < self.WARM_STEPS:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -300,6 +379,7 @@ class _GroupTrainer:
 
     def __init__(self, specs: list[RunSpec], build_model: Callable[[dict], TinyLM],
                  graphs: bool, progress: Callable[[dict], None] | None, compile: bool = False):
+        self.building = time.perf_counter()
         first = specs[0]
         task = tasks.get(first.task)
         self.specs, self.task, self.progress = specs, task, progress or (lambda event: None)
@@ -323,7 +403,11 @@ class _GroupTrainer:
             torch.manual_seed(spec.seed)
             models.append(build_model(spec.as_dict()))
         self.n_params = sum(p.numel() for p in models[0].parameters())
-        self.model = StackedLM(models).to(self.device)
+        template = None
+        if compile:
+            _compile_settings(first.n_layers)
+            template = template_for(first.as_dict(), models[0].to(self.device))
+        self.model = StackedLM(models, template=template).to(self.device)
         self.optimizer = FlatAdamW(self.model, weight_decay=[spec.weight_decay for spec in specs])
         factors = torch.tensor(lr_factors(first.schedule, first.epochs, self.steps_per_epoch,
                                           first.warmup_frac), dtype=torch.float64)
@@ -331,9 +415,10 @@ class _GroupTrainer:
         dtype = self.model.flat.dtype  # float32 parameters, or float64 in exactness tests
         self.lr_table = (factors[:, None] * base[None, :]).to(self.device, dtype)
 
-        self.active = list(range(len(specs)))       # indices into specs, in stack order
+        self.slots = list(range(len(specs)))        # indices into specs, in stack order
+        self.retired: set[int] = set()  # runs that stopped, their slots frozen in the stack
         self.columns = torch.arange(len(specs), device=self.device)
-        self.model_seed = self._seed_rows(self.active)
+        self.model_seed = self._seed_rows(self.slots)
         self.batch_index = torch.zeros((), dtype=torch.long, device=self.device)
         self.global_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.loss_sum = torch.zeros(len(specs), device=self.device, dtype=dtype)
@@ -357,20 +442,11 @@ class _GroupTrainer:
         self.compile = compile
         self._compiled: tuple[StackedLM, Callable] | None = None
         self._labelled: dict[int, int] = {}
-        if compile:
-            import torch._dynamo as dynamo
-            import torch._inductor.config as inductor_config
-
-            inductor_config.fallback_random = True  # graph-safe dropout
-            dynamo.reset()  # a worker's earlier groups leave compiled code behind
-            # every batch has the same shape, so only the stack size recompiles: the first
-            # size, then one program for every later size above 1 (dynamo makes the stack dim
-            # symbolic once it changes), and size 1 (dynamo specialises sizes 0 and 1). Where
-            # a mixer's op stays out of the trace (a graph break), each block's frames around
-            # it compile on their own (StackedLM._blocks): those three sizes per block.
-            dynamo.config.recompile_limit = 4 * max(2, first.n_layers)
         self.started = time.perf_counter()
-        self.train_seconds = 0.0
+        self.train_seconds = self.eval_seconds = self.setup_seconds = 0.0
+        # until the step replays as a graph: its eager calls (compilation, autotuning,
+        # allocator warm-up) and their wall time; compile seconds from dynamo's account
+        self.warmup = {"steps": 0, "seconds": 0.0, "compile_seconds": 0.0}
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -387,9 +463,14 @@ class _GroupTrainer:
             self._compiled = (self.model, torch.compile(self.model.losses, dynamic=None))
         return self._compiled[1](tokens, labels, max_rows)
 
-    def _seed_rows(self, active: list[int]) -> torch.Tensor:
-        """The data row (index into the group's seeds) of each run in `active`."""
-        return torch.tensor([self.seeds.index(self.specs[i].seed) for i in active],
+    @property
+    def active(self) -> list[int]:
+        """The runs still training, in stack order."""
+        return [index for index in self.slots if index not in self.retired]
+
+    def _seed_rows(self, runs: list[int]) -> torch.Tensor:
+        """The data row (index into the group's seeds) of each run in `runs`."""
+        return torch.tensor([self.seeds.index(self.specs[i].seed) for i in runs],
                             device=self.device)
 
     def _program(self) -> _Step:
@@ -405,10 +486,11 @@ class _GroupTrainer:
         self.batch_index.zero_()
 
     def _keep(self, keep: list[int]) -> None:
-        """Only the stack slots `keep` stay (a stopped run leaves the stack); the captured
-        graphs belong to the old stack and are dropped."""
+        """Only the stack slots `keep` stay (the stack is compacted); the captured graphs
+        belong to the old stack and are dropped."""
         index = torch.as_tensor(keep, device=self.device)
-        self.active = [self.active[slot] for slot in keep]
+        self.slots = [self.slots[slot] for slot in keep]
+        self.retired &= set(self.slots)
         self.model = self.model.select(keep)
         self.optimizer = self.optimizer.select(self.model, keep)
         self.columns = self.columns.index_select(0, index)
@@ -431,17 +513,22 @@ class _GroupTrainer:
         if checkpoint is not None and checkpoint.exists():
             self._load(checkpoint)
         self.model.train()
+        self.setup_seconds = time.perf_counter() - self.building  # data, models, state
         while self.active and self.step < self.total:
             self.train_to(min(self.total, self.last_eval + self.eval_every), deadline)
             if self.step - self.last_eval >= self.eval_every or self.step >= self.total:
+                started = time.perf_counter()
                 self._evaluate()
+                self.eval_seconds += time.perf_counter() - started
             if (deadline is not None and time.time() > deadline and self.active
                     and self.step < self.total):
                 if checkpoint is not None:
                     self._save(checkpoint)
                 raise Interrupted(f"deadline reached at step {self.step} of {self.total}")
+        started = time.perf_counter()
         for index in list(self.active):
             self._finish(index, early=False)
+        self.eval_seconds += time.perf_counter() - started
         if checkpoint is not None and checkpoint.exists():
             checkpoint.unlink()
         return [self.results[i] for i in range(len(self.specs))]
@@ -483,14 +570,14 @@ class _GroupTrainer:
                 context: bool = False) -> tuple[list[float], list[float], list[float | None]]:
         """Accuracy (the runs' `metric`), mean cross-entropy over the labelled positions and,
         with `context`, the in-context value rate (None where the task defines no context
-        values) of every active model on its seed's `split`.
+        values) of the model in every stack slot (retired ones too) on its seed's `split`.
 
         The split goes through the models in forwards of `_eval_rows` examples; the sums
         stay on the device and are read once at the end (the in-context values, computed on
         the host, read each forward's tokens). "mad-macro" scores each batch of
         MAD_METRIC_BATCH examples of a forward on its own, as MAD-lab's evaluation batches."""
         self.model.eval()
-        n, device = len(self.active), self.device
+        n, device = len(self.slots), self.device
         macro = self.specs[0].metric == "mad-macro"
         size, seq_len = split[0][0].shape
         chunk = self._eval_rows(seq_len)
@@ -499,7 +586,7 @@ class _GroupTrainer:
         total, hits = torch.zeros_like(correct), torch.zeros_like(correct)
         loss_sum = torch.zeros(n, dtype=torch.float64, device=device)
         macro_sum = torch.zeros(n, dtype=torch.float64, device=device)
-        seeds = [self.seeds.index(self.specs[i].seed) for i in self.active]
+        seeds = [self.seeds.index(self.specs[i].seed) for i in self.slots]
         values_fn = self.task.context_values if context else None
         for start in range(0, size, chunk):
             tokens = torch.stack([split[s][0][start:start + chunk] for s in seeds])
@@ -536,7 +623,9 @@ class _GroupTrainer:
         self.loss_sum.zero_()
         self.last_eval = self.step
         stopped = []
-        for slot, index in enumerate(self.active):
+        live = [(slot, index) for slot, index in enumerate(self.slots)
+                if index not in self.retired]
+        for slot, index in live:
             self.curves[index].append({"step": self.step,
                                        "epoch": round(self.step / self.steps_per_epoch, 3),
                                        "loss": round(mean_loss[slot], 5),
@@ -547,23 +636,33 @@ class _GroupTrainer:
         if self.specs[0].test_at_best_val:
             self._record_best(val_loss)
         self.progress({"event": "eval", "step": self.step, "total": self.total,
-                       "accuracy": max(accuracy), "active": len(self.active)})
+                       "accuracy": max(accuracy[slot] for slot, _ in live),
+                       "active": len(live)})
         for index in stopped:
             self._finish(index, early=True)
         if stopped and self.specs[0].group_stop:
             won = {self.specs[index].seed for index in stopped}
             for index in [i for i in self.active if self.specs[i].seed in won]:
                 self._finish(index, early=False, by_group=True)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Once at most half of the stack's slots still train (and some do), the stack
+        keeps only those: until then a retired run's slot costs its share of each step, after
+        it a new stack shape costs a compilation and a capture."""
+        live = [slot for slot, index in enumerate(self.slots) if index not in self.retired]
+        if live and 2 * len(live) <= len(self.slots):
+            self._keep(live)
 
     def _record_best(self, val_loss: list[float]) -> None:
         """For each active run whose validation loss is below every earlier one (strictly:
         the first of equal evaluations is kept), its parameters now (`best_params`, one row
         per run), scored on test once, when the run stops (`_finish`)."""
-        improved = [slot for slot, index in enumerate(self.active)
-                    if val_loss[slot] < self.best.get(index, {}).get("val_loss", math.inf)]
+        improved = [slot for slot, index in enumerate(self.slots) if index not in self.retired
+                    and val_loss[slot] < self.best.get(index, {}).get("val_loss", math.inf)]
         if not improved:
             return
-        runs = [self.active[slot] for slot in improved]
+        runs = [self.slots[slot] for slot in improved]
         self.best_params.index_copy_(
             0, torch.tensor(runs, device=self.device),
             self.model.flat.index_select(0, torch.tensor(improved, device=self.device)))
@@ -572,23 +671,24 @@ class _GroupTrainer:
 
     def _score_alone(self, slot: int, split: list[tuple[torch.Tensor, torch.Tensor]],
                      context: bool = False, params: torch.Tensor | None = None):
-        """`_scores` of the active run at `slot` alone, with the `[1, P]` parameters `params`
-        in place of its own where given."""
-        stack, active = self.model, self.active
-        self.model, self.active = stack.select([slot]), [active[slot]]
+        """`_scores` of the run at stack slot `slot` alone, with the `[1, P]` parameters
+        `params` in place of its own where given."""
+        stack, slots = self.model, self.slots
+        self.model, self.slots = stack.select([slot]), [slots[slot]]
         if params is not None:
             self.model.flat.copy_(params)
         try:
             return self._scores(split, context)
         finally:
-            self.model, self.active = stack, active
+            self.model, self.slots = stack, slots
 
     def _finish(self, index: int, early: bool, by_group: bool = False) -> None:
-        """Score run `index` on test, once, and take it out of the stack (`by_group`: stopped
-        by another run's early stop, `group_stop`). A run stops right after an evaluation:
-        where that evaluation had its lowest validation loss, its test accuracy there is the
-        one just scored."""
-        slot = self.active.index(index)
+        """Score run `index` on test, once, and retire it: its slot stays in the stack with
+        its learning rate zero from this step on, so its parameters no longer change
+        (`by_group`: stopped by another run's early stop, `group_stop`). A run stops right
+        after an evaluation: where that evaluation had its lowest validation loss, its test
+        accuracy there is the one just scored."""
+        slot = self.slots.index(index)
         (test_accuracy,), _, (rate,) = self._score_alone(slot, self.data.test, context=True)
         best = self.best.get(index)
         at_best = (None if best is None else test_accuracy if best["step"] == self.step else
@@ -612,11 +712,10 @@ class _GroupTrainer:
             "n_params": self.n_params, "seq_len": int(self.data.train_x.shape[-1]),
             "curve": curve,
         }
-        remaining = [s for s in range(len(self.active)) if s != slot]
-        if remaining:
-            self._keep(remaining)
-        else:
-            self.active = []
+        self.retired.add(index)
+        self.lr_table[:, index] = 0  # in place: a captured step reads this table
+        if not self.active:
+            self.slots, self.retired = [], set()
         self.progress({"event": "finished", "run_id": spec.run_id, "step": self.step})
 
     # --- checkpoints -----------------------------------------------------------------
@@ -624,7 +723,8 @@ class _GroupTrainer:
     def _save(self, path: Path) -> None:
         """Everything a later call needs to continue exactly here (atomic write)."""
         state = {
-            "run_ids": [spec.run_id for spec in self.specs], "active": self.active,
+            "run_ids": [spec.run_id for spec in self.specs], "slots": self.slots,
+            "retired": sorted(self.retired),
             "flat": self.model.flat.cpu(),
             "optimizer": {k: v.cpu() for k, v in self.optimizer.state().items()},
             "columns": self.columns.cpu(), "step": self.step, "last_eval": self.last_eval,
@@ -635,7 +735,7 @@ class _GroupTrainer:
             "order": self.order.cpu(), "batch_index": int(self.batch_index),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.cuda else None,
-            "train_seconds": self.train_seconds,
+            "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f"{path.name}.{time.time_ns()}.tmp")
@@ -644,14 +744,16 @@ class _GroupTrainer:
 
     def _load(self, path: Path) -> None:
         state = torch.load(path, weights_only=False)
-        if state["run_ids"] != [spec.run_id for spec in self.specs]:
-            return  # a checkpoint of another plan: start over
+        if state["run_ids"] != [spec.run_id for spec in self.specs] or "slots" not in state:
+            return  # a checkpoint of another plan, or of an older layout: start over
         self.results, self.curves = state["results"], state["curves"]
         self.best = state.get("best", {})
         if self.best_params is not None and state.get("best_params") is not None:
             self.best_params.copy_(state["best_params"].to(self.device))
-        self.active = list(range(len(self.specs)))
-        self._keep([self.active.index(i) for i in state["active"]])
+        self._keep(list(state["slots"]))  # slot i of a new trainer holds run i
+        self.retired = set(state["retired"])
+        for index in self.retired:
+            self.lr_table[:, index] = 0
         self.model.flat.copy_(state["flat"].to(self.device))
         self.optimizer.load_state({k: v.to(self.device) for k, v in state["optimizer"].items()})
         self.columns = state["columns"].to(self.device)
@@ -666,6 +768,7 @@ class _GroupTrainer:
         if state["cuda_rng"] is not None and self.cuda:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.train_seconds = state["train_seconds"]
+        self.eval_seconds = state.get("eval_seconds", 0.0)
         self.progress({"event": "resumed", "step": self.step})
 
 
@@ -692,8 +795,10 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
     if device.type == "cuda":  # from here the group's own peak (earlier groups freed theirs)
         torch.cuda.init()  # the allocator's statistics exist only once CUDA is initialised
         torch.cuda.reset_peak_memory_stats(device)
+    compiled_before = compile_seconds()
     trainer = _GroupTrainer(runs, build_model, graphs, progress, compile=compile)
     results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)
+    warmup = trainer.warmup
     seconds = round(time.perf_counter() - trainer.started, 2)
     # the most GPU memory the group's process held from PyTorch's allocator (its CUDA graph
     # pools included): what a group of this shape needs beside others on one GPU
@@ -701,9 +806,16 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
               if device.type == "cuda" else None)
     for result in results:
         result.update({"seconds": seconds, "train_seconds": round(trainer.train_seconds, 2),
+                       "eval_seconds": round(trainer.eval_seconds, 2),
+                       "setup_seconds": round(trainer.setup_seconds, 2),
                        "group_size": len(runs), "graphs": trainer.graphed,
                        "compiled": compile, "device_name": device_name(device),
-                       "gpu_memory_mib": memory})
+                       "gpu_memory_mib": memory,
+                       # the steps before the step replays as a graph (compilation,
+                       # autotuning, capture): their wall time, and dynamo's compile time
+                       "warmup_steps": warmup["steps"],
+                       "warmup_seconds": round(warmup["seconds"], 2),
+                       "compile_seconds": round(compile_seconds() - compiled_before, 2)})
         if trainer.graph_failure:
             result["graph_failure"] = trainer.graph_failure
     return results

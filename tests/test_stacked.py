@@ -11,7 +11,8 @@ from hla_bench import registry
 from hla_bench.training import build_model, stackable
 from tasks import IGNORE
 from tasks.stacked import FlatAdamW, StackedLM, labelled_rows
-from tasks.train import RunSpec, _GroupTrainer, lr_factors, task_splits, train_group
+from tasks.train import (TIMING_FIELDS, RunSpec, _GroupTrainer, lr_factors, task_splits,
+                         train_group)
 
 TINY = dict(task="mqar", params=dict(vocab_size=64, seq_len=32, num_kv_pairs=4))
 MIXERS = ["sdpa", "linear-attn", "based", "hla2", "ahla2", "hla3", "mamba2-ssd"]
@@ -178,6 +179,40 @@ def test_a_run_leaving_the_stack_does_not_change_the_others():
         assert_same_params(trainer.model, slot, model)
 
 
+def test_a_retired_run_keeps_its_slot_frozen_and_the_others_train_as_each_alone():
+    """A run that stops keeps its slot: the stack's size stays, its parameters stay those of
+    its stop, and the other runs train as each alone."""
+    runs = group("linear-attn")
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(2)
+    at_stop = trainer.model.flat[1].clone()
+    trainer._finish(1, early=True)
+    trainer.train_to(5)
+    assert trainer.slots == [0, 1, 2] and trainer.active == [0, 2]
+    assert trainer.model.count == 3
+    assert torch.equal(trainer.model.flat[1], at_stop)
+    assert trainer.results[1]["steps"] == 2
+    for index in (0, 2):
+        model, _ = train_alone(runs[index], 5)
+        assert_same_params(trainer.model, index, model)
+
+
+def test_the_stack_compacts_once_at_most_half_of_its_slots_train():
+    runs = group("linear-attn", lrs=(1e-3, 2e-3, 3e-3, 4e-3), seeds=(0, 1, 0, 1))
+    trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
+    trainer.train_to(1)
+    trainer._finish(0, early=True)
+    trainer._compact()
+    assert trainer.slots == [0, 1, 2, 3] and trainer.model.count == 4  # 3 of 4 still train
+    trainer._finish(2, early=True)
+    trainer._compact()
+    assert trainer.slots == [1, 3] and trainer.model.count == 2 and trainer.retired == set()
+    trainer.train_to(4)
+    for slot, index in enumerate(trainer.slots):
+        model, _ = train_alone(runs[index], 4)
+        assert_same_params(trainer.model, slot, model)
+
+
 def step_each_alone(models, references, grads):
     """One torch.optim step of each model with its row of the flat gradients `grads`."""
     for n, (model, reference) in enumerate(zip(models, references)):
@@ -256,7 +291,7 @@ def test_group_stop_ends_a_seeds_other_runs_at_the_evaluation_where_one_stops_ea
         accuracy, loss, rate = original(self, split, context)
         if split is self.data.val:
             accuracy = [1.0 if (self.specs[i].seed, self.specs[i].lr) == (0, 1e-2) else 0.0
-                        for i in self.active]
+                        for i in self.slots]
         return accuracy, loss, rate
 
     monkeypatch.setattr(_GroupTrainer, "_scores", scores)
@@ -518,7 +553,7 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
     runs = group("linear-attn", test_at_best_val=True, **fields)
     tracked = train_group(runs, build64, graphs=False)
     recorded = ("best_val_loss", "best_val_loss_step", "test_accuracy_at_best_val_loss",
-                "test_at_best_val", "seconds", "train_seconds")
+                "test_at_best_val", *TIMING_FIELDS)
     for a, b in zip(plain, tracked):
         assert a["best_val_loss"] is None and a["test_accuracy_at_best_val_loss"] is None
         assert {k: v for k, v in a.items() if k not in recorded} == \
@@ -605,6 +640,18 @@ def test_the_test_split_is_scored_once_a_run_with_test_at_best_val(monkeypatch, 
         assert a["best_val_loss_step"] == b["best_val_loss_step"]
 
 
+@pytest.fixture
+def fresh_compiler(monkeypatch):
+    """No compiled code or model template left by earlier tests (a process keeps both, by
+    design): tests that count compilations start from none."""
+    from tasks import train
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(train, "_TEMPLATES", {})
+    yield
+    torch._dynamo.reset()
+
+
 def _eager_and_compiled(runs):
     return [_GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None,
                           compile=compile) for compile in (False, True)]
@@ -639,7 +686,7 @@ def test_compiled_training_follows_a_run_leaving_the_stack(monkeypatch):
     torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
 
 
-def test_a_compiled_group_compiles_at_most_three_times(monkeypatch):
+def test_a_compiled_group_compiles_at_most_three_times(monkeypatch, fresh_compiler):
     """The epoch's short last batch runs at full size (its extra rows ignored), and the loss
     does not read the stack size: a group of 5 runs that shrinks to 4, 3, 2 and 1 compiles
     for its first size, once for every later size above 1 (a symbolic stack size) and once
@@ -661,8 +708,40 @@ def test_a_compiled_group_compiles_at_most_three_times(monkeypatch):
     assert counters["frames"]["ok"] == 3, dict(counters["frames"])
 
 
+def test_a_later_group_of_the_same_structure_compiles_nothing(monkeypatch, fresh_compiler):
+    """Compiled code stays with the process: a second group of the same model structure and
+    stack size (other learning rates, seeds and protocol) runs on the first one's code, and
+    still trains as eager training does; another structure compiles anew."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    counters.clear()
+
+    def trainer(runs, compile=True):
+        return _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False,
+                             progress=None, compile=compile)
+
+    first = trainer(group("linear-attn"))
+    first.train_to(2)
+    compiled = counters["frames"]["ok"]
+    assert compiled >= 1
+    later_runs = group("linear-attn", lrs=(2e-3, 5e-3, 4e-3), seeds=(3, 3, 4), epochs=3)
+    later, eager = trainer(later_runs), trainer(later_runs, compile=False)
+    for each in (later, eager):
+        each.train_to(3)
+    assert counters["frames"]["ok"] == compiled, dict(counters["frames"])
+    assert later.model.template is first.model.template
+    torch.testing.assert_close(later.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
+    other = trainer(group("linear-attn", d_model=24))
+    other.train_to(1)
+    assert counters["frames"]["ok"] > compiled
+
+
 @pytest.mark.parametrize("n_layers", [3])
-def test_an_op_outside_the_trace_leaves_the_rest_of_the_model_compiled(monkeypatch, n_layers):
+def test_an_op_outside_the_trace_leaves_the_rest_of_the_model_compiled(monkeypatch, n_layers,
+                                                                        fresh_compiler):
     """A mixer op that torch.compile cannot trace (a Triton launcher: here hla2's PyTorch forms
     run through mixers.dispatch.opaque, as its kernels do on CUDA) breaks the graph at each
     block. The blocks are not a Python loop, so dynamo compiles around the break instead of
