@@ -1,6 +1,6 @@
 """Aggregate training throughput of a recall sweep: one run per process (each model trained
 alone, eagerly, with torch's fused AdamW) against stacked groups (the runs of a group as one
-model, the step replayed as a CUDA graph), on the same runs.
+model, the step replayed as a CUDA graph), on the same runs; and where a group's time goes.
 
 For each cell (task setting x d_model) of a recall config, the runs of `--mixers` at the
 config's learning rates train exactly `--steps` steps each (no evaluation, no early stop) in
@@ -15,6 +15,16 @@ once all have warmed up). Writes one YAML with both rates per cell and their rat
 
 A cell names its setting by sequence length where that names one (Zoology's panels), else by
 its label (`--config mad --cells "in_context_recall vocab_size=32:128"`).
+
+Mode `groups` trains every group of a cell for real, all at once (hla_bench.training.run_group:
+evaluation at the config's cadence, no early stop, `--steps` steps rounded up to whole
+epochs): the cell's model-steps a second over the wall time from the first group's start to
+the last one's end, and per group the shares of its wall time in setup (data, models),
+warm-up (the steps before its graph replays: compilation, autotuning, capture), steady
+steps and evaluation. Mode `profile` takes each group alone on the GPU (the groups build
+and warm up at once, then one at a time): its replayed step's time beside the time its
+matmul FLOPs take at the GPU's bf16 GEMM rate (measured at the start), and its costliest
+kernels. `--mixers all` names every mixer of the config.
 
 `--option MIXER.KEY=VALUE` sets a layer option of the config's mixer (`hla2.impl=parallel`
 trains hla2 through its parallel form), so two runs of the benchmark compare two ways of
@@ -37,12 +47,27 @@ WARMUP_STEPS = 5
 
 
 _START = None  # with every item of a pool at once: the barrier its workers pass after warm-up
+_ALONE = None  # the lock a profiled group holds while it alone is timed on the GPU
 
 
-def _init(threads: int, barrier=None) -> None:
-    global _START
+def _init(threads: int, barrier=None, lock=None) -> None:
+    global _START, _ALONE
     torch.set_num_threads(threads)
-    _START = barrier
+    _START, _ALONE = barrier, lock
+
+
+def gemm_tflops(size: int = 8192, reps: int = 20) -> float:
+    """The GPU's bf16 matrix-product rate on random data, TFLOP/s (after three warm-ups)."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * size**3 * reps / (start.elapsed_time(end) / 1000) / 1e12
 
 
 def _together() -> None:
@@ -96,58 +121,119 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
     from hla_bench.training import build_model
     from tasks.train import RunSpec, _GroupTrainer
 
-    trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
-                            progress=None, compile=compile)
-    started = time.perf_counter()
-    trainer.train_to(WARMUP_STEPS)  # eager warm-up steps (compilation) and the capture
-    warmup_s = time.perf_counter() - started
-    _together()
-    start = time.time()
-    trainer.train_to(WARMUP_STEPS + steps)
+    from mixers.hla.common import inputs_trusted_finite
+
+    with inputs_trusted_finite():  # as a sweep's groups train (hla_bench.training.run_group)
+        trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
+                                progress=None, compile=compile)
+        started = time.perf_counter()
+        trainer.train_to(WARMUP_STEPS)  # eager warm-up steps (compilation) and the capture
+        warmup_s = time.perf_counter() - started
+        _together()
+        start = time.time()
+        trainer.train_to(WARMUP_STEPS + steps)
     return {"start": start, "end": time.time(), "model_steps": steps * len(group),
             "graphed": trainer.graphed, "graph_failure": trainer.graph_failure,
             "mixer": group[0]["mixer"], "warmup_s": round(warmup_s, 1),
             "group_seconds": round(time.time() - start, 3)}
 
 
-def _profile(group: list[dict], steps: int, compile: bool = False, rows: int = 25) -> dict:
+def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: int = 16) -> dict:
     """Where one stacked step's GPU time goes, the group alone on the GPU: the wall time of
-    a replayed graph step and the matmul TFLOP/s it achieves (hla_bench.training.step_flops
-    per run), then torch.profiler over `steps` eager steps (the graph replays the same
-    kernels), the `rows` costliest ops by CUDA time."""
+    a replayed graph step, the time its matmul FLOPs take at `gemm` TFLOP/s
+    (hla_bench.training.step_flops per run), then torch.profiler over `steps` steps of the
+    same trainer without the graph (the graph replays the same kernels): its `rows`
+    costliest kernels."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from hla_bench.training import build_model, step_flops
-    from tasks.train import RunSpec, _GroupTrainer
+    from mixers.hla.common import inputs_trusted_finite
+    from tasks.train import RunSpec, _GroupTrainer, _Step
 
-    graphed = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
-                            progress=None, compile=compile)
-    graphed.train_to(WARMUP_STEPS)
-    started = time.perf_counter()
-    graphed.train_to(WARMUP_STEPS + 4 * steps)
-    graph_ms = (time.perf_counter() - started) * 1000 / (4 * steps)
-    del graphed
-    trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=False,
-                            progress=None, compile=compile)
-    trainer.train_to(WARMUP_STEPS)
-    cuda = trainer.cuda
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        trainer.train_to(WARMUP_STEPS + steps)
-    own = "self_device_time_total" if cuda else "self_cpu_time_total"
-    inclusive = "device_time_total" if cuda else "cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, own), reverse=True)
-    total = sum(getattr(e, own) for e in events) / 1000 / steps
+    with inputs_trusted_finite():
+        trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
+                                progress=None, compile=compile)
+        started = time.perf_counter()
+        trainer.train_to(WARMUP_STEPS)
+        warmup_s = time.perf_counter() - started
+        with _ALONE:
+            started = time.perf_counter()
+            trainer.train_to(WARMUP_STEPS + 4 * steps)
+            torch.cuda.synchronize()
+            graph_ms = (time.perf_counter() - started) * 1000 / (4 * steps)
+            trainer.program = _Step(trainer, graph=False)
+            trainer.train_to(trainer.step + _Step.WARM_STEPS + 1)  # its warm-up, untimed
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                trainer.train_to(trainer.step + steps)
+                torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    kernel_ms = sum(e.self_device_time_total for e in kernels) / 1000 / steps
     flops = step_flops(group[0])  # every run of a group computes the same step
-    return {"mixer": group[0]["mixer"], "runs": len(group), "steps": steps,
-            "graph_ms_per_step": round(graph_ms, 3), "gpu_ms_per_step": round(total, 3),
+    matmul_ms = None if flops is None else flops * len(group) / (gemm * 1e9)
+    return {"mixer": group[0]["mixer"], "runs": len(group), "warmup_s": round(warmup_s, 1),
+            "graph_ms_per_step": round(graph_ms, 3), "kernel_ms_per_step": round(kernel_ms, 3),
+            "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1),
             "flops_per_model_step": flops,
+            "matmul_ms_at_gemm_rate": None if matmul_ms is None else round(matmul_ms, 3),
             "graph_tflops": None if flops is None else
             round(flops * len(group) / graph_ms / 1e9, 1),
-            "ops": [{"name": e.key, "calls_per_step": round(e.count / steps, 1),
-                     "self_gpu_ms_per_step": round(getattr(e, own) / 1000 / steps, 4),
-                     "gpu_ms_per_step": round(getattr(e, inclusive) / 1000 / steps, 4)}
-                    for e in events[:rows]]}
+            "kernels": [{"name": e.key[:160], "calls_per_step": round(e.count / steps, 1),
+                         "gpu_ms_per_step": round(e.self_device_time_total / 1000 / steps, 4)}
+                        for e in kernels[:rows]]}
+
+
+def _group(group: list[dict], compile: bool) -> dict:
+    """One group trained as a sweep trains it (run_group), timed from its worker's start."""
+    from hla_bench.training import run_group
+
+    start = time.time()
+    results = run_group(group, lambda event: None, compile=compile)
+    end = time.time()
+    first = results[0]
+    report = {"start": start, "end": end, "mixer": group[0]["mixer"], "status": first["status"],
+              "model_steps": sum(r.get("steps") or 0 for r in results)}
+    if first["status"] != "ok":
+        return {**report, "error": first.get("error")}
+    keys = ("seconds", "setup_seconds", "warmup_steps", "warmup_seconds", "compile_seconds",
+            "train_seconds", "eval_seconds", "steps")
+    report.update({key: first.get(key) for key in keys})
+    steady = first["train_seconds"] - first["warmup_seconds"]
+    report["steady_step_ms"] = round(1000 * steady / max(1, first["steps"]
+                                                         - first["warmup_steps"]), 3)
+    report["shares"] = {part: round(first[f"{part}_seconds"] / first["seconds"], 3)
+                        for part in ("setup", "warmup", "eval")}
+    report["shares"]["steps"] = round(steady / first["seconds"], 3)
+    return report
+
+
+def _trained(chosen: list[dict], max_group: int, steps: int, compile: bool) -> dict:
+    """Mode groups: the cell's groups trained at once for about `steps` steps each (whole
+    epochs of the config's data, no early stop)."""
+    from hla_bench.training import plan_groups
+    from tasks.train import RunSpec
+
+    runs = []
+    for spec in chosen:
+        run = RunSpec(**spec)
+        num_train = run.num_train or tasks_num_train(run)
+        per_epoch = math.ceil(num_train / run.batch_size)
+        runs.append({**spec, "stop_accuracy": 1.0, "epochs": max(1, math.ceil(steps / per_epoch))})
+    groups = plan_groups(runs, max_group)
+    started = time.time()
+    reports = _pool(_group, groups, len(groups), compile)
+    wall = time.time() - started
+    model_steps = sum(r["model_steps"] for r in reports)
+    return {"wall_seconds": round(wall, 2), "model_steps": model_steps,
+            "steps_per_s": round(model_steps / wall, 1),
+            "first_to_last_steps_per_s": _rate(reports)["steps_per_s"], "groups": reports}
+
+
+def tasks_num_train(run) -> int:
+    import tasks
+
+    return tasks.get(run.task).num_train
 
 
 def _rate(reports: list[dict]) -> dict:
@@ -164,7 +250,8 @@ def _pool(function, items, workers: int, *args) -> list[dict]:
     with context.Manager() as manager:
         barrier = manager.Barrier(workers) if workers == len(items) > 1 else None
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
-                                 initargs=(max(1, 16 // workers), barrier)) as pool:
+                                 initargs=(max(1, 16 // workers), barrier,
+                                           manager.Lock())) as pool:
             return list(pool.map(function, items, *([a] * len(items) for a in args)))
 
 
@@ -209,10 +296,12 @@ def main() -> None:
                         help="training examples generated per seed (throughput does not "
                              "depend on it)")
     parser.add_argument("--mixers", default="sdpa,linear-attn,hla2",
-                        help="comma-separated mixers of the config to train")
+                        help="comma-separated mixers of the config to train, or all")
     parser.add_argument("--modes", default="stacked,alone",
                         help="comma-separated: stacked, alone (the two rates and their ratio), "
-                             "profile (each group alone: graph step time, ops by GPU time)")
+                             "profile (each group alone: graph step time, its matmul time at "
+                             "the GEMM rate, kernels by GPU time), groups (real groups at "
+                             "once: model-steps/s and where each group's time goes)")
     parser.add_argument("--concurrency", type=int, default=0,
                         help="stacked mode: at most this many groups train at once (0: all "
                              "of a cell's groups; wide models may need fewer to fit the GPU; "
@@ -221,7 +310,7 @@ def main() -> None:
                         help="stacked mode: train each group this many times at once (how "
                              "aggregate throughput grows with the processes sharing the GPU)")
     parser.add_argument("--compile", action="store_true",
-                        help="stacked and profile modes: compile each group's step "
+                        help="stacked, profile and groups modes: compile each group's step "
                              "(torch.compile) before it is captured")
     parser.add_argument("--option", action="append", default=[], metavar="MIXER.KEY=VALUE",
                         help="set a layer option of a mixer of the config (repeatable; the "
@@ -236,8 +325,8 @@ def main() -> None:
             parser.error(f"--option takes MIXER.KEY=VALUE, got {text!r}")
         options.setdefault(mixer, {})[key] = yaml.safe_load(value)
     modes = set(args.modes.split(","))
-    if not modes or modes - {"stacked", "alone", "profile"}:
-        parser.error(f"--modes takes stacked, alone and profile, got {args.modes!r}")
+    if not modes or modes - {"stacked", "alone", "profile", "groups"}:
+        parser.error(f"--modes takes stacked, alone, profile and groups, got {args.modes!r}")
     if args.concurrency < 0:
         parser.error(f"--concurrency must be >= 0, got {args.concurrency}")
     if args.copies < 1:
@@ -250,7 +339,8 @@ def main() -> None:
     from hla_bench.training import plan_groups, seq_len_of
 
     config = load_config(str(configs.find(args.config)), {})
-    config["mixers"] = args.mixers.split(",")
+    if args.mixers != "all":
+        config["mixers"] = args.mixers.split(",")
     for mixer, changes in options.items():
         if mixer not in config["mixers"]:
             parser.error(f"--option names {mixer!r}, which is not among --mixers")
@@ -282,6 +372,8 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
               "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
               "mixer_options": config["mixer_options"], "cells": []}
+    if modes & {"profile"}:
+        report["gemm_tflops"] = round(gemm_tflops(), 1)
     for chosen in cells:
         runs = [{**s, "num_train": args.num_train,
                  "epochs": math.ceil((args.steps + WARMUP_STEPS) * s["batch_size"]
@@ -317,7 +409,11 @@ def main() -> None:
                                     round(entry["stacked"]["steps_per_s"]
                                           / entry["alone"]["steps_per_s"], 2))
             if "profile" in modes:
-                entry["profiles"] = _pool(_profile, groups, 1, 5, args.compile)
+                entry["profiles"] = _pool(_profile, groups, len(groups), 5, args.compile,
+                                          report["gemm_tflops"])
+            if "groups" in modes:
+                entry["groups_trained"] = _trained(chosen, config["max_group"], args.steps,
+                                                   args.compile)
         except Exception as error:  # noqa: BLE001 - one cell's failure is recorded, the rest run
             entry["error"] = f"{type(error).__name__}: {error}"
         report["cells"].append(entry)

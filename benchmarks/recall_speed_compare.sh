@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The recall training step of this checkout beside an earlier one's, on one GPU in one call:
+# recall_throughput.py's stacked mode (every group of a cell at once, under CUDA MPS) for each
+# code, then where this checkout's step goes (profile mode, each group alone).
+#
+#   bash benchmarks/recall_speed_compare.sh OUT BASELINE [CELLS]
+#
+# BASELINE is a checkout of the earlier code (`git worktree add BASELINE COMMIT`); CELLS as
+# recall_throughput.py's --cells (default 256:128: Zoology's 256/16 setting at d_model 128).
+# Writes OUT/baseline-compiled.yaml (the earlier code as its zoology-fig2 config runs it:
+# compiled), OUT/stacked-eager.yaml and OUT/stacked-compiled.yaml (this code, its step eager
+# with the fused kernels, and compiled) and OUT/profile-eager.yaml. Optional packages come
+# as wheels in .whl/ (benchmarks/offline_wheels.sh).
+set -uo pipefail
+out=${1:?usage: recall_speed_compare.sh OUT BASELINE [CELLS]}
+baseline=$(cd "${2:?usage: recall_speed_compare.sh OUT BASELINE [CELLS]}" && pwd)
+cells=${3:-256:128}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 NCCL_NVLS_ENABLE=0
+site=""
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    site=":/tmp/site"
+fi
+nvidia-cuda-mps-control -d 2> /dev/null || true
+bench() {  # bench CODE_DIR OUTFILE ARGS...
+    local code=$1 file=$2
+    shift 2
+    (cd "$code" && PYTHONPATH="$code$site" python3 benchmarks/recall_throughput.py \
+        --config zoology-fig2 --cells "$cells" --mixers all --steps 150 --out "$file" "$@") \
+        2>&1 | grep -v -i warning | tail -4 | cut -c1-400
+}
+mixers=sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule
+# the earlier code's script takes no "all"
+(cd "$baseline" && PYTHONPATH="$baseline$site" python3 benchmarks/recall_throughput.py \
+    --config zoology-fig2 --cells "$cells" --mixers "$mixers" --modes stacked --compile \
+    --steps 150 --out "$out/baseline-compiled.yaml") 2>&1 | grep -v -i warning | tail -4 | cut -c1-400
+bench "$PWD" "$out/stacked-eager.yaml" --modes stacked
+bench "$PWD" "$out/stacked-compiled.yaml" --modes stacked --compile
+echo quit | nvidia-cuda-mps-control 2> /dev/null || true
+bench "$PWD" "$out/profile-eager.yaml" --modes profile
+PYTHONPATH="$PWD$site" python3 - "$out" <<'EOF'
+import sys, yaml
+from pathlib import Path
+out = Path(sys.argv[1])
+for name in ("baseline-compiled", "stacked-eager", "stacked-compiled"):
+    path = out / f"{name}.yaml"
+    if not path.exists():
+        print(name, "missing"); continue
+    for cell in yaml.safe_load(path.read_text())["cells"]:
+        rate = (cell.get("stacked") or {}).get("steps_per_s")
+        groups = {g["mixer"]: g.get("steps_per_s") for g in cell.get("groups_stacked", [])}
+        print(name, cell["seq_len"], cell["d_model"], "model-steps/s", rate, groups,
+              cell.get("error", "")[:200])
+path = out / "profile-eager.yaml"
+if path.exists():
+    for cell in yaml.safe_load(path.read_text())["cells"]:
+        for p in cell.get("profiles", []):
+            print(p["mixer"], "graph ms", p["graph_ms_per_step"], "matmul ms",
+                  p["matmul_ms_at_gemm_rate"], "kernels", p["kernels_per_step"])
+            for k in p["kernels"][:6]:
+                print("    ", k["gpu_ms_per_step"], k["calls_per_step"], k["name"][:90])
+EOF
