@@ -136,9 +136,14 @@ def _looks_like_recall(path: Path) -> bool:
     return isinstance(data, dict) and bool({"settings", "lrs", "d_model"} & set(data))
 
 
-def _check_executor(executor: str, scheduler: str | None) -> None:
+def _check_executor(executor: str, scheduler: str | None, dashboard: bool = False) -> None:
     if scheduler and executor != "dask":
         raise click.UsageError("--scheduler needs --executor dask")
+    if dashboard and (executor != "dask" or scheduler):
+        raise click.UsageError("--dashboard is the dashboard of the local Dask cluster: it "
+                               "needs --executor dask without --scheduler"
+                               + (f" (the scheduler {scheduler} serves its own, if any)"
+                                  if scheduler else ""))
     if executor == "dask":
         from hla_bench.dask_executor import executor_problem
 
@@ -150,12 +155,12 @@ def _check_executor(executor: str, scheduler: str | None) -> None:
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
             baseline: str | None, resume: bool = False, overwrite: bool = False,
             executor: str = "local", scheduler: str | None = None,
-            isolate: bool = False) -> dict[str, Any]:
+            isolate: bool = False, dashboard: bool = False) -> dict[str, Any]:
     """Check everything, run the sweeps with a progress bar, keeping the results file
     current after every point; print tables or data."""
     from hla_bench.engine.runner import run_sweeps
 
-    _check_executor(executor, scheduler)
+    _check_executor(executor, scheduler, dashboard)
     mode = _mode(out, resume, overwrite)
     _check(sweeps)
     errors = Console(stderr=True)
@@ -198,8 +203,14 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
             if executor == "dask":
                 from hla_bench.dask_executor import run_sweeps_dask
 
+                def on_connected(client) -> None:
+                    if dashboard:
+                        errors.print(f"dask dashboard: {client.dashboard_link}",
+                                     highlight=False)
+
                 planned = run_sweeps_dask(sweeps, scheduler, previous=store.records(),
-                                          on_measured=on_measured)
+                                          on_measured=on_measured, dashboard=dashboard,
+                                          on_connected=on_connected)
             elif isolate:
                 from hla_bench.engine.isolate import run_sweeps_isolated
 
@@ -254,6 +265,9 @@ output_options = [
                  "cluster, one worker per GPU or CPU slot, without --scheduler)."),
     click.option("--scheduler", metavar="ADDRESS",
                  help="An existing Dask scheduler (tcp://host:8786) for --executor dask."),
+    click.option("--dashboard", is_flag=True,
+                 help="Serve the local Dask cluster's dashboard, on 127.0.0.1 only (default: "
+                      "none; the cluster listens on 127.0.0.1 only either way)."),
     click.option("--isolate", is_flag=True,
                  help="Measure each mixer of a sweep in a process of its own, so a fault "
                       "that kills or poisons a process (an illegal memory access) costs only "
@@ -295,8 +309,8 @@ def with_setting_options(command: Callable) -> Callable:
 @with_setting_options
 @with_output_options
 def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
-          resume: bool, overwrite: bool, executor: str, scheduler: str | None, isolate: bool,
-          **settings: Any) -> None:
+          resume: bool, overwrite: bool, executor: str, scheduler: str | None, dashboard: bool,
+          isolate: bool, **settings: Any) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
@@ -315,7 +329,7 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
                 raise click.UsageError(f"--{name.replace('_', '-')} applies to decode and "
                                        f"prefill points; --modes is {','.join(sweep.modes)}")
     execute(config, [sweep], out, output_format, baseline, resume, overwrite, executor, scheduler,
-            isolate)
+            isolate, dashboard)
 
 
 @click.command()
@@ -325,7 +339,7 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
 @with_output_options
 def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
         as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool, executor: str,
-        scheduler: str | None, isolate: bool) -> None:
+        scheduler: str | None, dashboard: bool, isolate: bool) -> None:
     """Run the sweeps of a config file (default: the shipped cpu-smoke).
 
     CONFIG is a YAML file, or the name of a config shipped with hla-bench in
@@ -368,7 +382,7 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
     total = sum(len(s.mixers) * len(s.modes) * len(s.seq_lens) for s in sweeps)
     Console(stderr=True).print(f"{path.name}: {len(sweeps)} sweep(s), {total} points")
     execute(config, sweeps, out, output_format, baseline, resume, overwrite, executor, scheduler,
-            isolate)
+            isolate, dashboard)
 
 
 commands = [list_, bench, run]

@@ -6,6 +6,11 @@ of one sweep, measured in a fresh process on its worker). Every finished task co
 the client, which stores its records at once, as the local executor does, so `--resume`
 works across executors.
 
+A local cluster listens on the loopback interface only, without a dashboard unless asked
+for (`connect`); its processes end with the command: each worker exits when the command's
+process is gone (Dask's nanny pipe), and a bench task's child when its worker is
+(`hla_bench.processes.exit_with_parent`).
+
 Without `--scheduler` a local cluster is started: for a recall sweep its workers (the
 config's `workers_per_gpu` a GPU) spread over the GPUs, for a bench sweep one worker per
 GPU, each worker seeing only its GPU (`CUDA_VISIBLE_DEVICES`); without a GPU, one worker
@@ -76,28 +81,51 @@ def scheduler_problem(address: str, timeout: float = 5.0) -> str | None:
     return None
 
 
+# A local cluster listens on the loopback interface only: its scheduler and workers accept
+# unauthenticated connections that run code, so no other host may reach them.
+LOOPBACK = "127.0.0.1"
+# The dashboard of a local cluster, when asked for (`--dashboard`): on the loopback
+# interface too (the next free port if this one is taken).
+DASHBOARD_ADDRESS = f"{LOOPBACK}:8787"
+# The HTTP routes of a local cluster's scheduler and workers without the dashboard: the
+# health check alone (Dask always starts an HTTP server; it then listens on a free loopback
+# port and serves nothing else).
+HEALTH_ONLY = ["distributed.http.health"]
+
+
 def worker_specs(gpus: int, workers: int, threads: int = 1) -> dict[str, dict]:
-    """`workers` Nanny-supervised workers of one thread. With GPUs they are spread over them
-    round-robin: worker k sees GPU k % gpus alone and holds the resource GPU=1, so each runs
-    one GPU task at a time and workers of one GPU share it (side by side under CUDA MPS).
-    Without, they are CPU workers of `threads` OpenMP threads each."""
+    """`workers` Nanny-supervised workers of one thread, listening on the loopback interface
+    only. With GPUs they are spread over them round-robin: worker k sees GPU k % gpus alone
+    and holds the resource GPU=1, so each runs one GPU task at a time and workers of one GPU
+    share it (side by side under CUDA MPS). Without, they are CPU workers of `threads`
+    OpenMP threads each."""
     distributed = _distributed()
     count = max(1, workers)
     if gpus:
         return {f"gpu-{k % gpus}" + (f"-{k // gpus}" if count > gpus else ""): {
                     "cls": distributed.Nanny, "options": {
-                        "nthreads": 1, "resources": {"GPU": 1},
+                        "nthreads": 1, "resources": {"GPU": 1}, "host": LOOPBACK,
                         "env": {"CUDA_VISIBLE_DEVICES": str(k % gpus)}}}
                 for k in range(count)}
     return {f"cpu-{index}": {"cls": distributed.Nanny, "options": {
-                "nthreads": 1, "env": {"OMP_NUM_THREADS": str(threads)}}}
+                "nthreads": 1, "host": LOOPBACK, "env": {"OMP_NUM_THREADS": str(threads)}}}
             for index in range(count)}
 
 
-def connect(scheduler: str | None, *, gpus: int, workers: int):
+def scheduler_spec(dashboard: bool = False) -> dict[str, Any]:
+    """The local cluster's scheduler: on the loopback interface, with the dashboard (on the
+    loopback interface too) only when asked for."""
+    distributed = _distributed()
+    return {"cls": distributed.Scheduler, "options": {
+        "host": LOOPBACK, "dashboard": dashboard,
+        "dashboard_address": DASHBOARD_ADDRESS if dashboard else f"{LOOPBACK}:0"}}
+
+
+def connect(scheduler: str | None, *, gpus: int, workers: int, dashboard: bool = False):
     """A client of the scheduler at `scheduler`, or of a new local cluster of `workers`
-    workers over `gpus` GPUs, or on the CPU without (see `worker_specs`); close it with
-    `.close()` (a local cluster is closed with it)."""
+    workers over `gpus` GPUs, or on the CPU without (see `worker_specs`), listening on the
+    loopback interface only, with a dashboard when `dashboard`; close it with `.close()` (a
+    local cluster is closed with it). What a `scheduler` exposes is its own configuration."""
     distributed = _distributed()
     import dask
 
@@ -109,9 +137,14 @@ def connect(scheduler: str | None, *, gpus: int, workers: int):
     if scheduler:
         return distributed.Client(scheduler, timeout="30s")
     threads = max(1, (os.cpu_count() or 1) // max(1, workers))
-    cluster = distributed.SpecCluster(
-        scheduler={"cls": distributed.Scheduler, "options": {"dashboard_address": None}},
-        workers=worker_specs(gpus, workers, threads), asynchronous=False)
+    # the scheduler reads its routes as it starts, each Nanny takes the config its worker
+    # processes get (restarts included) as it is made: both happen in SpecCluster()
+    routes = {} if dashboard else {"distributed.scheduler.http.routes": HEALTH_ONLY,
+                                   "distributed.worker.http.routes": HEALTH_ONLY}
+    with dask.config.set(routes):
+        cluster = distributed.SpecCluster(
+            scheduler=scheduler_spec(dashboard), workers=worker_specs(gpus, workers, threads),
+            asynchronous=False)
     client = distributed.Client(cluster)
     client.wait_for_workers(len(cluster.workers), timeout=120)
     original_close = client.close
@@ -184,33 +217,30 @@ def _restart_worker_of(client, future) -> None:
         pass
 
 
-def _measure_points(sweep: dict, previous: list[dict]) -> list[dict]:
-    """The points of one sweep (of one mixer) measured in this process."""
+def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
+    """A bench point group on a worker, measured in a fresh child process
+    (`hla_bench.engine.isolate`): a fault there (an illegal address, a hung kernel, a
+    poisoned CUDA context, a kill for memory) stays out of the worker and of the other
+    mixers' points, and the child dies with its worker. The points it measured before a
+    crash come back with the ones the crash cost (errors, or `oom` for a memory kill)."""
     from hla_bench.engine.config import SweepConfig
-    from hla_bench.engine.runner import run_sweeps
+    from hla_bench.engine.isolate import run_sweeps_isolated
 
     measured: list[dict] = []
-    run_sweeps([SweepConfig.from_dict(sweep)], previous=previous, on_measured=measured.append)
+    run_sweeps_isolated([SweepConfig.from_dict(sweep)], previous=previous,
+                        on_measured=measured.append)
     return measured
 
 
-def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
-    """A bench point group on a worker, measured in a fresh process: a fault there (an
-    illegal address, a hung kernel, a poisoned CUDA context) stays out of the worker and
-    of the other mixers' points."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_points, sweep, previous).result()
-
-
 def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
-                    on_measured: Callable[[dict], None]) -> list[dict]:
+                    on_measured: Callable[[dict], None], dashboard: bool = False,
+                    on_connected: Callable[[Any], Any] | None = None) -> list[dict]:
     """`hla_bench.engine.runner.run_sweeps` on a Dask cluster: each (sweep, mixer) point
     group is one task; its measured points reach `on_measured` as the task finishes. A task
-    whose worker died twice is recorded as an error point per planned point. Returns every
-    record of the plan (kept and measured), as run_sweeps does."""
+    whose worker died twice is recorded as an error point per planned point. A local
+    cluster (no `scheduler`) serves a dashboard when `dashboard` (see `connect`);
+    `on_connected(client)` is called once connected. Returns every record of the plan (kept
+    and measured), as run_sweeps does."""
     from hla_bench.engine.config import SweepConfig
     from hla_bench.engine.isolate import group_records, point_groups
     from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
@@ -222,7 +252,10 @@ def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
     # timings do not share a GPU: one worker per GPU
     gpus = cuda_device_count() if cuda else 0
     client = connect(scheduler, gpus=gpus,
-                     workers=gpus or min(len(groups), max(1, (os.cpu_count() or 2) // 2)))
+                     workers=gpus or min(len(groups), max(1, (os.cpu_count() or 2) // 2)),
+                     dashboard=dashboard)
+    if on_connected is not None:
+        on_connected(client)
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     records: dict = {}
     try:

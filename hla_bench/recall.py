@@ -301,6 +301,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "the GPUs, or CPU workers without one).")
 @click.option("--scheduler", metavar="ADDRESS", help="An existing Dask scheduler "
               "(tcp://host:8786) for --executor dask.")
+@click.option("--dashboard", is_flag=True, help="Serve the local Dask cluster's dashboard, "
+              "on 127.0.0.1 only (default: none; the cluster listens on 127.0.0.1 only "
+              "either way).")
 @click.option("--largest-first", "largest_first", is_flag=True, help="Start the widest, "
               "longest groups first (default: the cheapest first, so a sweep cut at "
               "--time-limit has finished the most runs). For a sweep continued in parts on one "
@@ -311,8 +314,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
               "--out file lacks) and exit: nothing is trained or written, and a config's "
               "CUDA device need not be visible.")
 def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, extra_params, out,
-           resume, overwrite, time_limit, plots_dir, executor, scheduler, largest_first,
-           dry_run, **options):
+           resume, overwrite, time_limit, plots_dir, executor, scheduler, dashboard,
+           largest_first, dry_run, **options):
     """Train tiny LMs per mixer on synthetic recall tasks; report per (task setting, mixer,
     d_model) the test accuracy of the (learning rate, weight decay) chosen on validation,
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
@@ -352,6 +355,9 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                               f"{time_limit}")
         if scheduler and executor != "dask":
             raise ConfigError("--scheduler needs --executor dask")
+        if dashboard and (executor != "dask" or scheduler):
+            raise ConfigError("--dashboard is the dashboard of the local Dask cluster: it "
+                              "needs --executor dask without --scheduler")
         if executor == "dask":
             from hla_bench.dask_executor import executor_problem
 
@@ -458,10 +464,12 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             from hla_bench.dask_executor import connect, cuda_device_count, describe
 
             client = connect(scheduler, gpus=cuda_device_count() if device.startswith("cuda") else 0,
-                             workers=workers)
+                             workers=workers, dashboard=dashboard)
             store.update_header({"executor": describe(client)}, write=False)
             console.print(f"dask: {describe(client)['workers']} worker(s) at "
                           f"{describe(client)['scheduler']}", highlight=False)
+            if dashboard:
+                console.print(f"dask dashboard: {client.dashboard_link}", highlight=False)
         try:
             if device.startswith("cuda") and groups and not scheduler:
                 gpu_use = GpuUse()  # not a --scheduler's workers: they are elsewhere

@@ -134,14 +134,15 @@ def test_a_local_clusters_gpu_workers_are_spread_over_the_gpus(gpus, workers, vi
 def test_a_recall_sweep_asks_the_local_cluster_for_its_workers(tmp_path, monkeypatch):
     asked = {}
 
-    def connect(scheduler, *, gpus, workers):
-        asked.update(gpus=gpus, workers=workers)
+    def connect(scheduler, *, gpus, workers, dashboard):
+        asked.update(gpus=gpus, workers=workers, dashboard=dashboard)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(dask_executor, "connect", connect)
     result = CliRunner().invoke(main, SWEEP + ["--executor", "dask", "--workers", "3",
                                                "--out", str(tmp_path / "o.yaml")])
-    assert result.exit_code == 130 and asked == {"gpus": 0, "workers": 3}, result.output
+    assert result.exit_code == 130, result.output
+    assert asked == {"gpus": 0, "workers": 3, "dashboard": False}
 
 
 def test_executor_flags_are_checked_before_work(tmp_path, monkeypatch):
