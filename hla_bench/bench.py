@@ -155,15 +155,30 @@ def _check_executor(executor: str, scheduler: str | None, dashboard: bool = Fals
 def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, output_format: str,
             baseline: str | None, resume: bool = False, overwrite: bool = False,
             executor: str = "local", scheduler: str | None = None,
-            isolate: bool = False, dashboard: bool = False) -> dict[str, Any]:
+            isolate: bool | None = False, dashboard: bool = False) -> dict[str, Any]:
     """Check everything, run the sweeps with a progress bar, keeping the results file
-    current after every point; print tables or data."""
+    current after every point; print tables or data. `isolate` None: isolated when a CPU
+    point is big enough to need the memory watchdog (`hla_bench.engine.isolate`)."""
     from hla_bench.engine.runner import run_sweeps
 
     _check_executor(executor, scheduler, dashboard)
     mode = _mode(out, resume, overwrite)
     _check(sweeps)
     errors = Console(stderr=True)
+    if isolate is None:
+        isolate = False
+        if executor == "local":
+            from hla_bench.engine.isolate import watch_threshold_bytes, watched_points
+
+            watched = watched_points(sweeps)
+            if watched:
+                isolate = True
+                errors.print(f"{len(watched)} CPU point(s), the first {watched[0].describe()}, "
+                             f"hold {watch_threshold_bytes() / 2**30:.2f} GiB or more (a "
+                             "sixteenth of the memory here): each mixer is measured in a "
+                             "process of its own, a kill for memory recorded oom (--isolate; "
+                             "--no-isolate measures in this process)",
+                             highlight=False, soft_wrap=True)
     started = time.perf_counter()
     devices = sorted({s.resolved_device() for s in sweeps})
     environment = results_io.capture_environment(",".join(devices))
@@ -268,11 +283,13 @@ output_options = [
     click.option("--dashboard", is_flag=True,
                  help="Serve the local Dask cluster's dashboard, on 127.0.0.1 only (default: "
                       "none; the cluster listens on 127.0.0.1 only either way)."),
-    click.option("--isolate", is_flag=True,
+    click.option("--isolate/--no-isolate", default=None,
                  help="Measure each mixer of a sweep in a process of its own, so a fault "
                       "that kills or poisons a process (an illegal memory access) costs only "
-                      "that mixer's remaining points, recorded as errors. Its mixers are then "
-                      "not sampled in interleaved rounds. (--executor dask always does this.)"),
+                      "that mixer's remaining points, recorded as errors, and a kill for "
+                      "memory only its point, recorded oom. Its mixers are then not sampled "
+                      "in interleaved rounds. Default: on when a CPU point's inputs take a "
+                      "sixteenth of the host's memory. (--executor dask always isolates.)"),
 ]
 
 
@@ -310,7 +327,7 @@ def with_setting_options(command: Callable) -> Callable:
 @with_output_options
 def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
           resume: bool, overwrite: bool, executor: str, scheduler: str | None, dashboard: bool,
-          isolate: bool, **settings: Any) -> None:
+          isolate: bool | None, **settings: Any) -> None:
     """Time mixers over sequence lengths and modes (fwd, fwdbwd, decode)."""
     output_format = _output_format(as_json, as_yaml)
     try:
@@ -339,7 +356,7 @@ def bench(out: str | None, as_json: bool, as_yaml: bool, baseline: str | None,
 @with_output_options
 def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json: bool,
         as_yaml: bool, baseline: str | None, resume: bool, overwrite: bool, executor: str,
-        scheduler: str | None, dashboard: bool, isolate: bool) -> None:
+        scheduler: str | None, dashboard: bool, isolate: bool | None) -> None:
     """Run the sweeps of a config file (default: the shipped cpu-smoke).
 
     CONFIG is a YAML file, or the name of a config shipped with hla-bench in
