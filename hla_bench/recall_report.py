@@ -569,7 +569,8 @@ def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_
                 if x_key == "state_bytes":
                     front = pareto_front(list(zip(xs, ys)))
                     ax.plot(*zip(*front), color=look.color, linestyle=look.linestyle,
-                            drawstyle="steps-post", linewidth=1.6, label=mixer)
+                            marker=look.marker, markersize=5, drawstyle="steps-post",
+                            linewidth=1.6, label=mixer)
                     ax.errorbar(xs, ys, yerr=errors if any(errors) else None, fmt=look.marker,
                                 color=look.color, markersize=5, capsize=2, alpha=0.85)
                 else:
