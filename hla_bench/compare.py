@@ -42,7 +42,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench.engine.config import format_seq_len
-from hla_bench.plots import pyplot_for, save_figure, seq_len_axis
+from hla_bench.plots import pyplot_for, seq_len_axis
 from hla_bench.tables import STATUS_LABELS, format_value
 
 ALPHA = 0.01
@@ -471,17 +471,18 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
     """One figure per mode: the ratio against T, a line per (sweep, mixer) in one colour per
     mixer, with the bootstrap interval as error bars where there are samples; a dashed line
     at 1 (no change)."""
-    from hla_bench.recall_report import mixer_colors
+    from hla_bench import styles
+    from hla_bench.plots import legend_outside, save_figure_tight
 
     plt, out_dir = pyplot_for(out_dir, fmt)
     rows = [row for row in result["rows"] if row["ratio"] is not None]
-    colors = mixer_colors(sorted({row["mixer"] for row in rows}))
     written = []
     for mode in dict.fromkeys(row["mode"] for row in rows):
         mine = [row for row in rows if row["mode"] == mode]
         lines = list(dict.fromkeys((row["sweep"], row["mixer"]) for row in mine))
         several = len({sweep for sweep, _ in lines}) > 1
-        figure, ax = plt.subplots(figsize=(8, 4.5))
+        figure = plt.figure(figsize=(9.5, 4.5), layout="constrained")
+        ax = figure.subplots()
         for sweep, mixer in lines:
             points = sorted((r for r in mine if (r["sweep"], r["mixer"]) == (sweep, mixer)),
                             key=lambda r: r["seq_len"])
@@ -489,16 +490,17 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
             ratios = [r["ratio"] for r in points]
             low = [r["ratio"] - r["ci"][0] if r["ci"] else 0 for r in points]
             high = [r["ci"][1] - r["ratio"] if r["ci"] else 0 for r in points]
-            ax.errorbar(ts, ratios, yerr=[low, high], marker="o", capsize=3,
-                        color=colors[mixer], label=f"{sweep} {mixer}" if several else mixer)
+            look = styles.style(mixer, points[0].get("name"))
+            ax.errorbar(ts, ratios, yerr=[low, high], capsize=3, **look.line(),
+                        label=f"{sweep} {mixer}" if several else mixer)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         seq_len_axis(ax, {r["seq_len"] for r in mine})
         ax.set_xlabel("sequence length T")
         versus = f" / {result['control']}'s ratio" if result["control"] else ""
         ax.set_ylabel(f"new / old median time{versus}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        legend_outside(figure, [ax])
         ax.set_title(f"{mode}: ratio with {1 - result['alpha']:.0%} bootstrap interval "
                      "(no bar: no samples)", fontsize=10)
-        written.append(save_figure(figure, out_dir / f"compare-{mode}.{fmt}"))
+        written.append(save_figure_tight(figure, out_dir / f"compare-{mode}.{fmt}"))
     return written

@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import configs
-from hla_bench.plots import pyplot_for, save_figure
+from hla_bench.plots import pyplot_for
 from hla_bench.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
@@ -458,14 +458,6 @@ def mad_markdown(scores: dict, reference: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def mixer_colors(names: list[str]) -> dict[str, Any]:
-    """One colour per mixer, stable across figures (sorted names on tab10/tab20)."""
-    import matplotlib
-
-    palette = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
-    return {name: palette(index % palette.N) for index, name in enumerate(sorted(names))}
-
-
 def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dict[int, float]]]:
     """{setting: {"Zoology: NAME": {d_model: accuracy}}} for the settings that are Figure 2
     panels (`zoology_panel`)."""
@@ -479,59 +471,186 @@ def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dic
 
 
 PLOT_COLUMNS = 4  # panels per row of a recall plot (a MAD suite has 66 settings)
+PUBLISHED_NOTE = "hollow: published, read from its figure (Zoology Fig. 2)"
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points (state, accuracy) that no other point beats: none with at most their
+    state has a higher accuracy; by state, accuracy rising."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def _panel_points(summary: dict, x_key: str) -> dict[str, dict[str, list[tuple]]]:
+    """{panel: {mixer: [(x, mean, std, d_model)]}}: a panel per setting, then "overall"
+    (with more than one setting): a mixer's mean score over every setting at a d_model it
+    scored in all of them, at the largest state among them (the state that serves each)."""
+    panels: dict[str, dict[str, list[tuple]]] = {}
+    for setting, by_mixer in summary.items():
+        for mixer, cells in by_mixer.items():
+            for d_model, cell in cells.items():
+                x = int(d_model) if x_key == "d_model" else cell.get("state_bytes")
+                if cell["score"] is not None and x:
+                    panels.setdefault(setting, {}).setdefault(mixer, []).append(
+                        (x, cell["score"]["mean"], cell["score"]["std"], int(d_model)))
+    if len(summary) > 1:
+        overall: dict[str, list[tuple]] = {}
+        mixers = dict.fromkeys(m for by_mixer in summary.values() for m in by_mixer)
+        for mixer in mixers:
+            by_d: dict[int, list[tuple]] = {}
+            for setting in summary:
+                for x, y, _, d in panels.get(setting, {}).get(mixer, []):
+                    by_d.setdefault(d, []).append((x, y))
+            for d, got in sorted(by_d.items()):
+                if len(got) == len(summary):
+                    overall.setdefault(mixer, []).append(
+                        (max(x for x, _ in got), statistics.fmean(y for _, y in got), 0.0, d))
+        panels["overall"] = overall
+    return panels
+
+
+def _published_points(summary: dict, published: dict | None, matches: dict,
+                      x_key: str) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """{setting: {mixer: [(x, accuracy)]}}: the published accuracies of the architectures
+    that are an hla-bench mixer (`matches`: architecture -> mixer), at the d_model they
+    were published for, or at the state of that mixer's own cell of that d_model."""
+    placed: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for setting, curves in (published or {}).items():
+        for label, values in curves.items():
+            mixer = matches.get(label.removeprefix("Zoology: "))
+            if mixer is None:
+                continue
+            cells = {int(d): cell for d, cell in summary.get(setting, {}).get(mixer, {}).items()}
+            for d_model, accuracy in sorted(values.items()):
+                x = d_model if x_key == "d_model" else (cells.get(d_model) or {}).get("state_bytes")
+                if x:
+                    placed.setdefault(setting, {}).setdefault(mixer, []).append((x, accuracy))
+    return placed
+
+
+def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_key: str,
+                  notes: list[str]) -> Any:
+    """One panel per setting and the overall (PLOT_COLUMNS to a row), a series per mixer of
+    `mixers` in its family colour: the points (error bars: std over seeds) with, against
+    state, each mixer's Pareto front drawn through them, against d_model a line; the
+    published points hollow in the same colour; the legend right of the panels and
+    `notes` under them."""
+    from hla_bench import styles
+    from hla_bench.plots import format_bytes_tick, legend_outside, log_axis, notes_under
+
+    names = list(panels)
+    columns = min(len(names), PLOT_COLUMNS)
+    rows = math.ceil(len(names) / columns)
+    figure = plt.figure(figsize=(4.3 * columns + 1.8, 3.7 * rows + 0.6), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False, sharey=True)
+    cells = list(axes.flat)
+    for ax in cells[len(names):]:
+        ax.set_visible(False)
+    hollow = False
+    scores = [y for panel in panels.values() for points in panel.values() for _, y, _, _ in points]
+    scores += [y for by_mixer in published.values() for points in by_mixer.values()
+               for _, y in points]
+    # the accuracies a reader compares: from just below the lowest to 1 (a grid that every
+    # mixer solves would otherwise draw every line on top of the others at 1.0)
+    lowest = min(scores or [0.0])
+    bottom = max(0.0, lowest - max(0.003, 0.25 * (1.0 - lowest)))
+    bottom = 0.0 if bottom < 0.3 else bottom
+    for ax, panel in zip(cells, names):
+        xs_all: list[float] = []
+        for mixer in mixers:
+            look = styles.style(mixer)
+            points = sorted(panels[panel].get(mixer, []))
+            if points:
+                xs, ys, errors, _ = zip(*points)
+                xs_all += xs
+                if x_key == "state_bytes":
+                    front = pareto_front(list(zip(xs, ys)))
+                    ax.plot(*zip(*front), color=look.color, linestyle=look.linestyle,
+                            marker=look.marker, markersize=5, drawstyle="steps-post",
+                            linewidth=1.6, label=mixer)
+                    ax.errorbar(xs, ys, yerr=errors if any(errors) else None, fmt=look.marker,
+                                color=look.color, markersize=5, capsize=2, alpha=0.85)
+                else:
+                    ax.errorbar(xs, ys, yerr=errors if any(errors) else None,
+                                marker=look.marker, linestyle=look.linestyle, color=look.color,
+                                markersize=5, capsize=2, label=mixer)
+            shown = published.get(panel, {}).get(mixer, [])
+            if shown:
+                hollow = True
+                ax.plot(*zip(*shown), linestyle="none", marker=look.marker, markersize=10,
+                        markerfacecolor="none", markeredgecolor=look.color, markeredgewidth=1.4)
+                xs_all += [x for x, _ in shown]
+        title = (f"overall: mean over the {len(names) - 1} settings" if panel == "overall"
+                 else textwrap.fill(panel, 44))  # whole, on as many lines
+        ax.set_title(title, fontsize=8)
+        if x_key == "d_model":
+            log_axis(ax, "x", xs_all, 2, lambda v: f"{v:g}", most=6)
+            ax.set_xlabel("d_model", fontsize=8)
+        else:
+            log_axis(ax, "x", xs_all, 2, format_bytes_tick, most=5)
+            ax.set_xlabel("recurrent state per sequence, all layers", fontsize=8)
+        ax.tick_params(labelsize=7.5)
+        ax.set_ylim(bottom - 0.02 * (1 - bottom), 1 + 0.07 * (1 - bottom))
+        ax.grid(alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("test accuracy (lr chosen on validation)"
+                          + (f", from {bottom:.3g}" if bottom else ""), fontsize=8)
+    extra = []
+    if hollow:
+        extra.append((plt.Line2D([], [], linestyle="none", marker="o", markersize=9,
+                                 markerfacecolor="none", markeredgecolor="black"), PUBLISHED_NOTE))
+    legend_outside(figure, [ax for ax in cells if ax.get_visible()],
+                   "line: Pareto front" if x_key == "state_bytes" else None, extra)
+    notes_under(figure, notes, width=int(20 * columns + 10))
+    return figure
 
 
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
-                published: dict | None = None) -> list[Path]:
+                published: dict | None = None, matches: dict | None = None,
+                mixers: str | None = None) -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
-    and against d_model, one panel per setting (PLOT_COLUMNS to a row), one point per
-    (mixer, d_model), one legend naming every mixer of any panel; on the
-    d_model panels, `published` curves ({setting: {label: {d_model: accuracy}}}, Zoology's
-    Figure 2) dashed in grey."""
+    (with each mixer's Pareto front) and against d_model, one panel per setting plus the
+    overall (`_panel_points`), a colour per mixer by family (`hla_bench.styles`), one legend
+    outside the panels. `published` ({setting: {"Zoology: NAME": {d_model: accuracy}}},
+    Zoology's Figure 2) draws, for an architecture `matches` maps to an hla-bench mixer,
+    hollow markers of that mixer's colour. Past styles.MAX_SERIES mixers, the files
+    `recall_accuracy_vs_*.FMT` are an overview and `recall_accuracy_vs_*-FAMILY.FMT` hold
+    each family; `mixers` (comma-separated globs) chooses the mixers instead, in one
+    figure."""
+    from hla_bench import styles
+    from hla_bench.plots import save_figure_tight, select
+
     plt, plots_dir = pyplot_for(plots_dir, fmt)
-    settings = list(summary)
-    colors = mixer_colors(sorted({m for by_mixer in summary.values() for m in by_mixer}))
-    columns = min(len(settings), PLOT_COLUMNS)
-    rows = math.ceil(len(settings) / columns)
+    every = list(dict.fromkeys(m for by_mixer in summary.values() for m in by_mixer))
+    matches = dict(matches or {})
+    unmatched = sorted({label.removeprefix("Zoology: ") for curves in (published or {}).values()
+                        for label in curves} - set(matches))
     paths = []
-    for name, x_key, x_label in (("recall_accuracy_vs_state", "state_bytes",
-                                  "recurrent state per sequence, all layers (bytes)"),
-                                 ("recall_accuracy_vs_d_model", "d_model", "d_model")):
-        figure, axes = plt.subplots(rows, columns, figsize=(4.8 * columns, 4.0 * rows),
-                                    squeeze=False, sharey=True)
-        panels = list(axes.flat)
-        for axis in panels[len(settings):]:
-            axis.set_visible(False)
-        for axis, setting in zip(panels, settings):
-            for mixer, cells in summary[setting].items():
-                points = []
-                for d_model, cell in cells.items():
-                    x = int(d_model) if x_key == "d_model" else cell.get("state_bytes")
-                    if cell["score"] is not None and x:
-                        points.append((x, cell["score"]["mean"], cell["score"]["std"]))
-                if points:
-                    xs, ys, errors = zip(*sorted(points))
-                    axis.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=mixer,
-                                  color=colors[mixer])
-            if x_key == "d_model":
-                for shade, (label, values) in enumerate((published or {}).get(setting, {}).items()):
-                    xs = sorted(values)
-                    axis.plot(xs, [values[x] for x in xs], linestyle="--", marker=".",
-                              color=str(0.15 + 0.13 * shade), linewidth=1, label=label)
-            axis.set_title(textwrap.fill(setting, 44), fontsize=8)  # whole, on as many lines
-            axis.set_xlabel(x_label)
-            axis.set_xscale("log", base=2)
-            axis.set_ylim(-0.02, 1.02)
-            axis.grid(alpha=0.3)
-        for row in axes:
-            row[0].set_ylabel("test accuracy (lr chosen on validation)")
-        # one legend for every panel: a mixer may have points in some settings only
-        entries = {}
-        for axis in panels:
-            for handle, label in zip(*axis.get_legend_handles_labels()):
-                entries.setdefault(label, handle)
-        panels[len(settings) - 1].legend(entries.values(), entries.keys(), fontsize=7)
-        paths.append(save_figure(figure, plots_dir / f"{name}.{fmt}", dpi=120))
+    for name, x_key in (("recall_accuracy_vs_state", "state_bytes"),
+                        ("recall_accuracy_vs_d_model", "d_model")):
+        panels = _panel_points(summary, x_key)
+        placed = _published_points(summary, published, matches, x_key)
+        ranked = {mixer: -statistics.fmean(y for points in panels.values()
+                                           for x, y, _, _ in points.get(mixer, []) or [(0, 0, 0, 0)])
+                  for mixer in every}
+        views = ([("", select(every, {}, mixers))] if mixers
+                 else styles.split_views(every, {}, ranked))
+        for suffix, shown in views:
+            notes = []
+            if unmatched:
+                notes.append(f"Zoology's {', '.join(unmatched)}: no hla-bench mixer, so not "
+                             "drawn; their published accuracies are in the Zoology tables")
+            left = [m for m in every if m not in shown]
+            if not suffix and len(views) > 1:
+                notes.append(f"overview: {styles.MAX_SERIES} mixers at most; in the family "
+                             f"figures {name}-FAMILY.{fmt} also: {', '.join(left)}")
+            elif suffix:
+                notes.append(f"{styles.family_title(suffix[1:].split('-', 1)[0])} only")
+            figure = recall_figure(plt, panels, placed, shown, x_key, notes)
+            paths.append(save_figure_tight(figure, plots_dir / f"{name}{suffix}.{fmt}", dpi=120))
     return paths
 
 
@@ -577,12 +696,14 @@ def path_lines(runs: list[dict]) -> list[str]:
 
 
 def render_recall(data: dict, console: Console, plots_dir: str | Path | None = None,
-                  markdown: bool = False, fmt: str = "png", tables: str = "all") -> list[Path]:
+                  markdown: bool = False, fmt: str = "png", tables: str = "all",
+                  mixers: str | None = None) -> list[Path]:
     """Print one table per task setting ("settings"), the Zoology view of the settings that
     are panels of its Figure 2 and, for runs of MAD tasks, the MAD score view ("reference"),
     or all of them; then what each mixer's dispatch ran (the runs' `mixer_path`) and the
     runs that failed (GitHub markdown with `markdown`). With
-    `plots_dir`, write the plots there and return their paths."""
+    `plots_dir`, write the plots there (`plot_recall`; `mixers` chooses the mixers drawn)
+    and return their paths."""
     if tables not in RECALL_TABLES:
         raise ValueError(f"tables must be one of {RECALL_TABLES}, got {tables!r}")
     validate_recall(data)
@@ -628,7 +749,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                       soft_wrap=True)
     if plots_dir is None or not summary:
         return []
-    paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None)
+    paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None,
+                        (zoology or {}).get("architectures_in_hla_bench"), mixers)
     for path in paths:
         console.print(f"plot written to {path}", markup=False, highlight=False, soft_wrap=True)
     return paths

@@ -22,8 +22,7 @@ from rich.table import Table
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
-from hla_bench.plots import (PLOT_FORMATS, plots_dir_problem, pyplot_for, save_figure,
-                             seq_len_axis)
+from hla_bench.plots import PLOT_FORMATS, plots_dir_problem, select
 from hla_bench.recall_report import RECALL_TABLES, render_recall
 from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
@@ -291,63 +290,14 @@ def _batch_label(points: list[dict[str, Any]]) -> str:
 
 
 
-def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> list[Path]:
-    """One figure per (sweep, mode): time vs T (median, with the p20-p80 band) and peak
-    memory vs T (for decode: the state held, as decode steps allocate next to nothing),
-    log-log, a line per mixer in one colour per mixer across all figures of the file.
+def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png",
+                baseline: str | None = None, mixers: str | None = None) -> list[Path]:
+    """The speed figures of a bench file (`hla_bench.plots.write_bench_plots`): per
+    (sweep, mode), time, the ratio to `baseline` and memory (decode: the state held) against
+    T; `mixers` (comma-separated globs) chooses the mixers drawn."""
+    from hla_bench.plots import write_bench_plots
 
-    Points that did not run are drawn as an `x` near the bottom edge at their T (staggered
-    by mixer so they do not hide each other).
-    """
-    from hla_bench.recall_report import mixer_colors
-    import matplotlib.ticker
-
-    plt, out_dir = pyplot_for(out_dir, fmt)
-    colors = mixer_colors(sorted({p["mixer"] for p in data["points"]}))
-    written = []
-    for (sweep, mode), points in iter_groups(data["points"]):
-        figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        any_failed = False
-        failing = list(dict.fromkeys(p["mixer"] for p in points if p["status"] != "ok"))
-        memory = (("state", "state held: KV cache or fixed state (MiB)") if mode == "decode"
-                  else ("memory", "peak memory above inputs (MiB)"))
-        for ax, metric, ylabel in ((axes[0], "time", "median time (ms)"), (axes[1], *memory)):
-            plotted = False
-            for label in dict.fromkeys(p["mixer"] for p in points):
-                color = colors[label]
-                mine = sorted((p for p in points if p["mixer"] == label), key=lambda p: p["seq_len"])
-                ran = [(p["seq_len"], _value(p, metric)) for p in mine if _value(p, metric)]
-                if metric != "time":
-                    ran = [(t, v / 2 ** 20) for t, v in ran]
-                if ran:
-                    plotted = True
-                    ax.plot(*zip(*ran), marker="o", color=color, label=label)
-                band = [(p["seq_len"], p.get("p20_ms"), p.get("p80_ms")) for p in mine
-                        if metric == "time" and p.get("p20_ms") and p.get("p80_ms")]
-                if len(band) > 1:
-                    ax.fill_between(*zip(*band), color=color, alpha=0.2, linewidth=0)
-                failed = [p["seq_len"] for p in mine if p["status"] != "ok"]
-                if failed:
-                    any_failed = True
-                    height = 0.03 + 0.03 * failing.index(label)
-                    ax.plot(failed, [height] * len(failed), "x", color=color, markersize=9,
-                            transform=ax.get_xaxis_transform(), clip_on=False,
-                            label=None if ran else f"{label} (did not run)")
-            seq_len_axis(ax, {p["seq_len"] for p in points})
-            if plotted:
-                ax.set_yscale("log")
-                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set_xlabel(_batch_label(points))
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        title = _group_title(points, sweep, mode)
-        if any_failed:
-            title += "\nx on the axis: OOM / error / unavailable at that T"
-        figure.suptitle(title, fontsize=10)
-        written.append(save_figure(figure, out_dir / f"{sweep}-{mode}.{fmt}"))
-    return written
+    return write_bench_plots(data, out_dir, fmt, _group_title, _batch_label, baseline, mixers)
 
 
 def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
@@ -377,7 +327,8 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
 @click.option("--format", "plot_format", type=click.Choice(PLOT_FORMATS), default="png",
               show_default=True, help="File format of the plots.")
 @click.option("--metric", type=click.Choice(sorted(METRICS)), default="time", show_default=True)
-@click.option("--baseline", help="Mixer label to show ratios against.")
+@click.option("--baseline", help="Mixer label to show ratios against (tables: default the "
+              "sweep's baseline; plots: default the fastest linear-attention mixer).")
 @click.option("--control", metavar="MIXER",
               help="With --compare: a mixer label measured in both files; every ratio is "
                    "taken relative to its ratio at the same mode and shape (cancels a "
@@ -398,9 +349,14 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
               show_default=True, callback=_percent,
               help="With --compare: a time change is significant only when its whole "
                    "interval lies beyond ±PCT percent (above the method's noise floor).")
-@click.option("-k", "pattern", metavar="PATTERN",
+@click.option("-k", "--mixers", "pattern", metavar="PATTERN",
               help="With --compare: only points whose mixer label, mixer name, sweep or mode "
-                   "matches PATTERN (a glob; a plain word matches as a substring).")
+                   "matches PATTERN (a glob; a plain word matches as a substring). With "
+                   "--plots: only the mixers whose label or name matches one of the "
+                   "comma-separated PATTERNs are drawn, in one figure per sweep and mode "
+                   "(the tables keep every mixer); without it a figure of more than 8 "
+                   "mixers is split into an overview and one figure per family "
+                   "(docs/figures.md).")
 @click.option("--markdown", is_flag=True, help="Print GitHub markdown tables (for READMEs).")
 @click.option("--sweep", "only", multiple=True, metavar="NAME",
               help="Bench files: show only this sweep (repeatable; default: all).")
@@ -440,10 +396,12 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         return
     if not files:
         raise click.UsageError("give one or more results FILEs (or --index DIR)")
-    for name in ("--control", "--fail-on-regression", "-k", "--alpha", "--memory-tolerance",
+    for name in ("--control", "--fail-on-regression", "--alpha", "--memory-tolerance",
                  "--min-change"):
         if name in given and not compare_files:
             raise click.UsageError(f"{name} applies to --compare")
+    if "-k" in given and not compare_files and plots is None:
+        raise click.UsageError("-k/--mixers applies to --compare or --plots")
     if "--format" in given and plots is None:
         raise click.UsageError("--format applies to --plots")
     loaded = [load_any(path) for path in files]  # every file checked before any output
@@ -469,6 +427,12 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
             if kind == "bench" and baseline not in labels:
                 raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of "
                                        f"{path} ({', '.join(sorted(labels)) or 'no points'})")
+    if pattern is not None and plots is not None and not compare_files:
+        for path, kind, data in loaded:
+            labels = _mixer_labels(kind, data)
+            if not select(labels, _mixer_names(kind, data), pattern):
+                raise click.UsageError(f"-k {pattern!r} matches no mixer of {path} "
+                                       f"({', '.join(labels) or 'no mixers'})")
     problem = plots_dir_problem(plots) if plots is not None else None
     if problem:  # the check leaves no folder behind, so its place among the checks is free
         raise click.UsageError(problem)
@@ -500,11 +464,11 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
         if kind == "bench":
             render_bench(data, console, (metric,), baseline, markdown)
             if plot_dir is not None:
-                for written in write_plots(data, plot_dir, plot_format):
+                for written in write_plots(data, plot_dir, plot_format, baseline, pattern):
                     console.print(f"wrote {written}")
         else:
             render_recall(data, console, plots_dir=plot_dir, markdown=markdown, fmt=plot_format,
-                          tables=recall_tables)
+                          tables=recall_tables, mixers=pattern)
         if data.get("complete") is False:
             note = (f"{path} is incomplete: its run was stopped before the end of its plan "
                     "(continue it with --resume)")
@@ -559,6 +523,19 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
                else f"no regression beyond {fail_percent:g}%")
     say(verdict)
     return bool(failing)
+
+
+def _mixer_labels(kind: str, data: dict[str, Any]) -> list[str]:
+    """The mixer labels of a loaded results file, in first-seen order."""
+    records = data["points"] if kind == "bench" else data["runs"]
+    return list(dict.fromkeys(str(record["mixer"]) for record in records))
+
+
+def _mixer_names(kind: str, data: dict[str, Any]) -> dict[str, str]:
+    """{label: mixer name} of a bench file's points (a recall run's mixer is its name)."""
+    if kind != "bench":
+        return {}
+    return {p["mixer"]: p.get("name") or p["mixer"] for p in data["points"]}
 
 
 def _only_points(path: str, kind: str, data: dict[str, Any], option: str, key: str,

@@ -648,12 +648,13 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
 
 
 def test_recall_plots_wrap_their_panels_and_name_every_mixer_in_one_legend(tmp_path, monkeypatch):
-    """Five settings take two rows of four panels (three left blank); a mixer run in the
-    first setting only still has its legend entry, which sits on the last panel."""
-    from hla_bench import recall_report
+    """Five settings and the overall take two rows of four panels (two left blank); a mixer
+    run in the first setting only still has its entry in the one legend, the figure's,
+    outside the panels."""
+    from hla_bench import plots, recall_report
 
     figures = []
-    monkeypatch.setattr(recall_report, "save_figure",
+    monkeypatch.setattr(plots, "save_figure_tight",
                         lambda figure, path, dpi: figures.append(figure) or path)
     runs = [run(setting=f"s{i}", mixer="only-first" if i == 0 else "everywhere", lr=1e-3,
                 val_accuracy=0.9, test_accuracy=0.8, state_bytes=1024) for i in range(5)]
@@ -661,9 +662,10 @@ def test_recall_plots_wrap_their_panels_and_name_every_mixer_in_one_legend(tmp_p
     assert len(figures) == 2
     for figure in figures:
         panels = figure.axes
-        assert len(panels) == 8 and [p.get_visible() for p in panels] == [True] * 5 + [False] * 3
-        assert panels[0].get_legend() is None
-        legend = panels[4].get_legend()
+        assert len(panels) == 8 and [p.get_visible() for p in panels] == [True] * 6 + [False] * 2
+        assert panels[5].get_title().startswith("overall")
+        assert all(panel.get_legend() is None for panel in panels)
+        (legend,) = figure.legends
         assert sorted(text.get_text() for text in legend.get_texts()) == ["everywhere", "only-first"]
 
 

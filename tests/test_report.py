@@ -71,7 +71,7 @@ def test_decode_plots_show_the_state_held(synthetic, tmp_path, monkeypatch):
     decode = _point("a", 1024, 5.0, mode="decode", memory=0)
     decode["state_bytes"] = 8 * 2 ** 20
     report.write_plots(_data([decode]), tmp_path)
-    assert labels == ["median time (ms)", "state held: KV cache or fixed state (MiB)"]
+    assert labels == ["median time (ms)", "time / a's time", "state held: KV cache or fixed state"]
 
 
 def test_markdown_table(synthetic):
@@ -165,7 +165,7 @@ def test_recall_files_go_to_the_recall_renderer(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(report, "render_recall",
                         lambda data, console, plots_dir=None, markdown=False, fmt="png",
-                        tables="all": seen.append((data, console, plots_dir)))
+                        tables="all", mixers=None: seen.append((data, console, plots_dir)))
     rendered = CliRunner().invoke(report.report, [str(path), "--plots", str(tmp_path / "p")])
     assert rendered.exit_code == 0, rendered.output
     assert seen[0][0] == {"kind": "recall", "schema_version": 1, "config": {}, "environment": {},
@@ -337,7 +337,7 @@ def test_the_repository_results_index_is_the_generated_one():
 def test_plots_keep_one_colour_per_mixer_show_the_spread_and_take_a_format(tmp_path):
     import matplotlib.pyplot as plt
 
-    from hla_bench.recall_report import mixer_colors
+    from hla_bench.styles import mixer_colors
 
     points = []
     for sweep, labels in (("a", ["m1", "m2"]), ("b", ["m2"])):
