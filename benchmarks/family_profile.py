@@ -11,7 +11,7 @@ dim (64, 128), in each mode (fwd, fwdbwd): bf16 q, k, v `[B, T, 16, D]`, three u
 (the sum of its kernels' self time), the host's wall time (synchronised), and its ten
 costliest kernels with their launches per call. A wall time well above the GPU time means
 the host, not the kernels, sets the pace. A profile, not a benchmark: use
-`hla-bench run h200-family` for timings to compare.
+`hla-bench run gpu-family` for timings to compare.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Wheels of hla-bench's optional packages for a GPU host that cannot reach a package index:
 # flash-linear-attention (fla-core and flash-linear-attention), mamba-ssm built as pure Python
 # (its Triton SSD kernel, no CUDA extension), dask[distributed] with its dependencies, and
-# pytest with its own (the CUDA tests run only there: h200_runs.sh's TESTS).
+# pytest with its own (the CUDA tests run only there: gpu_runs.sh's TESTS).
 #
 #   bash benchmarks/offline_wheels.sh [DEST] [PYTHON_VERSION]      # defaults: .whl 3.12
 #

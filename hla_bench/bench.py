@@ -360,11 +360,11 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
     """Run the sweeps of a config file (default: the shipped cpu-smoke).
 
     CONFIG is a YAML file, or the name of a config shipped with hla-bench in
-    configs/ (cpu-smoke, cpu-short-forms, h200, h200-kernels, h200-decode,
-    h200-family), for example:
+    configs/ (cpu-smoke, cpu-short-forms, gpu-mixers, gpu-kernels, gpu-decode,
+    gpu-family), for example:
 
     \b
-        hla-bench run h200-kernels --sweep d64
+        hla-bench run gpu-kernels --sweep d64
     """
     output_format = _output_format(as_json, as_yaml)
     try:

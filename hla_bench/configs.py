@@ -3,7 +3,7 @@ carries as package data (`hla_bench/shipped_configs/`, pyproject's package-dir),
 installed package runs them as a checkout does.
 
 A CONFIG given to `hla-bench run` or `hla-bench recall --config` is a path to a YAML file,
-or the name of a shipped config (`h200-kernels` or `h200-kernels.yaml`); a file at that
+or the name of a shipped config (`gpu-kernels` or `gpu-kernels.yaml`); a file at that
 path comes first. `reference/` holds published scores the report compares against, not
 configs.
 """

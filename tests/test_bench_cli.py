@@ -250,7 +250,7 @@ def test_run_bad_config_exit_2(runner, fake_mixers, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is absent")
 def test_cuda_config_without_cuda_exit_2(runner):
-    result = runner.invoke(main, ["run", "h200"])
+    result = runner.invoke(main, ["run", "gpu-mixers"])
     assert result.exit_code == 2 and "CUDA is not available" in result.output
 
 
@@ -261,7 +261,7 @@ def _bench_configs():
 
 def test_shipped_configs_parse_name_registered_mixers_and_are_listed_in_run_help():
     names = _bench_configs()
-    assert {"cpu-smoke", "h200", "h200-kernels", "h200-decode"} <= set(names)
+    assert {"cpu-smoke", "gpu-mixers", "gpu-kernels", "gpu-decode"} <= set(names)
     for name in names:
         _, sweeps = load_config(configs.shipped(name))
         for sweep in sweeps:
@@ -302,9 +302,9 @@ def test_shipped_configs_are_the_checkouts_configs_folder_and_the_wheels_package
 
 def test_config_argument_is_a_file_or_a_shipped_name(runner, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert configs.find("h200-kernels") == configs.shipped("h200-kernels")
-    (tmp_path / "h200-kernels").write_text("mixers: [sdpa]\nseq_lens: [64]\n")
-    assert configs.find("h200-kernels") == Path("h200-kernels")  # a file comes first
+    assert configs.find("gpu-kernels") == configs.shipped("gpu-kernels")
+    (tmp_path / "gpu-kernels").write_text("mixers: [sdpa]\nseq_lens: [64]\n")
+    assert configs.find("gpu-kernels") == Path("gpu-kernels")  # a file comes first
     unknown = runner.invoke(main, ["run", "no-such-config"])
     assert unknown.exit_code == 2 and "no shipped config of that name" in unknown.output
     assert "cpu-smoke" in unknown.output

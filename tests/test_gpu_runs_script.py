@@ -1,4 +1,4 @@
-"""benchmarks/h200_runs.sh runs where nothing can be fixed between calls (a GPU host without
+"""benchmarks/gpu_runs.sh runs where nothing can be fixed between calls (a GPU host without
 a package index): every command it calls, every option it passes and every shipped config
 it names must exist here, and an unknown stage, alone or in a list, is a usage error."""
 
@@ -16,7 +16,7 @@ from hla_bench import configs
 from hla_bench.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "h200_runs.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu_runs.sh"
 
 
 def commands() -> list[str]:
@@ -62,9 +62,9 @@ def test_every_hla_bench_command_option_and_config_it_names_exists():
         verb = re.search(r"\b(verify|run|recall)\b", line).group(1)
         help_text = CliRunner().invoke(main, [verb, "--help"]).output
         assert options_of(line) <= options_of(help_text), (verb, line)
-    named = set(re.findall(r"(?:run|--config) (h200|zoology-fig2|mad)\b", " ".join(lines)))
+    named = set(re.findall(r"(?:run|--config) (gpu-mixers|zoology-fig2|mad)\b", " ".join(lines)))
     named |= set(re.findall(r"echo (zoology-fig2|mad)\b", SCRIPT.read_text()))
-    assert {"h200", "zoology-fig2", "mad"} <= named <= set(configs.names())
+    assert {"gpu-mixers", "zoology-fig2", "mad"} <= named <= set(configs.names())
 
 
 def test_layer_parts_runs_on_the_cpu(tmp_path):

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU measurements that results/h200-*/ hold, in stages that each end within about ten
+# The GPU measurements that results/<gpu>-<date>/ hold, in stages that each end within about ten
 # minutes and write into OUT as they go, on a host that has torch, Triton, click, rich,
 # pyyaml, einops and matplotlib but no package index (the optional packages come as wheels
 # from benchmarks/offline_wheels.sh in .whl/).
 #
-#   bash benchmarks/h200_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]
+#   bash benchmarks/gpu_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]
 #
 # The stages run in the order given, within one TIME_LIMIT; with TESTS="PYTEST ARGS" the
 # tests they name run first (their log: OUT/tests.log), so no test shares the GPU with a
@@ -31,7 +31,7 @@
 #                 first through mamba_ssm's Triton scan (impl=auto), then through the
 #                 PyTorch chunked SSD (impl=chunk, 64-token chunks), which at these lengths
 #                 is a few batched matmuls that torch.compile can fuse around
-#   bench-a       configs/h200.yaml into OUT/h200-a.yaml; bench-b the same into h200-b.yaml
+#   bench-a       configs/gpu-mixers.yaml into OUT/mixers-a.yaml; bench-b the same into mixers-b.yaml
 #                 (the pair whose `report --compare` is the method's noise floor), and so on
 #                 to bench-z
 #   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
@@ -49,7 +49,7 @@
 # recall sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut
 # short starts over in the next call, while every finished run is kept.
 set -uo pipefail
-usage="usage: h200_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]"
+usage="usage: gpu_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]"
 stages=${1:?$usage}
 out=${2:?$usage}
 previous=${3:-}
@@ -85,7 +85,7 @@ if [[ -n ${TESTS:-} ]]; then
     python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$out/tests.log"
 fi
 
-scratch=/tmp/h200-runs
+scratch=/tmp/gpu-runs
 mkdir -p "$scratch"
 resumed() {  # resumed NAME DIR: --resume when PREVIOUS holds NAME (copied into DIR first)
     if [[ -n "$previous" && -f "$previous/$1" ]]; then
@@ -148,8 +148,8 @@ for stage in ${stages//,/ }; do
         done
         ;;
     bench-[a-z])
-        name="h200-${stage#bench-}.yaml"
-        timeout "$((limit - SECONDS))" python3 -m hla_bench run h200 --out "$out/$name" \
+        name="mixers-${stage#bench-}.yaml"
+        timeout "$((limit - SECONDS))" python3 -m hla_bench run gpu-mixers --out "$out/$name" \
             $(resumed "$name" "$out") 2>&1 | tee "$log"
         ;;
     recall|mad)
