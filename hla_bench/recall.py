@@ -23,9 +23,9 @@ from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
 from hla_bench.plots import plots_dir_problem
 from hla_bench.processes import cuda_mps_active
-from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
-                                     option_conflicts, plan_rows, plan_runs, run_key,
-                                     validate_config)
+from hla_bench.recall_config import (ConfigError, check_given_params, check_layers,
+                                     check_mixer_options, load_config, option_conflicts,
+                                     plan_rows, plan_runs, run_key, validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
                              read_resumable)
@@ -331,6 +331,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         config = load_config(config_file, options)
         params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                                                 ("vocab_size", vocab_size)) if value is not None}
+        given = {key: f"--{key.replace('_', '-')} {value}" for key, value in params.items()}
+        given.update({key: f"--param {key}={value}" for key, value in extra_params.items()})
         params.update(extra_params)
         if task:  # one setting of this task instead of the config's
             config["settings"] = [{"task": task, "params": params}]
@@ -349,6 +351,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             config["settings"] = [setting for setting in config["settings"]
                                   if setting["task"] in only_tasks]
         if task or params:
+            check_given_params(config["settings"], given, task,
+                               config_file or "the default recall config")
             config = validate_config(config, config_file or "options")
         if time_limit is not None and not 0 < time_limit < math.inf:
             raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got "

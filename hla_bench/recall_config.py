@@ -228,6 +228,35 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
     return checked
 
 
+def check_given_params(settings: list[dict], given: dict[str, str], task: str | None,
+                       source: str) -> None:
+    """ConfigError naming the command-line options (`given`: parameter -> the option as
+    typed) when the task parameters they set make a setting invalid: the task refuses them,
+    or two settings of `source` (the config file) end with one label. The file's own settings
+    were checked without them, so a problem found here is the options'."""
+    options = " ".join(given.values())
+    labels: dict[str, int] = {}
+    for index, setting in enumerate(settings):
+        try:
+            entry = tasks.get(setting["task"])
+            entry.make("test", 1, 0, **setting["params"])
+        except (ValueError, TypeError) as error:
+            if task:
+                raise ConfigError(f"{' '.join(['--task', task, *given.values()])}: "
+                                  f"{error}") from None
+            raise ConfigError(f"{options}: {error} (these command-line values apply to every "
+                              f"setting of {source}; the first refused is settings[{index}], "
+                              f"task {setting['task']!r})") from None
+        label = setting_label(entry.name, setting["params"], setting.get("train"),
+                              setting.get("model"), setting.get("name"))
+        if label in labels:
+            raise ConfigError(f"{options}: these command-line values apply to every setting "
+                              f"of {source} and make settings[{labels[label]}] and "
+                              f"settings[{index}] one setting ({label!r}); pick one with "
+                              "--task or --only-tasks")
+        labels[label] = index
+
+
 def _check_plan(config: dict, where: str) -> None:
     """Names in the config that exist: tasks and their parameters, mixers and options;
     settings told apart by their labels; per-mixer model keys that no setting also sets."""

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from hla_bench import store
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
@@ -470,10 +471,27 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
             render_recall(data, console, plots_dir=plot_dir, markdown=markdown, fmt=plot_format,
                           tables=recall_tables, mixers=pattern)
         if data.get("complete") is False:
-            note = (f"{path} is incomplete: its run was stopped before the end of its plan "
-                    "(continue it with --resume)")
+            note = incomplete_note(path)
             console.print(f"[yellow]{escape(note)}[/yellow]" if not markdown else f"\n_{note}_",
                           markup=not markdown, highlight=False, soft_wrap=True)
+
+
+def incomplete_note(path: str | Path) -> str:
+    """What a results file without `complete: true` is: still being written (its lock names
+    a live process on this host), perhaps being written on another host, or stopped before
+    the end of its plan."""
+    holder = store.lock_holder(path)
+    if holder is not None:
+        pid, host, alive = holder
+        if alive:
+            return (f"{path} is incomplete: it is still being written (its lock names pid "
+                    f"{pid}, running on this host); these are the records written so far")
+        if alive is None:
+            return (f"{path} is incomplete: its lock names pid {pid} on {host}, so it may "
+                    "still be written there, or its run was stopped before the end of its "
+                    "plan (continue it with --resume)")
+    return (f"{path} is incomplete: its run was stopped before the end of its plan "
+            "(continue it with --resume)")
 
 
 def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Console,

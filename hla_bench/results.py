@@ -22,6 +22,7 @@ version 1 files (no settings, complete or marker) are still read.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import platform
 import socket
@@ -181,15 +182,39 @@ def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, 
             raise ResultsSchemaError(f"{prefix}{name}: expected {expected}, got {value!r}")
 
 
+def describe_point(point: Mapping[str, Any]) -> str:
+    """A point's identity in a message: sweep, mixer, mode and shape."""
+    return (f"sweep {point.get('sweep')!r}, mixer {point.get('mixer')!r}, {point.get('mode')}, "
+            f"T={point.get('seq_len')}, batch {point.get('batch')}, heads {point.get('heads')}, "
+            f"head_dim {point.get('head_dim')}, {point.get('dtype')} on {point.get('device')}")
+
+
+def measure_problem(value: Any) -> str | None:
+    """Why `value` cannot be a measured quantity (a time, memory, a rate, a count, an item
+    of a list of them): it must be a finite number >= 0. None when it can."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if (isinstance(item, bool) or not isinstance(item, (int, float))
+                or not 0 <= item < math.inf):
+            shown = f"{item!r} (an item of {value!r})"[:200] if item is not value else repr(item)
+            return f"expected a finite number >= 0, got {shown}"
+    return None
+
+
 def _check_point(where: str, point: Any) -> None:
     """One point against `records.FIELDS`: types, nullability and choices (an optional field
-    only where present); an `ok` point must have its median time."""
+    only where present), measured values finite and >= 0; an `ok` point must have its median
+    time."""
     _check_fields(where, point, POINT_FIELDS, OPTIONAL_POINT_FIELDS)
     for field in records.FIELDS:
         value = point.get(field.name)
         if field.choices and value is not None and value not in field.choices:
             raise ResultsSchemaError(f"{where}.{field.name}: expected one of "
                                      f"{', '.join(field.choices)}, got {value!r}")
+        problem = measure_problem(value) if field.measure and value is not None else None
+        if problem:
+            raise ResultsSchemaError(f"{where} ({describe_point(point)}): {field.name}: "
+                                     f"{problem}")
     if point["status"] == "ok" and point["median_ms"] is None:
         raise ResultsSchemaError(f"{where}.median_ms: required when status is ok")
 
@@ -207,8 +232,16 @@ def validate(data: Any) -> dict[str, Any]:
         raise ResultsSchemaError(f"schema_version: expected {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}, "
                                  f"got {data['schema_version']!r}")
     _check_fields("", data, TOP_FIELDS, OPTIONAL_TOP_FIELDS)
+    first: dict[str, int] = {}
     for index, point in enumerate(data["points"]):
         _check_point(f"points[{index}]", point)
+        key = records.point_key(point)
+        if key in first:
+            raise ResultsSchemaError(
+                f"points[{index}] ({describe_point(point)}) has the key of points[{first[key]}] "
+                f"(the fields {', '.join(records.KEY)}): a point is recorded once per file, "
+                "and reading it would replace the first without a word")
+        first[key] = index
     return data
 
 

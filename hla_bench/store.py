@@ -490,6 +490,8 @@ class ResultsStore:
         self.validate, self.lock = validate, lock
         self.previous_header: dict[str, Any] | None = None
         self.kept = 0          # records read from the file at open (resume)
+        self.mode = "new"
+        self.writes = 0        # files written by this store (0: the path is as it was at open)
         self.complete = False
         self._records: dict[Hashable, dict[str, Any]] = {}
         self._closed = False
@@ -527,6 +529,7 @@ class ResultsStore:
         lock.acquire()
         try:
             store = cls(path, kind, key, _normalized(dict(settings)), {}, validate, lock)
+            store.mode = mode
             previous = store._inspect(mode)
             made = header(previous["header"] if previous else None) if callable(header) else header
             store.header = store._checked_header(made)
@@ -654,6 +657,7 @@ class ResultsStore:
         if self.validate is not None:
             self.validate(data)
         atomic_write_text(self.path, dump_results(data))
+        self.writes += 1
         return data
 
     def close(self, complete: bool = True) -> dict[str, Any]:
@@ -693,19 +697,46 @@ class ResultsStore:
 @contextlib.contextmanager
 def exit_on_interrupt(store: "ResultsStore", noun: str, say: Callable[[str], None]):
     """Ctrl-C inside: the file keeps its last written version (every record added so far;
-    the store's own __exit__ releases the lock), `say` tells how many records it holds and
-    how to continue, and the process exits with status 130, as shells report SIGINT."""
+    the store's own __exit__ releases the lock), `say` tells what it holds and how to go
+    on, and the process exits with status 130, as shells report SIGINT. Before the store's
+    first write the path is as it was at open: with --overwrite an existing file still
+    holds the earlier run's records, none of this run's."""
     try:
         yield
     except KeyboardInterrupt:
-        if Path(store.path).exists():
-            say(f"interrupted: {len(store)} {noun}(s) kept in {store.path}; to continue, run "
-                f"the same command with --resume --out {store.path}")
+        path = store.path
+        if not Path(path).exists():
+            say(f"interrupted before any {noun} was written: {path} was not created")
+        elif store.writes == 0 and store.mode == "overwrite":
+            say(f"interrupted before any {noun} was written: {path} is unchanged, it still "
+                f"holds the earlier results{_held(path, store.kind, noun)}; to replace them, "
+                "run the same command again")
         else:
-            say(f"interrupted before any {noun} was written: {store.path} was not created")
+            say(f"interrupted: {len(store)} {noun}(s) kept in {path}; to continue, run "
+                f"the same command with --resume --out {path}")
         raise SystemExit(130) from None
+
+
+def _held(path: Path, kind: str, noun: str) -> str:
+    """` (N noun(s))`: how many records the results file at `path` holds; empty where it
+    cannot be read."""
+    try:
+        return f" ({len(load_results(path, kind)[RECORDS_KEY[kind]])} {noun}(s))"
+    except StoreError:
+        return ""
 
 
 def glob_escape(text: str) -> str:
     """`text` with glob's special characters quoted."""
     return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def lock_holder(path: str | Path) -> tuple[int, str, bool | None] | None:
+    """Who writes the results file `path`, as its lock file `<path>.lock` names it: (pid,
+    host, alive), alive None where the host is another one (its processes cannot be seen
+    from here); None when there is no lock naming a pid. Only reads the lock file."""
+    pid, host = _lock_holder(Path(f"{path}.lock"))
+    if pid is None:
+        return None
+    here = host == socket.gethostname()
+    return pid, host, _pid_alive(pid) if here else None

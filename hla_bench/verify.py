@@ -10,6 +10,7 @@ decoder and its reference.
 
 Exit code 0 when every pair that should agree does, 1 otherwise; 2 for usage errors (no
 CUDA device, a --yaml file that cannot be written: both found before the checks run).
+A --seq-len whose references need more memory than is available is a usage error too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,47 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 TOLERANCES = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 2e-2}
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 16, 16  # 16: the smallest head dim the Triton kernels take
 CHUNK_SIZE = 12          # does not divide the default length: the padded path is checked too
+# Bytes per T^4 that the largest float64 reference holds at once: hla3's sums over (t, i, u, j)
+# keep a T^4 table (as bool, then float64: 9 bytes) and contract it through einsum
+# intermediates of up to two float64 [B, H, T, T, T, T] tensors (2 B H 8 bytes).
+REFERENCE_BYTES_PER_T4 = 2 * BATCH * HEADS * 8 + 9
+
+
+def reference_bytes(seq_len: int) -> int:
+    """The memory the largest reference needs at `seq_len` (REFERENCE_BYTES_PER_T4)."""
+    return REFERENCE_BYTES_PER_T4 * seq_len ** 4
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), None where the
+    system does not tell."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def seq_len_problem(seq_len: int, available: int | None) -> str | None:
+    """Why `seq_len` cannot be checked here: the references' memory (reference_bytes) above
+    `available` bytes; None when it fits or `available` is unknown."""
+    if available is None or reference_bytes(seq_len) <= available:
+        return None
+    largest = int((available / REFERENCE_BYTES_PER_T4) ** 0.25)  # corrected for rounding:
+    while reference_bytes(largest + 1) <= available:
+        largest += 1
+    while largest > 0 and reference_bytes(largest) > available:
+        largest -= 1
+    if largest < 2:
+        return (f"{seq_len} needs about {reference_bytes(seq_len) / 2**30:.3g} GiB for the "
+                f"float64 references, and only {available / 2**30:.3g} GiB of memory is "
+                "available here: too little for any length")
+    return (f"{seq_len} needs about {reference_bytes(seq_len) / 2**30:.3g} GiB for the float64 "
+            f"references (explicit sums over T^4 index tuples), more than the "
+            f"{available / 2**30:.3g} GiB of memory available here; give at most {largest}")
 
 
 @dataclass
@@ -292,7 +334,8 @@ def render(result: dict, console: Console) -> None:
               show_default=True, help="Input dtype of the checked forms.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=2), default=32, show_default=True,
-              help="Tokens per check (the references are O(T^3) to O(T^4) sums).")
+              help="Tokens per check (the references are O(T^3) to O(T^4) sums; a length "
+                   "whose references need more memory than is available is refused).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--yaml", "yaml_path", type=click.Path(dir_okay=False),
               help="Also write the results to this YAML file (a new one; see --overwrite).")
@@ -303,6 +346,9 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     """Check every HLA form against the explicit float64 sums; exit 1 on any disagreement."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device here", param_hint="--device")
+    problem = seq_len_problem(seq_len, available_memory_bytes())
+    if problem:
+        raise click.BadParameter(problem, param_hint="--seq-len")
     if yaml_path is not None and not yaml_path.strip():
         raise click.BadParameter("is empty: give a file", param_hint="--yaml")
     if yaml_path:
@@ -317,7 +363,16 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
             check_writable(yaml_path)
         except StoreError as error:
             raise click.BadParameter(str(error), param_hint="--yaml") from None
-    result = run_all(seed=seed, seq_len=seq_len, dtype_name=dtype_name, device=device)
+    try:
+        result = run_all(seed=seed, seq_len=seq_len, dtype_name=dtype_name, device=device)
+    except (MemoryError, RuntimeError) as error:
+        from hla_bench.engine.runner import is_oom
+
+        if not is_oom(error):
+            raise
+        raise click.ClickException(
+            f"out of memory at --seq-len {seq_len} (the float64 references are explicit sums "
+            f"over T^4 index tuples): give a smaller --seq-len; {error}"[:1000]) from None
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:

@@ -525,8 +525,8 @@ def test_summary_picks_over_lr_and_weight_decay_and_offers_mad_labs_test_pick():
     assert " wd " in text and "0.900" in text and "as MAD-lab" in text
     assert "MAD-lab's macro accuracy per batch of 128" in text
     # without a record at the lowest validation loss: Zoology's pick, no wd column without a grid
-    plain = [dict(r, weight_decay=0.1, test_accuracy_at_best_val_loss=None, metric="micro")
-             for r in runs[:2]]
+    plain = [dict(r, lr=lr, weight_decay=0.1, test_accuracy_at_best_val_loss=None,
+                  metric="micro") for r, lr in zip(runs[:2], (1e-3, 3e-3))]
     assert summarize(plain)["s"]["m"][64]["test_picked_mad"] is None
     console = Console(record=True, width=250)
     render_recall({"kind": "recall", "config": {}, "environment": {}, "runs": plain}, console)

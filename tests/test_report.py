@@ -227,8 +227,8 @@ def test_report_rejects_an_unknown_baseline(synthetic, tmp_path):
 
 
 def _recall_doc(complete):
-    runs = [{"setting": "mqar", "mixer": "sdpa", "d_model": 64, "lr": 1e-3, "seed": 0,
-             "status": status} for status in ("ok", "error")]
+    runs = [{"setting": "mqar", "mixer": "sdpa", "d_model": 64, "lr": 1e-3, "seed": seed,
+             "status": status} for seed, status in ((0, "ok"), (1, "error"))]
     env = {"gpu": "NVIDIA H200", "gpu_count": 1, "git_commit": "abc1234",
            "utc_time": "2026-12-03T15:15:15+00:00"}
     return {"kind": "recall", "schema_version": 2, "config": {"name": "zoo"},

@@ -113,9 +113,11 @@ def format_seq_len(value: int) -> str:
 def parse_modes(text: str | list[str]) -> list[str]:
     """Comma-separated modes (or a list of them): some of MODES, each at most once."""
     modes = _items(text, "modes") if isinstance(text, str) else list(text)
+    if not modes:
+        raise ValueError(f"the list of modes is empty: give some of {', '.join(MODES)}")
     bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"bad mode {bad[0] if bad else ''!r}: expected some of {', '.join(MODES)}")
+    if bad:
+        raise ValueError(f"bad mode {bad[0]!r}: expected some of {', '.join(MODES)}")
     _no_duplicates(modes, "mode", repr)
     return modes
 
@@ -321,7 +323,10 @@ class SweepConfig:
             _no_duplicates(self.seq_lens, "sequence length", format_seq_len)
         except ValueError as error:
             raise ValueError(f"sweep {self.name!r}: {error}") from None
-        self.modes = parse_modes(self.modes)
+        try:
+            self.modes = parse_modes(self.modes)
+        except ValueError as error:
+            raise ValueError(f"sweep {self.name!r}: {error}") from None
         if self.batch is not None and self.tokens_per_batch is not None:
             raise ValueError(f"sweep {self.name!r}: give batch or tokens_per_batch, not both")
         for each in setting_fields():

@@ -35,7 +35,8 @@ class RecordField:
     identifies the point across runs (a resumed sweep keeps a record with the same key);
     optional: files written before the field existed lack it, so it is checked only when
     present; planned: its value in a new record, from the planned point (None: null until
-    measured).
+    measured); measure: a measured quantity (a time, an amount of memory, a rate, a count),
+    which when not null is a finite number >= 0 (for a list: each item).
     """
 
     name: str
@@ -45,6 +46,7 @@ class RecordField:
     key: bool = False
     optional: bool = False
     planned: Callable[[Any], Any] | None = None
+    measure: bool = False
 
 
 def _sweep(attribute: str) -> Callable[[Any], Any]:
@@ -70,31 +72,31 @@ FIELDS: tuple[RecordField, ...] = (
     RecordField("reason", _STR, nullable=True),
     RecordField("repeats", _INT, planned=_sweep("repeats")),
     RecordField("warmup", _INT, planned=_sweep("warmup")),
-    RecordField("median_ms", _NUM, nullable=True),
-    RecordField("p20_ms", _NUM, nullable=True),
-    RecordField("p80_ms", _NUM, nullable=True),
-    RecordField("tokens_per_s", _NUM, nullable=True),
-    RecordField("peak_memory_bytes", _INT, nullable=True),
-    RecordField("state_bytes", _INT, nullable=True),
-    RecordField("flops", _NUM, nullable=True),
-    RecordField("tflops", _NUM, nullable=True),
+    RecordField("median_ms", _NUM, nullable=True, measure=True),
+    RecordField("p20_ms", _NUM, nullable=True, measure=True),
+    RecordField("p80_ms", _NUM, nullable=True, measure=True),
+    RecordField("tokens_per_s", _NUM, nullable=True, measure=True),
+    RecordField("peak_memory_bytes", _INT, nullable=True, measure=True),
+    RecordField("state_bytes", _INT, nullable=True, measure=True),
+    RecordField("flops", _NUM, nullable=True, measure=True),
+    RecordField("tflops", _NUM, nullable=True, measure=True),
     # the tokens per timed decode call (absent: 1), and whether it replayed a CUDA graph
-    RecordField("decode_steps", _INT, nullable=True, optional=True),
+    RecordField("decode_steps", _INT, nullable=True, optional=True, measure=True),
     RecordField("decode_graph", _BOOL, nullable=True, optional=True),
     # whether the samples timed CUDA-graph replays of the call (any mode)
     RecordField("cuda_graph", _BOOL, nullable=True, optional=True),
     # op or layer (absent in older files: op)
     RecordField("level", _STR, choices=("op", "layer"), optional=True, planned=_sweep("level")),
     # decode: bytes a step must move (its decoder's step_bytes, else 2 x state_bytes) per second
-    RecordField("bytes_per_s", _NUM, nullable=True, optional=True),
+    RecordField("bytes_per_s", _NUM, nullable=True, optional=True, measure=True),
     # raw per-sample times, their spread ((p75 - p25) / median) and what ran: implementation,
     # kernel path, chunk size, SDPA backend, package versions (absent in older files)
-    RecordField("samples_ms", (list,), nullable=True, optional=True),
-    RecordField("spread", _NUM, nullable=True, optional=True),
+    RecordField("samples_ms", (list,), nullable=True, optional=True, measure=True),
+    RecordField("spread", _NUM, nullable=True, optional=True, measure=True),
     RecordField("resolved", _MAP, nullable=True, optional=True),
     # seconds spent building and warming up the point before its samples (compilation and
     # autotuning land here), so a sweep's time can be planned (absent in older files)
-    RecordField("setup_s", _NUM, nullable=True, optional=True),
+    RecordField("setup_s", _NUM, nullable=True, optional=True, measure=True),
 )
 KEY = tuple(each.name for each in FIELDS if each.key)
 

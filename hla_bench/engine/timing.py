@@ -307,16 +307,22 @@ class PointTimeout(Exception):
 @contextlib.contextmanager
 def time_limit(seconds: float | None) -> Iterator[None]:
     """Raise PointTimeout in this thread once `seconds` have passed (checked between Python
-    steps, so a long kernel or autotuning loop ends at its next one). No limit when seconds is
-    None, off the main thread, or where SIGALRM does not exist."""
+    steps, so a long kernel or autotuning loop ends at its next one). Its message gives the
+    time that really passed, which a call that holds the interpreter past the limit makes
+    longer than `seconds`, and the limit. No limit when seconds is None, off the main
+    thread, or where SIGALRM does not exist."""
     if (seconds is None or not hasattr(signal, "SIGALRM")
             or threading.current_thread() is not threading.main_thread()):
         yield
         return
+    started = time.perf_counter()
 
     def expire(signum, frame):
-        raise PointTimeout(f"stopped after {seconds:g} s (the sweep's point_timeout_s); a "
-                           "first call that autotunes kernels can take minutes")
+        elapsed = time.perf_counter() - started
+        raise PointTimeout(f"stopped after {elapsed:.3g} s, past the limit of {seconds:g} s "
+                           "(from the sweep's point_timeout_s; checked between Python steps, so "
+                           "a call in progress runs to its end); a first call that "
+                           "autotunes kernels can take minutes")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -76,11 +76,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 def check_decay(decay, heads: int, device: torch.device) -> torch.Tensor | None:
     """None, or the decay as an `[H]` tensor on `device`; each value in (0, 1]. A Python
-    number becomes float64 (torch.as_tensor would round it to float32)."""
+    number becomes float64 (torch.as_tensor would round it to float32); a tensor must be
+    floating-point (a bool or integer tensor is refused, not read as 1.0 or 0.0)."""
     if decay is None:
         return None
     if isinstance(decay, bool) or not isinstance(decay, (int, float, torch.Tensor)):
         raise ValueError(f"decay must be a float or a per-head tensor, got {decay!r}")
+    if isinstance(decay, torch.Tensor) and not decay.is_floating_point():
+        raise ValueError(f"decay must be a floating-point tensor, got dtype {decay.dtype}")
     g = torch.as_tensor(decay, dtype=None if isinstance(decay, torch.Tensor) else torch.float64,
                         device=device)
     if g.dim() == 0:

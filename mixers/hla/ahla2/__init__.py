@@ -54,12 +54,13 @@ def _state_shapes(B, H, D, Dv, normalize):
     return shapes
 
 
-def _carries(state, B, H, D, Dv, normalize, dtype, device):
-    """Packed (P, E) carries from a state dict (zeros for None), after checking it."""
+def _carries(state, B, H, D, Dv, normalize, dtype, device, name):
+    """Packed (P, E) carries from a state dict (zeros for None), after checking it (errors
+    call it `name`, the caller's argument)."""
     if state is None:
         zeros = torch.zeros(B, H, D, Dv + normalize, dtype=dtype, device=device)
         return zeros, zeros
-    check_state(state, _state_shapes(B, H, D, Dv, normalize))
+    check_state(state, _state_shapes(B, H, D, Dv, normalize), name)
     return (pack(state, "P", "m" if normalize else None, dtype, device),
             pack(state, "E", "n" if normalize else None, dtype, device))
 
@@ -83,7 +84,8 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
     check_eps(eps)
     decay = check_decay(decay, H, q.device)
     dtype = compute_dtype(q.dtype)
-    P0, E0 = _carries(initial_state, B, H, D, Dv, normalize, dtype, q.device)
+    P0, E0 = _carries(initial_state, B, H, D, Dv, normalize, dtype, q.device,
+                      "initial_state")
     if T == 0:  # no tokens: no output rows, and the start state is the final one
         final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
         return q.new_zeros(B, 0, H, Dv), final
@@ -121,7 +123,7 @@ def ahla2_step(q_t, k_t, v_t, state=None, *, normalize=False, eps=1e-6, decay=No
     check_choice("impl", impl, STEP_IMPLS)
     decay = check_decay(decay, H, q_t.device)
     dtype = compute_dtype(q_t.dtype)
-    P, E = _carries(state, B, H, D, Dv, normalize, dtype, q_t.device)
+    P, E = _carries(state, B, H, D, Dv, normalize, dtype, q_t.device, "state")
     if resolve_impl(impl, "torch", q_t, lambda: _triton_unsupported(q_t, k_t, v_t)) == "triton":
         from mixers.hla.ahla2.triton import ahla2_step_packed, plan_launch
         plan = plan_launch(D, Dv + normalize, dtype)

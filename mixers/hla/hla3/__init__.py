@@ -58,12 +58,13 @@ def _state_shapes(variant, B, H, D, Dv, normalize):
     return shapes
 
 
-def _carries(state, variant, B, H, D, Dv, normalize, dtype, device):
-    """Packed carries from a state dict (zeros for None), after checking it."""
+def _carries(state, variant, B, H, D, Dv, normalize, dtype, device, name):
+    """Packed carries from a state dict (zeros for None), after checking it (errors call it
+    `name`, the caller's argument)."""
     if state is None:
         return tuple(torch.zeros(B, H, D, D if key.startswith("S") else Dv + normalize,
                                  dtype=dtype, device=device) for key in _keys(variant))
-    check_state(state, _state_shapes(variant, B, H, D, Dv, normalize))
+    check_state(state, _state_shapes(variant, B, H, D, Dv, normalize), name)
     return tuple(pack(state, key, TWINS.get(key) if normalize else None, dtype, device)
                  for key in _keys(variant))
 
@@ -108,7 +109,8 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
     check_chunk_size(chunk_size)
     check_eps(eps)
     dtype = compute_dtype(q.dtype)
-    carries = _carries(initial_state, variant, B, H, D, Dv, normalize, dtype, q.device)
+    carries = _carries(initial_state, variant, B, H, D, Dv, normalize, dtype, q.device,
+                       "initial_state")
     if T == 0:  # no tokens: no output rows, and the start state is the final one
         final = None
         if output_final_state:
@@ -154,7 +156,7 @@ def hla3_step(q_t, k_t, v_t, state=None, *, variant="causal", normalize=False, e
     if variant == "paper" and impl == "triton":
         raise ValueError("impl='triton' is not available for variant='paper'")
     dtype = compute_dtype(q_t.dtype)
-    carries = _carries(state, variant, B, H, D, Dv, normalize, dtype, q_t.device)
+    carries = _carries(state, variant, B, H, D, Dv, normalize, dtype, q_t.device, "state")
     if variant == "causal" and resolve_impl(
             impl, "torch", q_t, lambda: _triton_unsupported(q_t, k_t, v_t, step=True)) == "triton":
         from mixers.hla.hla3.triton import hla3_step_packed, plan_launch
