@@ -1,5 +1,6 @@
 """What every plot of the report shares: the formats, a headless pyplot, the sequence-length
-axis, saving a figure."""
+axis, a plot's path (`plot_path`: a name read from a results file must be one plain file-name
+component) and saving a figure (never through a symbolic link)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,80 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hla_bench.engine.config import format_seq_len
+from hla_bench.safe_files import (UnsafeNameError, name_problem, path_in, plain_name,
+                                  replace_atomically)
 
 PLOT_FORMATS = ("png", "svg", "pdf")
 
 
 def save_figure(figure: Any, path: Path, dpi: int = 110) -> Path:
-    """Lay out, write and close a matplotlib figure; returns `path`."""
+    """Lay out, write and close a matplotlib figure; returns `path`. The figure is drawn in
+    memory and written with `safe_files.replace_atomically` (never through a symbolic link
+    at `path`; a reader sees the old plot or the whole new one); its format is `path`'s
+    suffix."""
+    import io
+
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    figure.savefig(path, dpi=dpi)
-    plt.close(figure)
-    return path
+    drawn = io.BytesIO()
+    try:
+        figure.savefig(drawn, dpi=dpi, format=Path(path).suffix.lstrip(".") or None)
+    finally:
+        plt.close(figure)
+    return replace_atomically(path, drawn.getvalue(), what="plot")
+
+
+def plot_path(out_dir: str | Path, stem: object, fmt: str) -> Path:
+    """`out_dir/<stem>.<fmt>`, once `stem` (a sweep's name and a mode, read from a results
+    file) is one plain file-name component: UnsafeNameError naming it otherwise, so that no
+    plot is written outside `out_dir`."""
+    plain_name(stem, "plot name")
+    return path_in(out_dir, stem, "plot name", f".{fmt}")
+
+
+def _stems(kind: str, data: dict) -> list[object]:
+    """The file-name stems of a results file's plots, as `report --plots` writes them."""
+    if kind == "recall":
+        from hla_bench.recall_report import PLOT_NAMES
+
+        return list(PLOT_NAMES)
+    return list(dict.fromkeys(f"{p.get('sweep')}-{p.get('mode')}"
+                              for p in data.get("points", [])))
+
+
+def planned_plots_problem(loaded: list[tuple[str, str, dict]], out_dir: str | Path, fmt: str,
+                          compare: bool = False) -> str | None:
+    """Why `report --plots out_dir` cannot write the plots of the `loaded` (path, kind,
+    data) results files, found before any output: a bench file's sweep name that is not one
+    plain file-name component (its plot would leave the folder), or a plot path that is a
+    symbolic link; None when every plot can be written. The layout is the report's: with
+    `compare`, `compare-MODE` in `out_dir`; else, with several files, each file's plots in
+    the subfolder named after it."""
+    planned: list[tuple[str, Path, object]] = []
+    if compare:
+        modes = dict.fromkeys(p.get("mode") for _, _, data in loaded
+                              for p in data.get("points", []))
+        planned = [(loaded[0][0], Path(out_dir), f"compare-{mode}") for mode in modes]
+    else:
+        for path, kind, data in loaded:
+            folder = Path(out_dir) / Path(path).stem if len(loaded) > 1 else Path(out_dir)
+            if kind == "bench":
+                for point in data.get("points", []):
+                    problem = name_problem(point.get("sweep"))
+                    if problem:
+                        return (f"{path}: sweep name {point.get('sweep')!r} cannot be part "
+                                f"of a plot's file name: {problem}")
+            planned += [(path, folder, stem) for stem in _stems(kind, data)]
+    for path, folder, stem in planned:
+        try:
+            target = plot_path(folder, stem, fmt)
+        except UnsafeNameError as error:
+            return f"{path}: {error}"
+        if target.is_symlink():
+            return (f"{target}: the plot is a symbolic link; refusing to write through it "
+                    "or to replace it (remove the link, or give another --plots folder)")
+    return None
 
 
 def plots_dir_problem(out_dir: str | Path) -> str | None:

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
-from hla_bench.plots import plots_dir_problem
+from hla_bench.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options, load_config,
                                      option_conflicts, plan_rows, plan_runs, run_key,
@@ -372,6 +372,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         check_layers(specs)
         mode = store_mode(out, resume, overwrite)
         problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
+        if plots_dir is not None and not problem:  # a plot there that is a symbolic link
+            problem = planned_plots_problem([("recall", "recall", {})], plots_dir, "png")
         if problem:
             raise ConfigError(problem)
         if dry_run:

@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import configs
-from hla_bench.plots import pyplot_for, save_figure
+from hla_bench.plots import plot_path, pyplot_for, save_figure
 from hla_bench.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
@@ -479,6 +479,8 @@ def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dic
 
 
 PLOT_COLUMNS = 4  # panels per row of a recall plot (a MAD suite has 66 settings)
+# The recall plots' file-name stems: accuracy against state, against d_model.
+PLOT_NAMES = ("recall_accuracy_vs_state", "recall_accuracy_vs_d_model")
 
 
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
@@ -494,9 +496,9 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
     columns = min(len(settings), PLOT_COLUMNS)
     rows = math.ceil(len(settings) / columns)
     paths = []
-    for name, x_key, x_label in (("recall_accuracy_vs_state", "state_bytes",
-                                  "recurrent state per sequence, all layers (bytes)"),
-                                 ("recall_accuracy_vs_d_model", "d_model", "d_model")):
+    for name, x_key, x_label in zip(PLOT_NAMES, ("state_bytes", "d_model"),
+                                    ("recurrent state per sequence, all layers (bytes)",
+                                     "d_model")):
         figure, axes = plt.subplots(rows, columns, figsize=(4.8 * columns, 4.0 * rows),
                                     squeeze=False, sharey=True)
         panels = list(axes.flat)
@@ -531,7 +533,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
             for handle, label in zip(*axis.get_legend_handles_labels()):
                 entries.setdefault(label, handle)
         panels[len(settings) - 1].legend(entries.values(), entries.keys(), fontsize=7)
-        paths.append(save_figure(figure, plots_dir / f"{name}.{fmt}", dpi=120))
+        paths.append(save_figure(figure, plot_path(plots_dir, name, fmt), dpi=120))
     return paths
 
 

@@ -22,8 +22,8 @@ from rich.table import Table
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
-from hla_bench.plots import (PLOT_FORMATS, plots_dir_problem, pyplot_for, save_figure,
-                             seq_len_axis)
+from hla_bench.plots import (PLOT_FORMATS, planned_plots_problem, plot_path, plots_dir_problem,
+                             pyplot_for, save_figure, seq_len_axis)
 from hla_bench.recall_report import RECALL_TABLES, render_recall
 from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
@@ -346,7 +346,7 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png") -> 
         if any_failed:
             title += "\nx on the axis: OOM / error / unavailable at that T"
         figure.suptitle(title, fontsize=10)
-        written.append(save_figure(figure, out_dir / f"{sweep}-{mode}.{fmt}"))
+        written.append(save_figure(figure, plot_path(out_dir, f"{sweep}-{mode}", fmt)))
     return written
 
 
@@ -470,6 +470,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                 raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of "
                                        f"{path} ({', '.join(sorted(labels)) or 'no points'})")
     problem = plots_dir_problem(plots) if plots is not None else None
+    if plots is not None and not problem:  # names from the files, links where plots go
+        problem = planned_plots_problem(loaded, plots, plot_format, bool(compare_files))
     if problem:  # the check leaves no folder behind, so its place among the checks is free
         raise click.UsageError(problem)
     if compare_files:
