@@ -42,7 +42,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench.engine.config import format_seq_len
-from hla_bench.plots import pyplot_for, seq_len_axis
+from hla_bench.plots import plot_path, pyplot_for, seq_len_axis
 from hla_bench.tables import STATUS_LABELS, format_value
 
 ALPHA = 0.01
@@ -502,5 +502,5 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
         legend_outside(figure, [ax])
         ax.set_title(f"{mode}: ratio with {1 - result['alpha']:.0%} bootstrap interval "
                      "(no bar: no samples)", fontsize=10)
-        written.append(save_figure_tight(figure, out_dir / f"compare-{mode}.{fmt}"))
+        written.append(save_figure_tight(figure, plot_path(out_dir, f"compare-{mode}", fmt)))
     return written

@@ -9,7 +9,8 @@ reason; other YAML files (benchmark and verify outputs) apart with what their to
 records; every other file (plots) by name.
 
 The index starts with GENERATED_LINE. An existing DIR/README.md that does not is never
-replaced: it was written by hand.
+replaced: it was written by hand; nor is one that is a symbolic link (the index is written
+through `safe_files.replace_atomically`, which never follows one).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def index_markdown(folder: str | Path) -> tuple[str, int]:
         if path.suffix not in (".yaml", ".yml"):
             others.append(link)
             continue
-        if store.file_kind(path) is None:
+        if store.file_kind(path) not in store.RECORDS_KEY:  # verify's output, benchmarks'
             outputs.append((link, output_summary(path)))
             continue
         try:
@@ -178,6 +179,9 @@ def write_index(folder: str | Path) -> tuple[Path, int]:
     if not folder.is_dir():
         raise IndexWriteError(f"{folder}: not a folder")
     path = folder / INDEX_NAME
+    if path.is_symlink():
+        raise IndexWriteError(f"{path} is a symbolic link; refusing to write through it or "
+                              "to replace it (remove the link)")
     if path.exists():
         try:
             first = path.read_text(encoding="utf-8").split("\n", 1)[0]

@@ -1,6 +1,8 @@
 """What every plot of the report shares (the formats, a headless pyplot, the sequence-length
-axis, log axes with readable ticks, legends outside the panels, saving a figure) and the
-speed figures of bench files (`write_bench_plots`; docs/figures.md)."""
+axis, log axes with readable ticks, legends outside the panels, a plot's path (`plot_path`:
+a name read from a results file must be one plain file-name component), saving a figure
+(never through a symbolic link)) and the speed figures of bench files (`write_bench_plots`;
+docs/figures.md)."""
 
 from __future__ import annotations
 
@@ -10,20 +12,83 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from hla_bench.engine.config import format_seq_len
+from hla_bench.safe_files import (UnsafeNameError, name_problem, path_in, plain_name,
+                                  replace_atomically)
 
 PLOT_FORMATS = ("png", "svg", "pdf")
 
 
-def save_figure(figure: Any, path: Path, dpi: int = 110) -> Path:
-    """Lay out (unless the figure has a layout engine of its own), write and close a
-    matplotlib figure; returns `path`."""
+def save_figure(figure: Any, path: Path, dpi: int = 110, tight: bool = False) -> Path:
+    """Lay out (unless the figure has a layout engine of its own, or `tight` grows the saved
+    area to hold what lies outside the axes), write and close a matplotlib figure; returns
+    `path`. The figure is drawn in memory and written with `safe_files.replace_atomically`
+    (never through a symbolic link at `path`; a reader sees the old plot or the whole new
+    one); its format is `path`'s suffix."""
+    import io
+
     import matplotlib.pyplot as plt
 
-    if figure.get_layout_engine() is None:
+    if figure.get_layout_engine() is None and not tight:
         figure.tight_layout()
-    figure.savefig(path, dpi=dpi)
-    plt.close(figure)
-    return path
+    drawn = io.BytesIO()
+    try:
+        figure.savefig(drawn, dpi=dpi, format=Path(path).suffix.lstrip(".") or None,
+                       bbox_inches="tight" if tight else None)
+    finally:
+        plt.close(figure)
+    return replace_atomically(path, drawn.getvalue(), what="plot")
+
+
+def plot_path(out_dir: str | Path, stem: object, fmt: str) -> Path:
+    """`out_dir/<stem>.<fmt>`, once `stem` (a sweep's name and a mode, read from a results
+    file) is one plain file-name component: UnsafeNameError naming it otherwise, so that no
+    plot is written outside `out_dir`."""
+    plain_name(stem, "plot name")
+    return path_in(out_dir, stem, "plot name", f".{fmt}")
+
+
+def _stems(kind: str, data: dict) -> list[object]:
+    """The file-name stems of a results file's plots, as `report --plots` writes them."""
+    if kind == "recall":
+        from hla_bench.recall_report import PLOT_NAMES
+
+        return list(PLOT_NAMES)
+    return list(dict.fromkeys(f"{p.get('sweep')}-{p.get('mode')}"
+                              for p in data.get("points", [])))
+
+
+def planned_plots_problem(loaded: list[tuple[str, str, dict]], out_dir: str | Path, fmt: str,
+                          compare: bool = False) -> str | None:
+    """Why `report --plots out_dir` cannot write the plots of the `loaded` (path, kind,
+    data) results files, found before any output: a bench file's sweep name that is not one
+    plain file-name component (its plot would leave the folder), or a plot path that is a
+    symbolic link; None when every plot can be written. The layout is the report's: with
+    `compare`, `compare-MODE` in `out_dir`; else, with several files, each file's plots in
+    the subfolder named after it."""
+    planned: list[tuple[str, Path, object]] = []
+    if compare:
+        modes = dict.fromkeys(p.get("mode") for _, _, data in loaded
+                              for p in data.get("points", []))
+        planned = [(loaded[0][0], Path(out_dir), f"compare-{mode}") for mode in modes]
+    else:
+        for path, kind, data in loaded:
+            folder = Path(out_dir) / Path(path).stem if len(loaded) > 1 else Path(out_dir)
+            if kind == "bench":
+                for point in data.get("points", []):
+                    problem = name_problem(point.get("sweep"))
+                    if problem:
+                        return (f"{path}: sweep name {point.get('sweep')!r} cannot be part "
+                                f"of a plot's file name: {problem}")
+            planned += [(path, folder, stem) for stem in _stems(kind, data)]
+    for path, folder, stem in planned:
+        try:
+            target = plot_path(folder, stem, fmt)
+        except UnsafeNameError as error:
+            return f"{path}: {error}"
+        if target.is_symlink():
+            return (f"{target}: the plot is a symbolic link; refusing to write through it "
+                    "or to replace it (remove the link, or give another --plots folder)")
+    return None
 
 
 def plots_dir_problem(out_dir: str | Path) -> str | None:
@@ -76,13 +141,9 @@ def seq_len_axis(ax: Any, seq_lens: Iterable[int]) -> None:
 
 
 def save_figure_tight(figure: Any, path: Path, dpi: int = 110) -> Path:
-    """Write and close a figure laid out by its own layout engine, the saved area grown to
+    """`save_figure` of a figure laid out by its own layout engine, the saved area grown to
     hold what lies outside the axes (legends, the notes under the figure)."""
-    import matplotlib.pyplot as plt
-
-    figure.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, dpi, tight=True)
 
 
 # --- axes a reader can read: at least three tick labels on any log axis ---------------------
@@ -385,5 +446,5 @@ def write_bench_plots(data: dict[str, Any], out_dir: str | Path, fmt: str,
                              f"{sweep}-{mode}-FAMILY.{fmt} also: "
                              + ", ".join(styles.ordered(overview_left, names)))
             figure = bench_figure(plt, points, shown, base, group_title, xlabel(points), notes)
-            written.append(save_figure_tight(figure, out_dir / f"{sweep}-{mode}{suffix}.{fmt}"))
+            written.append(save_figure_tight(figure, plot_path(out_dir, f"{sweep}-{mode}{suffix}", fmt)))
     return written

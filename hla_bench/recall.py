@@ -21,7 +21,7 @@ from rich.table import Table
 
 from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
-from hla_bench.plots import plots_dir_problem
+from hla_bench.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_given_params, check_layers,
                                      check_mixer_options, load_config, option_conflicts,
@@ -31,8 +31,10 @@ from hla_bench.store import (ResultsStore, StoreError, default_out_path, exit_on
                              read_resumable)
 from hla_bench.tables import print_table
 from hla_bench.task_commands import parse_params
+from hla_bench.safe_files import refuse_symlink
 from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
-                                plan_groups, run_groups, seq_len_of, step_flops)
+                                plan_groups, remove_checkpoints, run_groups, seq_len_of,
+                                step_flops)
 from tasks.model import STATE_MIXERS
 
 SCHEMA_VERSION = 2
@@ -199,6 +201,9 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             elif event["event"] == "at_once" and key in names:
                 progress.console.print(f"  {names[key]}: done; {event['at_once']} group(s) "
                                        "at once again", soft_wrap=plain, highlight=False)
+            elif event["event"] == "checkpoint_ignored" and key in names:
+                progress.console.print(f"  {names[key]}: {escape(event['reason'])}",
+                                       soft_wrap=plain, highlight=False)
             elif event["event"] == "start" and key in names:
                 bars[key] = progress.add_task(names[key], total=event["total"], info="")
                 told[key] = (0, event["runs"])
@@ -382,6 +387,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         check_layers(specs)
         mode = store_mode(out, resume, overwrite)
         problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
+        if plots_dir is not None and not problem:  # a plot there that is a symbolic link
+            problem = planned_plots_problem([("recall", "recall", {})], plots_dir, "png")
         if problem:
             raise ConfigError(problem)
         if dry_run:
@@ -412,10 +419,22 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
 
     with store, exit_on_interrupt(store, "run", lambda text: console.print(
             f"[yellow]{escape(text)}[/]", soft_wrap=True)):
+        checkpoints = Path(f"{store.path}.checkpoints")
         try:
             check_repeats(store.path, store.records(), specs)
+            # a checkpoint continues only the results file it was written for: a new file
+            # (--overwrite, a new --out, a --resume of a missing file) starts every group
+            # afresh, so the checkpoints an earlier run left there go first
+            refuse_symlink(checkpoints, "checkpoint folder")
+            stale = remove_checkpoints(checkpoints) if store.previous_header is None else 0
         except ConfigError as error:
             raise click.UsageError(str(error)) from None
+        except OSError as error:
+            raise click.UsageError(f"{checkpoints}: {error.strerror or error}") from None
+        if stale:
+            console.print(f"removed {stale} checkpoint(s) of an earlier run from "
+                          f"{escape(str(checkpoints))}: {escape(str(store.path))} starts afresh",
+                          soft_wrap=True, highlight=False)
         finished = kept_keys(store.records())
         runnable = []
         for spec in specs:
@@ -479,7 +498,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                 gpu_use = GpuUse()  # not a --scheduler's workers: they are elsewhere
             complete = run_with_progress(
                 groups, min(workers, max(1, len(groups))), console, on_results, client=client,
-                deadline=deadline, checkpoint_dir=f"{store.path}.checkpoints",
+                deadline=deadline, checkpoint_dir=str(checkpoints),
                 graphs=config["graphs"], compile=config["compile"])
         finally:
             if client is not None:

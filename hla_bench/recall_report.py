@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import configs
-from hla_bench.plots import pyplot_for
+from hla_bench.plots import plot_path, pyplot_for
 from hla_bench.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
@@ -673,6 +673,10 @@ def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_
     return figure
 
 
+# The recall plots' file-name stems: accuracy against state, against d_model.
+PLOT_NAMES = ("recall_accuracy_vs_state", "recall_accuracy_vs_d_model")
+
+
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                 published: dict | None = None, matches: dict | None = None,
                 mixers: str | None = None) -> list[Path]:
@@ -694,8 +698,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
     unmatched = sorted({label.removeprefix("Zoology: ") for curves in (published or {}).values()
                         for label in curves} - set(matches))
     paths = []
-    for name, x_key in (("recall_accuracy_vs_state", "state_bytes"),
-                        ("recall_accuracy_vs_d_model", "d_model")):
+    for name, x_key in zip(PLOT_NAMES, ("state_bytes", "d_model")):
         panels = _panel_points(summary, x_key)
         placed = _published_points(summary, published, matches, x_key)
         ranked = {mixer: -statistics.fmean(y for points in panels.values()
@@ -715,7 +718,8 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
             elif suffix:
                 notes.append(f"{styles.family_title(suffix[1:].split('-', 1)[0])} only")
             figure = recall_figure(plt, panels, placed, shown, x_key, notes)
-            paths.append(save_figure_tight(figure, plots_dir / f"{name}{suffix}.{fmt}", dpi=120))
+            paths.append(save_figure_tight(figure, plot_path(plots_dir, f"{name}{suffix}", fmt),
+                                           dpi=120))
     return paths
 
 

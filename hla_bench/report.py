@@ -23,7 +23,7 @@ from hla_bench import store
 from hla_bench.engine.config import format_seq_len
 from hla_bench.engine.records import iter_groups
 from hla_bench.index import load_checked
-from hla_bench.plots import PLOT_FORMATS, plots_dir_problem, select
+from hla_bench.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
 from hla_bench.recall_report import RECALL_TABLES, render_recall
 from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
@@ -435,6 +435,8 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                 raise click.UsageError(f"-k {pattern!r} matches no mixer of {path} "
                                        f"({', '.join(labels) or 'no mixers'})")
     problem = plots_dir_problem(plots) if plots is not None else None
+    if plots is not None and not problem:  # names from the files, links where plots go
+        problem = planned_plots_problem(loaded, plots, plot_format, bool(compare_files))
     if problem:  # the check leaves no folder behind, so its place among the checks is free
         raise click.UsageError(problem)
     if compare_files:

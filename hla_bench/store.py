@@ -22,7 +22,11 @@ Invariants:
   A second writer is refused (naming that pid); the lock of a dead process is taken over
   (the kernel drops a flock with its holder, whatever the pid the file names).
 - A file that is not a results file of the store's kind (a config, markdown, a recall
-  file for a bench run) is never overwritten, in any mode.
+  file for a bench run) is never overwritten, in any mode (`check_out`, the policy verify's
+  --yaml shares).
+- Nothing is written through a symbolic link: a results file or a lock that is one is
+  refused (`hla_bench.safe_files`), and a lock that is not a regular file of one name (a
+  FIFO, a hard link to another file) is never truncated.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import re
 import secrets
 import signal
 import socket
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -43,7 +48,12 @@ from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import yaml
 
+from hla_bench.safe_files import (UnsafePathError, open_new_nofollow, open_nofollow,
+                                  replace_atomically, temp_prefix)
+
 RECORDS_KEY = {"bench": "points", "recall": "runs"}
+# The kinds a file's first line may name: the store's, and verify's output (written whole).
+FILE_KINDS = (*RECORDS_KEY, "verify")
 MODES = ("new", "resume", "overwrite")
 MARKER_KEY = "end_of_results"
 MARKER_LINE = f"{MARKER_KEY}: true\n"
@@ -217,72 +227,66 @@ def dump_results(data: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename in `folder` durable (where the platform allows opening a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _temp_prefix(path: Path) -> str:
-    return f".{path.name}."
-
-
-def _file_mode(path: Path) -> int:
-    """The permissions a replaced file keeps; for a new one, what open() would give it."""
-    try:
-        return path.stat().st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write `text` to `path` so that a reader (or a crash at any moment) sees either the
-    old file or the whole new one: a unique temporary file in the same folder (two writers
-    never share it), fsync, then os.replace. The folder must exist."""
-    path = Path(path)
-    fd, temp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, _file_mode(path))  # mkstemp's 0600 would hide results from others
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
-    _fsync_folder(path.parent)
-    return path
+    old file or the whole new one (`safe_files.replace_atomically`: a temporary file in
+    the same folder, fsync, os.replace; a symbolic link at `path` is refused with
+    UnsafePathError, never written through). The folder must exist."""
+    return replace_atomically(path, text)
 
 
 def check_writable(path: str | Path) -> Path:
     """Create `path`'s folder if needed and prove a file can be written there, before any
     work starts; StoreError naming the path otherwise."""
     path = Path(path)
+    if path.is_symlink():
+        raise StoreError(f"{path}: is a symbolic link; refusing to write through it or to "
+                         "replace it (remove the link, or give another path)")
     if path.is_dir():
         raise StoreError(f"{path}: is a folder, expected a file name")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=".tmp", dir=path.parent)
+        fd, temp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
         os.close(fd)
         os.unlink(temp)
     except OSError as error:
         raise StoreError(f"{path}: cannot write in {path.parent} ({error.strerror or error})") \
             from None
     return path
+
+
+def check_out(path: str | Path, kind: str, mode: str,
+              kind_of: Callable[[Path], str | None] = file_kind) -> bool:
+    """The policy of every command that writes a file of `kind` to a path it is given
+    (bench's and recall's --out, verify's --yaml): whether a file is there (False: it is
+    written afresh). A symbolic link is refused; so is an existing file that is not of
+    `kind` (`kind_of(path)`: the kind named by its first lines), in every mode; and, of
+    `kind`, one in mode "new" (without --resume or --overwrite). Modes: "new", "resume",
+    "overwrite"; a kind written in modes new and overwrite only names --overwrite.
+    StoreError naming the path otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (expected {', '.join(MODES)})")
+    path = Path(path)
+    if path.is_symlink():
+        raise StoreError(f"{path}: is a symbolic link; refusing to write through it or to "
+                         "replace it (remove the link, or give another path)")
+    if not path.exists():
+        return False
+    if path.is_dir():
+        raise StoreError(f"{path}: is a folder, expected a file name")
+    found = kind_of(path)
+    refusing = "refusing to resume it" if mode == "resume" else "refusing to overwrite it"
+    if found not in FILE_KINDS:
+        noun = "a results file" if kind in RECORDS_KEY else f"a {kind} output"
+        raise StoreError(f"{path} exists and is not {noun} (it does not start with "
+                         f"'kind: {kind}' and a schema_version); {refusing}")
+    if found != kind:
+        raise StoreError(f"{path} is a {found} results file, not {kind}; {refusing}")
+    if mode == "new":
+        how = ("resume it (--resume) or replace it (--overwrite)" if kind in RECORDS_KEY
+               else "give --overwrite to replace it")
+        raise StoreError(f"{path} already exists; {how}")
+    return True
 
 
 def default_out_path(kind: str, folder: str | Path = DEFAULT_FOLDER,
@@ -321,6 +325,17 @@ def _lock_holder(lock_path: Path) -> tuple[int | None, str]:
         return None, ""
 
 
+def _not_a_lock_file(fd: int) -> str | None:
+    """Why the open file `fd` is not one to truncate as a lock: not a regular file (a FIFO,
+    a device), or a name of a file that has others (a hard link to some other file)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_nlink != 1:
+        return f"has {info.st_nlink} names (a hard link to another file)"
+    return None
+
+
 class FileLock:
     """An exclusive, non-blocking lock on `<path>.lock` (flock), whose content is the
     holder's `pid host`. Where flock is unsupported (some network file systems) the pid
@@ -337,8 +352,11 @@ class FileLock:
         import fcntl
 
         for _ in range(20):  # retried when the lock file is replaced while we lock it
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:  # never through a symbolic link: a planted one would truncate its target
+                fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644, what="lock")
+            except UnsafePathError as error:
+                raise StoreError(f"{self.target}: cannot take the lock: {error.strerror}") \
+                    from None
             except OSError as error:
                 raise StoreError(f"{self.target}: cannot create the lock {self.path.name} "
                                  f"in {self.path.parent} ({error.strerror or error})") from None
@@ -362,6 +380,11 @@ class FileLock:
             if not same:
                 os.close(fd)
                 continue
+            problem = _not_a_lock_file(fd)
+            if problem:
+                os.close(fd)
+                raise StoreError(f"{self.target}: the lock {self.path} {problem}; refusing "
+                                 "to write it (remove it)")
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
             os.fsync(fd)
@@ -382,11 +405,17 @@ class FileLock:
         pid, host = _lock_holder(self.path)
         if pid is not None and host == socket.gethostname() and _pid_alive(pid):
             self._refuse()
+        if self.path.is_symlink():
+            raise StoreError(f"{self.target}: the lock {self.path} is a symbolic link; "
+                             "refusing to replace it (remove the link)")
         self.path.unlink(missing_ok=True)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = open_new_nofollow(self.path, os.O_RDWR, 0o644, what="lock")
         except FileExistsError:
             self._refuse()
+        except UnsafePathError as error:
+            raise StoreError(f"{self.target}: cannot take the lock: {error.strerror}") \
+                from None
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
         self._fd = fd
 
@@ -550,19 +579,7 @@ class ResultsStore:
         """Apply `mode` to what is at the path: None when the file starts afresh, else the
         resumed file's header and records."""
         path = self.path
-        if not path.exists():
-            return None
-        found = file_kind(path)
-        refusing = "refusing to resume it" if mode == "resume" else "refusing to overwrite it"
-        if found not in RECORDS_KEY:
-            raise StoreError(f"{path} exists and is not a results file (it does not start "
-                             f"with 'kind: {self.kind}' and a schema_version); {refusing}")
-        if found != self.kind:
-            raise StoreError(f"{path} is a {found} results file, not {self.kind}; {refusing}")
-        if mode == "new":
-            raise StoreError(f"{path} already exists; resume it (--resume) or replace it "
-                             "(--overwrite)")
-        if mode == "overwrite":
+        if not check_out(path, self.kind, mode) or mode == "overwrite":
             return None
         data = read_resumable(path, self.kind, self.settings, self.validate)
         records_key = RECORDS_KEY[self.kind]
@@ -586,7 +603,7 @@ class ResultsStore:
     def _remove_stale_temporaries(self) -> None:
         """Temporary files of this target left by a writer that was killed mid-write (only
         the lock holder writes, and we hold the lock)."""
-        prefix = _temp_prefix(self.path)
+        prefix = temp_prefix(self.path)
         for leftover in self.path.parent.glob(f"{glob_escape(prefix)}*.tmp"):
             try:
                 leftover.unlink()

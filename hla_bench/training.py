@@ -36,6 +36,7 @@ import torch
 import tasks
 from hla_bench import registry
 from hla_bench.processes import exit_with_parent
+from hla_bench.safe_files import path_in, refuse_symlink
 from mixers import dispatch
 from mixers.hla.common import inputs_trusted_finite
 from tasks import IGNORE
@@ -174,6 +175,48 @@ def group_name(group: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+# The packages whose code decides what a checkpoint holds and how training goes on from it.
+_CODE_PACKAGES = ("mixers", "tasks")
+_CODE_FILES = ("training.py", "registry.py")  # of hla_bench
+_code_version: str | None = None
+
+
+def code_version() -> str:
+    """The version of the code a checkpoint is continued with: a sha256 (first 20 hex
+    digits) of the source of the mixers and tasks packages and of this module and the
+    registry, computed once per process. A checkpoint written by other code (an edit, a
+    checkout of another commit, a dirty tree) has another version and is never loaded."""
+    global _code_version
+    if _code_version is None:
+        here = Path(__file__).resolve().parent
+        sources = [here / name for name in _CODE_FILES]
+        for package in _CODE_PACKAGES:
+            module = __import__(package)
+            sources += sorted(Path(module.__file__).resolve().parent.rglob("*.py"))
+        digest = hashlib.sha256()
+        for source in sources:
+            digest.update(f"{source.parent.name}/{source.name}\0".encode())
+            digest.update(source.read_bytes())
+            digest.update(b"\0")
+        _code_version = digest.hexdigest()[:20]
+    return _code_version
+
+
+def remove_checkpoints(folder: str | Path) -> int:
+    """Remove the checkpoints (`*.pt`) and their temporary files left in `folder` by an
+    earlier run; the number removed. Nothing else in the folder is touched, and a
+    `folder` that is a symbolic link is refused (UnsafePathError): its files are not ours."""
+    folder = refuse_symlink(folder, "checkpoint folder")
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    for leftover in [*folder.glob("*.pt"), *folder.glob("*.pt.*.tmp")]:
+        if leftover.is_file() or leftover.is_symlink():
+            leftover.unlink()
+            removed += 1
+    return removed
+
+
 def failed_result(spec: dict, status: str, message: str) -> dict:
     return {**spec, "status": status, "error": message, "test_accuracy": None,
             "val_accuracy": None, "curve": []}
@@ -220,7 +263,8 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     its run) RETRY_WITH_FEWER, else the group splits in two and retries. A CUDA
     fault: RETRY_ALONE unless `isolated` (no other group ran beside it), else its failed
     results as a CudaFault."""
-    checkpoint = Path(checkpoint_dir) / f"{group_name(group)}.pt" if checkpoint_dir else None
+    checkpoint = (path_in(checkpoint_dir, group_name(group), "checkpoint name", ".pt")
+                  if checkpoint_dir else None)
     split = False
     try:
         # what the group's first eager forward ran: its first training step's (eager on the
@@ -229,7 +273,8 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
         # a model's own activations are finite: the ops skip the non-finite rule's passes
         with dispatch.noting(keep="first") as notes, inputs_trusted_finite():
             results = train_group(group, build_model, progress=progress, graphs=graphs,
-                                  compile=compile, deadline=deadline, checkpoint=checkpoint)
+                                  compile=compile, deadline=deadline, checkpoint=checkpoint,
+                                  code_version=code_version())
         ran = registry.what_ran(registry.get(group[0]["mixer"]), dict(notes))
         for result in results:
             result["mixer_path"] = ran

@@ -9,7 +9,9 @@ operators (docs/discrepancies.md). Every operator is reached through the registr
 decoder and its reference.
 
 Exit code 0 when every pair that should agree does, 1 otherwise; 2 for usage errors (no
-CUDA device, a --yaml file that cannot be written: both found before the checks run).
+CUDA device, a --yaml file that cannot be written or replaced: both found before the checks
+run). --yaml follows bench's --out policy (`store.check_out`): an existing file is replaced
+only with --overwrite and only when it is a verify output; never through a symbolic link.
 A --seq-len whose references need more memory than is available is a usage error too.
 """
 
@@ -28,7 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import registry
-from hla_bench.store import StoreError, atomic_write_text, check_writable, file_kind
+from hla_bench.store import StoreError, atomic_write_text, check_out, check_writable, file_kind
 from hla_bench.tables import pack, print_table
 from mixers.reference import relative_error
 
@@ -247,6 +249,30 @@ def run_all(*, seed: int, seq_len: int, dtype_name: str, device: str) -> dict:
             "wall_s": round(time.perf_counter() - start, 2)}
 
 
+# The --yaml file: `kind: verify`, this schema version, then run_all's fields.
+OUTPUT_SCHEMA = 1
+# The first keys of run_all's result, which began --yaml files written before the kind line.
+_LEGACY_KEYS = ["device", "dtype", "seed", "seq_len", "checks"]
+
+
+def output_kind(path: Path) -> str | None:
+    """The kind of the file at `path` as --yaml's policy sees it: the kind its first lines
+    name (`store.file_kind`), "verify" for a verify output written before the kind line
+    (a mapping starting with run_all's keys and holding `passed`), else None."""
+    kind = file_kind(path)
+    if kind is not None:
+        return kind
+    try:
+        with open(path, "rb") as handle:
+            data = yaml.safe_load(handle.read(2**24))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    if (isinstance(data, dict) and list(data)[:len(_LEGACY_KEYS)] == _LEGACY_KEYS
+            and "passed" in data):
+        return "verify"
+    return None
+
+
 STATUS_STYLE = {"pass": "[green]pass[/green]", "FAIL": "[bold red]FAIL[/bold red]",
                 "error": "[bold red]error[/bold red]", "skip": "[yellow]skip[/yellow]"}
 
@@ -340,7 +366,7 @@ def render(result: dict, console: Console) -> None:
 @click.option("--yaml", "yaml_path", type=click.Path(dir_okay=False),
               help="Also write the results to this YAML file (a new one; see --overwrite).")
 @click.option("--overwrite", is_flag=True,
-              help="Replace an existing --yaml file (never a bench or recall results file).")
+              help="Replace an existing --yaml file that is a verify output (nothing else).")
 def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
            yaml_path: str | None, overwrite: bool) -> None:
     """Check every HLA form against the explicit float64 sums; exit 1 on any disagreement."""
@@ -352,14 +378,8 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     if yaml_path is not None and not yaml_path.strip():
         raise click.BadParameter("is empty: give a file", param_hint="--yaml")
     if yaml_path:
-        kind = file_kind(yaml_path)
-        if kind is not None:
-            raise click.BadParameter(f"{yaml_path} is a {kind} results file; "
-                                     "refusing to replace it", param_hint="--yaml")
-        if Path(yaml_path).exists() and not overwrite:
-            raise click.BadParameter(f"{yaml_path} exists; give --overwrite to replace it",
-                                     param_hint="--yaml")
-        try:  # before the checks run, not after
+        try:  # bench's --out policy, before the checks run, not after
+            check_out(yaml_path, "verify", "overwrite" if overwrite else "new", output_kind)
             check_writable(yaml_path)
         except StoreError as error:
             raise click.BadParameter(str(error), param_hint="--yaml") from None
@@ -379,7 +399,8 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
         render(result, Console())
     if yaml_path:
         try:
-            atomic_write_text(yaml_path, yaml.safe_dump(result, sort_keys=False))
+            atomic_write_text(yaml_path, yaml.safe_dump(
+                {"kind": "verify", "schema_version": OUTPUT_SCHEMA, **result}, sort_keys=False))
         except OSError as error:
             raise click.ClickException(f"cannot write {yaml_path}: {error}") from None
     raise SystemExit(0 if result["passed"] else 1)

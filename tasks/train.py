@@ -43,6 +43,7 @@ This module knows no mixer registry: the caller passes `build_model(spec) -> Tin
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -58,6 +59,7 @@ from tasks import IGNORE, Splits
 from tasks.mad import MAD_METRIC_BATCH, macro_accuracy
 from tasks.model import TinyLM, at_least_float32
 from tasks.stacked import FlatAdamW, StackedLM
+from hla_bench.safe_files import replace_atomically
 
 STOP_ACCURACY = 0.99
 SCHEDULES = ("warmup-cosine", "epoch-cosine", "constant")
@@ -67,6 +69,8 @@ MILESTONES = (0.5, 0.9)
 # batch): few forwards per evaluation, each holding no more activations than a training step
 # of Zoology's 256/16 cell (256 x 256 tokens), which keeps no autograd state besides.
 EVAL_TOKENS = 65_536
+# The layout of a checkpoint (`_GroupTrainer._save`); one of another layout is not loaded.
+CHECKPOINT_FORMAT = 2
 # Spec fields that may differ between the runs of one group.
 PER_RUN_FIELDS = ("lr", "weight_decay", "seed", "run_id")
 
@@ -135,6 +139,14 @@ def group_key(spec: dict) -> str:
     and id (a field a stored run lacks, from a file older than the field, reads as None)."""
     return repr(sorted((key, repr(spec.get(key))) for key in SPEC_FIELDS
                        if key not in PER_RUN_FIELDS))
+
+
+def checkpoint_key(specs: list[dict]) -> str:
+    """What a group's checkpoint belongs to: its runs' specs, every field but the device
+    (a group may resume on another GPU), in order; a sha256 hex digest."""
+    text = "\n".join(repr(sorted((key, repr(spec.get(key))) for key in SPEC_FIELDS
+                                  if key != "device")) for spec in specs)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def structure_key(spec: dict) -> str:
@@ -378,9 +390,12 @@ class _GroupTrainer:
     """The state of one group's training: stacked models, optimizer, counters, curves."""
 
     def __init__(self, specs: list[RunSpec], build_model: Callable[[dict], TinyLM],
-                 graphs: bool, progress: Callable[[dict], None] | None, compile: bool = False):
+                 graphs: bool, progress: Callable[[dict], None] | None, compile: bool = False,
+                 code_version: str = ""):
         self.building = time.perf_counter()
         first = specs[0]
+        self.code_version = code_version
+        self.checkpoint_key = checkpoint_key([spec.as_dict() for spec in specs])
         task = tasks.get(first.task)
         self.specs, self.task, self.progress = specs, task, progress or (lambda event: None)
         self.params = task.resolve_params(first.params)
@@ -721,9 +736,14 @@ class _GroupTrainer:
     # --- checkpoints -----------------------------------------------------------------
 
     def _save(self, path: Path) -> None:
-        """Everything a later call needs to continue exactly here (atomic write)."""
+        """Everything a later call needs to continue exactly here, as tensors, dicts,
+        lists, ints, floats, strings and None only (it loads with weights_only=True),
+        with the code version and the group's key (`_load` uses nothing else); written
+        atomically, never through a symbolic link."""
         state = {
-            "run_ids": [spec.run_id for spec in self.specs], "slots": self.slots,
+            "format": CHECKPOINT_FORMAT, "code_version": self.code_version,
+            "group": self.checkpoint_key,
+            "run_ids": [spec.run_id for spec in self.specs], "slots": list(self.slots),
             "retired": sorted(self.retired),
             "flat": self.model.flat.cpu(),
             "optimizer": {k: v.cpu() for k, v in self.optimizer.state().items()},
@@ -738,14 +758,40 @@ class _GroupTrainer:
             "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.name}.{time.time_ns()}.tmp")
-        torch.save(state, temporary)
-        temporary.replace(path)
+        replace_atomically(path, lambda handle: torch.save(state, handle), what="checkpoint")
+
+    def _checkpoint_problem(self, state: object) -> str | None:
+        """Why a loaded checkpoint is not this group's to continue, or None when it is."""
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            return "it is of an older layout"
+        if state.get("code_version") != self.code_version:
+            return (f"it was written by other code (version {state.get('code_version')!r}, "
+                    f"this code {self.code_version!r})")
+        if (state.get("group") != self.checkpoint_key
+                or state.get("run_ids") != [spec.run_id for spec in self.specs]):
+            return "it holds another group's runs"
+        return None
+
+    def _discard(self, path: Path, reason: str) -> None:
+        """Remove a checkpoint that is not to be continued (never loaded), and say so."""
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        self.progress({"event": "checkpoint_ignored", "path": str(path),
+                       "reason": f"checkpoint {path.name} ignored and removed ({reason}); "
+                                 "the group starts over"})
 
     def _load(self, path: Path) -> None:
-        state = torch.load(path, weights_only=False)
-        if state["run_ids"] != [spec.run_id for spec in self.specs] or "slots" not in state:
-            return  # a checkpoint of another plan, or of an older layout: start over
+        try:  # weights_only: an unpickled object never runs code
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any unreadable file is ignored the same way
+            return self._discard(path, "it is not a checkpoint of plain tensors and values: "
+                                 f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                                 if str(error) else type(error).__name__)
+        problem = self._checkpoint_problem(state)
+        if problem:
+            return self._discard(path, problem)
         self.results, self.curves = state["results"], state["curves"]
         self.best = state.get("best", {})
         if self.best_params is not None and state.get("best_params") is not None:
@@ -781,11 +827,14 @@ def device_name(device: str | torch.device) -> str:
 def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
                 progress: Callable[[dict], None] | None = None, graphs: bool = True,
                 compile: bool = False, deadline: float | None = None,
-                checkpoint: str | Path | None = None) -> list[dict]:
+                checkpoint: str | Path | None = None, code_version: str = "") -> list[dict]:
     """Train the runs `specs` (one group: they differ only in lr, weight decay, seed and run
     id) as one stack; returns one result per spec, in order. `deadline` (a `time.time()` value) stops
     training at the first step after it, saving `checkpoint` (raises `Interrupted`);
-    a later call with the same checkpoint path continues from it."""
+    a later call with the same checkpoint path continues from it, when the checkpoint
+    records the same `code_version` (the caller's name for the code that trains: a
+    checkpoint of other code is removed, never loaded) and the same group (its runs' specs
+    but the device)."""
     runs = [RunSpec(**spec) for spec in specs]
     keys = {group_key(run.as_dict()) for run in runs}
     if len(keys) != 1:
@@ -796,7 +845,8 @@ def train_group(specs: list[dict], build_model: Callable[[dict], TinyLM], *,
         torch.cuda.init()  # the allocator's statistics exist only once CUDA is initialised
         torch.cuda.reset_peak_memory_stats(device)
     compiled_before = compile_seconds()
-    trainer = _GroupTrainer(runs, build_model, graphs, progress, compile=compile)
+    trainer = _GroupTrainer(runs, build_model, graphs, progress, compile=compile,
+                            code_version=code_version)
     results = trainer.run(deadline, Path(checkpoint) if checkpoint else None)
     warmup = trainer.warmup
     seconds = round(time.perf_counter() - trainer.started, 2)

@@ -98,13 +98,27 @@ def test_an_existing_yaml_file_is_replaced_only_with_overwrite_and_never_a_resul
     monkeypatch.setattr(verify, "run_all", lambda **kw: {"passed": True, "checks": []})
     monkeypatch.setattr(verify, "render", lambda result, console: None)
     path = tmp_path / "v.yaml"
-    path.write_text("earlier: output\n")
+    path.write_text("earlier: output\n")  # not a verify output: never replaced
+    for flags in ([], ["--overwrite"]):
+        refused = CliRunner().invoke(main, [*FAST, "--yaml", str(path), *flags])
+        assert refused.exit_code == 2 and "is not a verify output" in refused.output
+        assert path.read_text() == "earlier: output\n"
+    path.unlink()
+    written = CliRunner().invoke(main, [*FAST, "--yaml", str(path)])
+    assert written.exit_code == 0, written.output
+    assert yaml.safe_load(path.read_text()) == {"kind": "verify", "schema_version": 1,
+                                                "passed": True, "checks": []}
     refused = CliRunner().invoke(main, [*FAST, "--yaml", str(path)])
     assert refused.exit_code == 2 and "give --overwrite" in refused.output
-    assert path.read_text() == "earlier: output\n"
     replaced = CliRunner().invoke(main, [*FAST, "--yaml", str(path), "--overwrite"])
     assert replaced.exit_code == 0, replaced.output
-    assert yaml.safe_load(path.read_text()) == {"passed": True, "checks": []}
+    # an output written before the kind line (run_all's keys first) is one too
+    legacy = tmp_path / "legacy.yaml"
+    legacy.write_text("device: cpu\ndtype: float64\nseed: 0\nseq_len: 32\nchecks: []\n"
+                      "passed: true\n")
+    replaced = CliRunner().invoke(main, [*FAST, "--yaml", str(legacy), "--overwrite"])
+    assert replaced.exit_code == 0, replaced.output
+    assert yaml.safe_load(legacy.read_text())["kind"] == "verify"
     results = tmp_path / "r.yaml"
     store.atomic_write_text(results, "kind: bench\nschema_version: 2\n")
     kept = CliRunner().invoke(main, [*FAST, "--yaml", str(results), "--overwrite"])

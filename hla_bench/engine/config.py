@@ -30,6 +30,7 @@ import yaml
 
 from hla_bench import registry
 from hla_bench.configs import read_yaml
+from hla_bench.safe_files import name_problem
 
 MODES = ("fwd", "fwdbwd", "decode", "prefill")
 DEFAULT_MODES = ("fwd", "fwdbwd", "decode")
@@ -302,6 +303,10 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
             raise ValueError(f"sweep {self.name!r}: name must be a string, got {self.name!r}")
+        problem = name_problem(self.name)  # a plot's file name starts with it
+        if problem:
+            raise ValueError(f"sweep name {self.name!r} cannot be part of a file name: "
+                             f"{problem}")
         if not self.mixers:
             raise ValueError(f"sweep {self.name!r}: mixers is empty")
         labels = [spec.label for spec in self.mixers]
