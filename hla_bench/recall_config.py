@@ -25,7 +25,7 @@ import tasks
 from hla_bench import configs, registry
 from hla_bench.training import plan_groups
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
-from tasks.train import METRICS, SCHEDULES, RunSpec
+from tasks.train import METRICS, POSITIONS, SCHEDULES, RunSpec, steps_per_epoch
 
 # --- the schema --------------------------------------------------------------------------
 
@@ -96,6 +96,7 @@ MODEL_FIELDS = {
     "head": ("tied", _choice(HEADS)),
     "swiglu_hidden": (None, _optional(_int(1))),
     "decoder": ("default", _choice(DECODERS)),
+    "positions": ("auto", _choice(POSITIONS)),
 }
 TRAIN_FIELDS = {
     "epochs": (8, _int(1)),
@@ -200,7 +201,7 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
     if not isinstance(settings, list) or not settings:
         raise ConfigError(f"{where}.settings must be a non-empty list of task settings")
     checked = []
-    accepted = ("task", "params", "train", "model", "name")
+    accepted = ("task", "params", "train", "model", "name", *MIX_KEYS)
     for index, setting in enumerate(settings):
         at = f"{where}.settings[{index}]"
         if not isinstance(setting, dict) or "task" not in setting:
@@ -224,8 +225,40 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
         for section, fields in SECTIONS.items():
             if section in setting:
                 entry[section] = _check_section(f"{at}.{section}", setting[section], fields)
+        for key in MIX_KEYS:
+            if key in setting:
+                entry[key] = _check_mix(f"{at}.{key}", setting[key])
         checked.append(entry)
     return checked
+
+
+# A setting's training and test mixes: lists of slices, each task parameters and `count`
+MIX_KEYS = ("train_mix", "test_mix")
+# What a mix's count replaces: a setting with a training (test) mix gives no num_train
+# (num_test)
+MIX_COUNTS = {"train_mix": "num_train", "test_mix": "num_test"}
+
+
+def _check_mix(where: str, mix: Any) -> list[dict]:
+    """A mix as written: a non-empty list of mappings, each with a positive int `count`
+    and task parameters (checked against the task in `_check_plan`)."""
+    if not isinstance(mix, list) or not mix:
+        raise ConfigError(f"{where} must be a non-empty list of slices, each task parameters "
+                          "and a count (e.g. {seq_len: 64, num_kv_pairs: 4, count: 1000})")
+    for index, entry in enumerate(mix):
+        if not isinstance(entry, dict) or "count" not in entry:
+            raise ConfigError(f"{where}[{index}] must be a mapping of task parameters with a "
+                              f"`count`, got {entry!r}")
+        problem = _int(1)(entry["count"])
+        if problem:
+            raise ConfigError(f"{where}[{index}].count must be {problem}, got "
+                              f"{entry['count']!r}")
+    labels = [tasks.mix_label(entry) for entry in mix]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ConfigError(f"{where}: slice {twice[0]!r} is given twice; give each slice once "
+                          "with its count")
+    return [dict(entry) for entry in mix]
 
 
 def _check_plan(config: dict, where: str) -> None:
@@ -241,8 +274,25 @@ def _check_plan(config: dict, where: str) -> None:
         except TypeError as error:
             raise ConfigError(f"{where}.settings[{index}]: a task parameter of the wrong type "
                               f"({error}); params: {setting['params']}") from None
+        train = {**config["train"], **setting.get("train", {})}
+        for key in MIX_KEYS:
+            for slot, entry in enumerate(setting.get(key) or []):
+                try:
+                    params, _ = tasks.mix_entry(task, setting["params"], entry)
+                    task.make("test", 1, 0, **params)
+                except (ValueError, TypeError) as error:
+                    raise ConfigError(f"{where}.settings[{index}].{key}[{slot}]: {error}") from None
+            if setting.get(key) and train[MIX_COUNTS[key]] is not None:
+                raise ConfigError(f"{where}.settings[{index}]: {key} gives each slice's count; "
+                                  f"leave train.{MIX_COUNTS[key]} out (it is "
+                                  f"{train[MIX_COUNTS[key]]})")
+        if any(key in setting for key in MIX_KEYS) and train["metric"] != "micro":
+            raise ConfigError(f"{where}.settings[{index}]: a mix is scored over every labelled "
+                              f"position of its slices: metric must be micro, not "
+                              f"{train['metric']}")
         label = setting_label(task.name, setting["params"], setting.get("train"),
-                              setting.get("model"), setting.get("name"))
+                              setting.get("model"), setting.get("name"),
+                              {key: setting[key] for key in MIX_KEYS if key in setting})
         if label in labels:
             raise ConfigError(f"{where}.settings[{labels[label]}] and settings[{index}] have the "
                               f"same label {label!r}; give one a `name` or remove the duplicate")
@@ -387,13 +437,18 @@ def _assignments(values: dict | None) -> list[str]:
 
 
 def setting_label(task: str, params: dict, train: dict | None = None, model: dict | None = None,
-                  name: str | None = None) -> str:
+                  name: str | None = None, mixes: dict | None = None) -> str:
     """A setting's name in results and reports: `name` when given, else the task, its params
     and then its train and model overrides, each `key=value` in key order (task parameters
-    and train / model keys do not share names, so distinct settings get distinct labels)."""
+    and train / model keys do not share names, so distinct settings get distinct labels),
+    then its mixes, `train_mix=[slice, ...]` with each slice's parameters and count."""
     if name:
         return name
-    return " ".join([task] + _assignments(params) + _assignments(train) + _assignments(model))
+    mix_parts = [f"{key}=[" + ", ".join(f"{tasks.mix_label(entry)} x{entry['count']}"
+                                         for entry in mix) + "]"
+                 for key, mix in sorted((mixes or {}).items())]
+    return " ".join([task] + _assignments(params) + _assignments(train) + _assignments(model)
+                    + mix_parts)
 
 
 def plan_runs(config: dict, device: str) -> list[dict]:
@@ -407,8 +462,9 @@ def plan_runs(config: dict, device: str) -> list[dict]:
         params = setting["params"]
         train = {**config["train"], **setting.get("train", {})}
         decays = config["weight_decays"] or [train["weight_decay"]]
+        mixes = {key: setting[key] for key in MIX_KEYS if key in setting}
         label = setting_label(task.name, params, setting.get("train"), setting.get("model"),
-                              setting.get("name"))
+                              setting.get("name"), mixes)
         for mixer in config["mixers"]:
             model = {**config["model"], **config["mixer_model"].get(mixer, {}),
                      **setting.get("model", {})}
@@ -419,6 +475,8 @@ def plan_runs(config: dict, device: str) -> list[dict]:
                             specs.append(RunSpec(
                                 task=task.name, mixer=mixer, d_model=int(d_model), lr=float(lr),
                                 params=dict(params),
+                                **{key: [dict(entry) for entry in mix]
+                                   for key, mix in mixes.items()},
                                 mixer_options=dict(config["mixer_options"].get(mixer) or {}),
                                 seed=int(seed), device=device, setting=label,
                                 run_id=len(specs),
@@ -474,8 +532,7 @@ def plan_rows(specs: list[dict], max_group: int,
     rows = []
     for (setting, d_model), runs in cells.items():
         first = runs[0]
-        num_train = first["num_train"] or tasks.get(first["task"]).num_train
-        steps = first["epochs"] * math.ceil(num_train / first["batch_size"])
+        steps = first["epochs"] * steps_per_epoch(first, tasks.get(first["task"]).num_train)
         groups = plan_groups(runs, max_group)
         sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
