@@ -40,6 +40,12 @@ def _softmax_layer(build_op, dropout: bool, traceable: bool):
     return build_layer
 
 
+def _kv_cache_size(d_model, n_heads, seq_len, **_):
+    """Softmax attention's KV cache per layer after seq_len tokens: a key and a value of
+    d_model / n_heads per head and token, 2 x seq_len x d_model."""
+    return 2 * seq_len * (d_model // n_heads) * n_heads
+
+
 SDPA = Mixer(
     name="sdpa", family="softmax",
     description="Causal softmax attention via torch scaled_dot_product_attention "
@@ -50,7 +56,7 @@ SDPA = Mixer(
     options={"backend": "auto", "scale": None, "cache_reserve": 1024, "short_conv": 0,
              "bias": False, "dropout": 0.0},
     forms=("math", "efficient", "flash", "cudnn"), flops=softmax_flops,
-    option_requires=_sdpa_requires)
+    option_requires=_sdpa_requires, state_size=_kv_cache_size)
 
 
 FLASH_ATTN = Mixer(
@@ -59,7 +65,7 @@ FLASH_ATTN = Mixer(
     build_op=_flash_attn_op,
     build_layer=_softmax_layer(_flash_attn_op, dropout=False, traceable=False),
     options={"short_conv": 0, "bias": False}, forms=("flash",), requires=("flash_attn", "cuda"),
-    flops=softmax_flops)
+    flops=softmax_flops, state_size=_kv_cache_size)
 
 
 def softmax_mixers() -> list[Mixer]:
