@@ -300,8 +300,19 @@ def _check_plan(config: dict, where: str) -> None:
         if config["weight_decays"] is not None and "weight_decay" in setting.get("train", {}):
             raise ConfigError(f"{where}.settings[{index}].train.weight_decay: the config has a "
                               "`weight_decays` grid; give the weight decays there")
+    variants = []
+    for text in config["mixers"]:
+        try:
+            variants.append(mixer_variant(text))
+        except ValueError as error:
+            raise ConfigError(f"{where}.mixers: {error}") from None
+    labels = [label for _, _, label in variants]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ConfigError(f"{where}.mixers: {twice[0]!r} is given twice")
+    named = {name for name, _, _ in variants} | set(labels)
     for key in ("mixer_options", "mixer_model"):
-        unknown = sorted(set(config[key]) - set(config["mixers"]))
+        unknown = sorted(set(config[key]) - named)
         if unknown:
             raise ConfigError(f"{where}.{key} names mixers not in `mixers`: {', '.join(unknown)}")
     for mixer, model in config["mixer_model"].items():
@@ -312,16 +323,44 @@ def _check_plan(config: dict, where: str) -> None:
                 raise ConfigError(f"{where}.settings[{index}].model and mixer_model.{mixer} both "
                                   f"set {', '.join(both)}")
     options = config["mixer_options"]
-    for mixer in config["mixers"]:
+    for key, value in options.items():
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{where}.mixers: options of {key!r} must be a mapping")
+    for mixer, own, label in variants:
         try:
             entry = registry.get(mixer)
-            if options.get(mixer) is not None and not isinstance(options[mixer], dict):
-                raise ValueError(f"options of {mixer!r} must be a mapping")
-            entry.resolve_options(options.get(mixer) or {})
+            entry.resolve_options(variant_options(config, mixer, own, label))
         except (ValueError, registry.UnknownMixerError) as error:
             raise ConfigError(f"{where}.mixers: {error}") from None
         if entry.build_layer is None:
             raise ConfigError(f"{where}.mixers: mixer {mixer!r} has no layer form to train")
+
+
+def mixer_variant(text: str) -> tuple[str, dict, str]:
+    """A `mixers` entry, `NAME[:key=value...][:label=LABEL]` (as `hla-bench bench` writes
+    mixer specs): (registry name, its options, its label: LABEL, else the entry as written
+    when it has options, else the name). ValueError for a malformed entry."""
+    from hla_bench.engine.config import MixerSpec
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a mixer is a name or NAME:key=value, got {text!r}")
+    spec = MixerSpec.parse(text)
+    explicit = spec.label != spec.name
+    label = spec.label if explicit else (spec.text() if spec.options else spec.name)
+    return spec.name, dict(spec.options), label
+
+
+def variant_options(config: dict, mixer: str, own: dict, label: str) -> dict:
+    """A variant's mixer options: `mixer_options` of its mixer, then of its label, then its
+    own."""
+    return {**(config["mixer_options"].get(mixer) or {}),
+            **((config["mixer_options"].get(label) or {}) if label != mixer else {}), **own}
+
+
+def variant_model(config: dict, mixer: str, label: str) -> dict:
+    """A variant's `mixer_model` keys: its mixer's, then its label's."""
+    return {**config["mixer_model"].get(mixer, {}),
+            **(config["mixer_model"].get(label, {}) if label != mixer else {})}
 
 
 def _layer_rejects(mixer: str, options: dict, d_model: int, n_heads: int,
@@ -345,12 +384,15 @@ def check_mixer_options(config: dict, device: str) -> None:
     ConfigError before any run: each mixer with options runs one small forward with them,
     and is blamed only when the same forward with its defaults succeeds."""
     d_model, n_heads = min(config["d_model"]), config["model"]["n_heads"]
-    for mixer, options in config["mixer_options"].items():
+    for text in config["mixers"]:
+        mixer, own, label = mixer_variant(text)
+        options = variant_options(config, mixer, own, label)
         if not options or registry.get(mixer).unavailable_reason(options):
             continue
         problem = _layer_rejects(mixer, options, d_model, n_heads, device)
         if problem and _layer_rejects(mixer, {}, d_model, n_heads, device) is None:
-            raise ConfigError(f"mixer_options.{mixer}: the layer rejects {options}: {problem}")
+            where = f"mixer_options.{mixer}" if label == mixer else f"mixers: {label}"
+            raise ConfigError(f"{where}: the layer rejects {options}: {problem}")
 
 
 def check_layers(specs: list[dict]) -> None:
@@ -414,10 +456,17 @@ def load_config(path: str | None, overrides: dict) -> dict:
             raise ConfigError(f"{where}: give `weight_decays` (a grid) or train.weight_decay, "
                               "not both")
     if overrides.get("mixers") is not None:
+        kept = set()
+        for text in overrides["mixers"]:
+            try:
+                name, _, label = mixer_variant(text)
+            except ValueError as error:
+                raise ConfigError(f"--mixers: {error}") from None
+            kept |= {name, label}
         for key in ("mixer_options", "mixer_model"):
             if isinstance(merged.get(key), dict):
                 merged[key] = {mixer: value for mixer, value in merged[key].items()
-                               if mixer in overrides["mixers"]}
+                               if mixer in kept}
     for key, value in overrides.items():
         if value is None:
             continue
@@ -465,8 +514,9 @@ def plan_runs(config: dict, device: str) -> list[dict]:
         mixes = {key: setting[key] for key in MIX_KEYS if key in setting}
         label = setting_label(task.name, params, setting.get("train"), setting.get("model"),
                               setting.get("name"), mixes)
-        for mixer in config["mixers"]:
-            model = {**config["model"], **config["mixer_model"].get(mixer, {}),
+        for text in config["mixers"]:
+            mixer, own, variant = mixer_variant(text)
+            model = {**config["model"], **variant_model(config, mixer, variant),
                      **setting.get("model", {})}
             for d_model in config["d_model"]:
                 for lr in config["lrs"]:
@@ -477,7 +527,8 @@ def plan_runs(config: dict, device: str) -> list[dict]:
                                 params=dict(params),
                                 **{key: [dict(entry) for entry in mix]
                                    for key, mix in mixes.items()},
-                                mixer_options=dict(config["mixer_options"].get(mixer) or {}),
+                                mixer_options=variant_options(config, mixer, own, variant),
+                                variant="" if variant == mixer else variant,
                                 seed=int(seed), device=device, setting=label,
                                 run_id=len(specs),
                                 **model, **{**train, "weight_decay": float(weight_decay)}).as_dict())
@@ -493,7 +544,8 @@ def option_conflicts(records: list[dict], specs: list[dict]) -> list[str]:
     impl=parallel): resuming would add the new run beside the stored one, and both would
     count in one cell of the report. One line per such run."""
     def identity(run: dict) -> tuple:
-        return (run["setting"], run["mixer"], int(run["d_model"]), float(run["lr"]),
+        return (run["setting"], run.get("variant") or run["mixer"], int(run["d_model"]),
+                float(run["lr"]),
                 float(run.get("weight_decay", _SPEC_DEFAULTS["weight_decay"])),
                 int(run.get("seed", 0)))
 
@@ -536,7 +588,8 @@ def plan_rows(specs: list[dict], max_group: int,
         groups = plan_groups(runs, max_group)
         sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
-               "mixers": len({spec["mixer"] for spec in runs}), "runs": len(runs),
+               "mixers": len({spec.get("variant") or spec["mixer"] for spec in runs}),
+               "runs": len(runs),
                "groups": len(groups), "steps": steps, "model_steps": steps * len(runs),
                # the stacks the groups train as: "9 x 4" is nine stacks of four models
                "stacks": ", ".join(f"{count} x {size}" for size, count in

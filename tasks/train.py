@@ -125,6 +125,9 @@ class RunSpec:
     seed: int = 0
     device: str = "cpu"
     setting: str = ""
+    # the mixer entry as the config names it, where it has options of its own
+    # ("sdpa:window=64"); "" for a plain mixer name
+    variant: str = ""
     run_id: int = 0
 
     def as_dict(self) -> dict:
@@ -136,7 +139,7 @@ SPEC_FIELDS = tuple(f.name for f in fields(RunSpec))
 # runs and when, not how): runs that differ only in these share compiled code.
 PROTOCOL_FIELDS = ("epochs", "num_train", "num_val", "num_test", "eval_every", "schedule",
                    "warmup_frac", "stop_accuracy", "group_stop", "shuffle", "metric",
-                   "test_at_best_val", "setting", "init")
+                   "test_at_best_val", "setting", "init", "variant")
 
 
 def group_key(spec: dict) -> str:

@@ -142,3 +142,30 @@ def test_a_bad_mix_is_a_config_error_naming_it(setting, message):
     with pytest.raises(ConfigError, match=message):
         validate_config({"mixers": ["hla2"], "settings": [setting]})
 
+
+
+def test_mixers_take_specs_with_options_each_a_variant_of_its_own():
+    from hla_bench.recall_report import summarize
+
+    config = validate_config({
+        "mixers": ["sdpa", "sdpa:window=16", "sdpa:window=32:label=swa-32", "based:feature_dim=8"],
+        "mixer_options": {"sdpa": {"short_conv": 4}, "swa-32": {"dropout": 0.1}},
+        "mixer_model": {"sdpa:window=16": {"n_layers": 3}},
+        "lrs": [1e-3], "settings": [{"task": "mqar"}]})
+    specs = plan_runs(config, "cpu")
+    assert [(s["mixer"], s["variant"], s["mixer_options"], s["n_layers"]) for s in specs] == [
+        ("sdpa", "", {"short_conv": 4}, 2),
+        ("sdpa", "sdpa:window=16", {"short_conv": 4, "window": 16}, 3),
+        ("sdpa", "swa-32", {"short_conv": 4, "dropout": 0.1, "window": 32}, 2),
+        ("based", "based:feature_dim=8", {"feature_dim": 8}, 2)]
+    runs = [{**spec, "status": "ok", "val_accuracy": 0.5, "test_accuracy": 0.5, "steps": 1}
+            for spec in specs]
+    assert sorted(summarize(runs)["mqar"]) == ["based:feature_dim=8", "sdpa", "sdpa:window=16",
+                                                "swa-32"]
+    for mixers, message in ((["sdpa:window=4:label=w4", "sdpa:window=8:label=w4"],
+                             "'w4' is given twice"),
+                            (["sdpa:window"], "is not key=value"),
+                            (["sdpa:windw=4"], "has no option 'windw'")):
+        with pytest.raises(ConfigError, match=message):
+            validate_config({"mixers": mixers})
+
