@@ -169,3 +169,44 @@ def test_mixers_take_specs_with_options_each_a_variant_of_its_own():
         with pytest.raises(ConfigError, match=message):
             validate_config({"mixers": mixers})
 
+
+def test_the_frontier_and_mad_budget_configs_plan_what_their_headers_state():
+    from hla_bench import configs
+    from hla_bench.recall_config import check_layers, load_config, plan_rows
+
+    frontier = load_config(str(configs.find("zoology-frontier")), {})
+    specs = plan_runs(frontier, "cuda")
+    check_layers(specs)
+    assert len(specs) == 22 * 2 * 4  # mixer variants x d_model x learning rates
+    spec = specs[0]
+    assert [(e["seq_len"], e["num_kv_pairs"], e["count"]) for e in spec["train_mix"]] == [
+        (64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000),
+        (256, 64, 20_000)]
+    assert [(e["seq_len"], e["num_kv_pairs"]) for e in spec["test_mix"]] == [
+        (64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256)]
+    assert {e["count"] for e in spec["test_mix"]} == {1000}
+    assert spec["positions"] == "none" and spec["batch_size"] == 256 and spec["epochs"] == 32
+    assert all(s["mixer_options"].get("short_conv", 4) == 4 for s in specs)
+    rows = plan_rows(specs, frontier["max_group"])
+    # 391 + 4 x 79 batches of 256 an epoch, 32 epochs
+    assert {row["steps"] for row in rows} == {32 * (391 + 4 * 79)}
+    budget = load_config(str(configs.find("mad-budget")), {})
+    rows = plan_rows(plan_runs(budget, "cuda"), budget["max_group"])
+    assert sum(row["runs"] for row in rows) == 216
+    assert sum(row["model_steps"] for row in rows) == 722_880  # the header's arithmetic
+    assert len({row["setting"] for row in rows}) == 12
+
+
+def test_frontier_config_dry_run_prints_its_plan(tmp_path):
+    from click.testing import CliRunner
+
+    from hla_bench.cli import main
+
+    result = CliRunner().invoke(main, ["recall", "--config", "zoology-frontier", "--mixers",
+                                       "sdpa:window=16", "--d-model", "64", "--dry-run"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "recall plan: 4 runs" in result.output and f"{32 * 707:,}" in result.output
+    bad = CliRunner().invoke(main, ["recall", "--config", "zoology-frontier", "--num-train",
+                                    "10", "--dry-run"])
+    assert bad.exit_code == 2 and "leave train.num_train out" in bad.output
