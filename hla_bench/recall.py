@@ -175,7 +175,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     total = sum(len(group) for group in groups)
     names = {tuple(spec["run_id"] for spec in group):
-             escape(f"{group[0]['mixer']} d={group[0]['d_model']} x{len(group)} "
+             escape(f"{group[0].get('variant') or group[0]['mixer']} d={group[0]['d_model']} "
+                    f"x{len(group)} "
                     f"[{group[0]['setting']}]") for group in groups}
     plain = not console.is_terminal
 
@@ -228,7 +229,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             if key in bars:
                 progress.remove_task(bars.pop(key))
             for result in results:
-                where = escape(f"{result['mixer']} d={result['d_model']} lr={result['lr']:g} "
+                where = escape(f"{result.get('variant') or result['mixer']} "
+                               f"d={result['d_model']} lr={result['lr']:g} "
                                f"wd={result['weight_decay']:g} seed={result['seed']} "
                                f"[{result['setting']}]")
                 outcome = (f"test {result['test_accuracy']:.3f} (val {result['val_accuracy']:.3f}) "
@@ -249,7 +251,8 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
 @click.command()
 @click.option("--config", "config_file", metavar="CONFIG",
               help="YAML sweep config: a file, or the name of a shipped one (recall-cpu, "
-                   "zoology-fig2, zoology-smoke, mad); the options below override it.")
+                   "zoology-fig2, zoology-smoke, zoology-frontier, mad, mad-budget); the "
+                   "options below override it.")
 @click.option("--task", help="Task name (see `hla-bench tasks list`): one setting of it replaces "
               "the config's settings. Without it, the task options below apply to every setting.")
 @click.option("--only-tasks", "only_tasks", callback=_comma_list(str), metavar="TASKS",

@@ -25,7 +25,7 @@ import tasks
 from hla_bench import configs, registry
 from hla_bench.training import plan_groups
 from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
-from tasks.train import METRICS, SCHEDULES, RunSpec
+from tasks.train import METRICS, POSITIONS, SCHEDULES, RunSpec, steps_per_epoch
 
 # --- the schema --------------------------------------------------------------------------
 
@@ -96,6 +96,7 @@ MODEL_FIELDS = {
     "head": ("tied", _choice(HEADS)),
     "swiglu_hidden": (None, _optional(_int(1))),
     "decoder": ("default", _choice(DECODERS)),
+    "positions": ("auto", _choice(POSITIONS)),
 }
 TRAIN_FIELDS = {
     "epochs": (8, _int(1)),
@@ -200,7 +201,7 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
     if not isinstance(settings, list) or not settings:
         raise ConfigError(f"{where}.settings must be a non-empty list of task settings")
     checked = []
-    accepted = ("task", "params", "train", "model", "name")
+    accepted = ("task", "params", "train", "model", "name", *MIX_KEYS)
     for index, setting in enumerate(settings):
         at = f"{where}.settings[{index}]"
         if not isinstance(setting, dict) or "task" not in setting:
@@ -224,6 +225,9 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
         for section, fields in SECTIONS.items():
             if section in setting:
                 entry[section] = _check_section(f"{at}.{section}", setting[section], fields)
+        for key in MIX_KEYS:
+            if key in setting:
+                entry[key] = _check_mix(f"{at}.{key}", setting[key])
         checked.append(entry)
     return checked
 
@@ -257,6 +261,35 @@ def check_given_params(settings: list[dict], given: dict[str, str], task: str | 
         labels[label] = index
 
 
+# A setting's training and test mixes: lists of slices, each task parameters and `count`
+MIX_KEYS = ("train_mix", "test_mix")
+# What a mix's count replaces: a setting with a training (test) mix gives no num_train
+# (num_test)
+MIX_COUNTS = {"train_mix": "num_train", "test_mix": "num_test"}
+
+
+def _check_mix(where: str, mix: Any) -> list[dict]:
+    """A mix as written: a non-empty list of mappings, each with a positive int `count`
+    and task parameters (checked against the task in `_check_plan`)."""
+    if not isinstance(mix, list) or not mix:
+        raise ConfigError(f"{where} must be a non-empty list of slices, each task parameters "
+                          "and a count (e.g. {seq_len: 64, num_kv_pairs: 4, count: 1000})")
+    for index, entry in enumerate(mix):
+        if not isinstance(entry, dict) or "count" not in entry:
+            raise ConfigError(f"{where}[{index}] must be a mapping of task parameters with a "
+                              f"`count`, got {entry!r}")
+        problem = _int(1)(entry["count"])
+        if problem:
+            raise ConfigError(f"{where}[{index}].count must be {problem}, got "
+                              f"{entry['count']!r}")
+    labels = [tasks.mix_label(entry) for entry in mix]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ConfigError(f"{where}: slice {twice[0]!r} is given twice; give each slice once "
+                          "with its count")
+    return [dict(entry) for entry in mix]
+
+
 def _check_plan(config: dict, where: str) -> None:
     """Names in the config that exist: tasks and their parameters, mixers and options;
     settings told apart by their labels; per-mixer model keys that no setting also sets."""
@@ -270,8 +303,25 @@ def _check_plan(config: dict, where: str) -> None:
         except TypeError as error:
             raise ConfigError(f"{where}.settings[{index}]: a task parameter of the wrong type "
                               f"({error}); params: {setting['params']}") from None
+        train = {**config["train"], **setting.get("train", {})}
+        for key in MIX_KEYS:
+            for slot, entry in enumerate(setting.get(key) or []):
+                try:
+                    params, _ = tasks.mix_entry(task, setting["params"], entry)
+                    task.make("test", 1, 0, **params)
+                except (ValueError, TypeError) as error:
+                    raise ConfigError(f"{where}.settings[{index}].{key}[{slot}]: {error}") from None
+            if setting.get(key) and train[MIX_COUNTS[key]] is not None:
+                raise ConfigError(f"{where}.settings[{index}]: {key} gives each slice's count; "
+                                  f"leave train.{MIX_COUNTS[key]} out (it is "
+                                  f"{train[MIX_COUNTS[key]]})")
+        if any(key in setting for key in MIX_KEYS) and train["metric"] != "micro":
+            raise ConfigError(f"{where}.settings[{index}]: a mix is scored over every labelled "
+                              f"position of its slices: metric must be micro, not "
+                              f"{train['metric']}")
         label = setting_label(task.name, setting["params"], setting.get("train"),
-                              setting.get("model"), setting.get("name"))
+                              setting.get("model"), setting.get("name"),
+                              {key: setting[key] for key in MIX_KEYS if key in setting})
         if label in labels:
             raise ConfigError(f"{where}.settings[{labels[label]}] and settings[{index}] have the "
                               f"same label {label!r}; give one a `name` or remove the duplicate")
@@ -279,8 +329,19 @@ def _check_plan(config: dict, where: str) -> None:
         if config["weight_decays"] is not None and "weight_decay" in setting.get("train", {}):
             raise ConfigError(f"{where}.settings[{index}].train.weight_decay: the config has a "
                               "`weight_decays` grid; give the weight decays there")
+    variants = []
+    for text in config["mixers"]:
+        try:
+            variants.append(mixer_variant(text))
+        except ValueError as error:
+            raise ConfigError(f"{where}.mixers: {error}") from None
+    labels = [label for _, _, label in variants]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ConfigError(f"{where}.mixers: {twice[0]!r} is given twice")
+    named = {name for name, _, _ in variants} | set(labels)
     for key in ("mixer_options", "mixer_model"):
-        unknown = sorted(set(config[key]) - set(config["mixers"]))
+        unknown = sorted(set(config[key]) - named)
         if unknown:
             raise ConfigError(f"{where}.{key} names mixers not in `mixers`: {', '.join(unknown)}")
     for mixer, model in config["mixer_model"].items():
@@ -291,16 +352,44 @@ def _check_plan(config: dict, where: str) -> None:
                 raise ConfigError(f"{where}.settings[{index}].model and mixer_model.{mixer} both "
                                   f"set {', '.join(both)}")
     options = config["mixer_options"]
-    for mixer in config["mixers"]:
+    for key, value in options.items():
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{where}.mixers: options of {key!r} must be a mapping")
+    for mixer, own, label in variants:
         try:
             entry = registry.get(mixer)
-            if options.get(mixer) is not None and not isinstance(options[mixer], dict):
-                raise ValueError(f"options of {mixer!r} must be a mapping")
-            entry.resolve_options(options.get(mixer) or {})
+            entry.resolve_options(variant_options(config, mixer, own, label))
         except (ValueError, registry.UnknownMixerError) as error:
             raise ConfigError(f"{where}.mixers: {error}") from None
         if entry.build_layer is None:
             raise ConfigError(f"{where}.mixers: mixer {mixer!r} has no layer form to train")
+
+
+def mixer_variant(text: str) -> tuple[str, dict, str]:
+    """A `mixers` entry, `NAME[:key=value...][:label=LABEL]` (as `hla-bench bench` writes
+    mixer specs): (registry name, its options, its label: LABEL, else the entry as written
+    when it has options, else the name). ValueError for a malformed entry."""
+    from hla_bench.engine.config import MixerSpec
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a mixer is a name or NAME:key=value, got {text!r}")
+    spec = MixerSpec.parse(text)
+    explicit = spec.label != spec.name
+    label = spec.label if explicit else (spec.text() if spec.options else spec.name)
+    return spec.name, dict(spec.options), label
+
+
+def variant_options(config: dict, mixer: str, own: dict, label: str) -> dict:
+    """A variant's mixer options: `mixer_options` of its mixer, then of its label, then its
+    own."""
+    return {**(config["mixer_options"].get(mixer) or {}),
+            **((config["mixer_options"].get(label) or {}) if label != mixer else {}), **own}
+
+
+def variant_model(config: dict, mixer: str, label: str) -> dict:
+    """A variant's `mixer_model` keys: its mixer's, then its label's."""
+    return {**config["mixer_model"].get(mixer, {}),
+            **(config["mixer_model"].get(label, {}) if label != mixer else {})}
 
 
 def _layer_rejects(mixer: str, options: dict, d_model: int, n_heads: int,
@@ -324,12 +413,15 @@ def check_mixer_options(config: dict, device: str) -> None:
     ConfigError before any run: each mixer with options runs one small forward with them,
     and is blamed only when the same forward with its defaults succeeds."""
     d_model, n_heads = min(config["d_model"]), config["model"]["n_heads"]
-    for mixer, options in config["mixer_options"].items():
+    for text in config["mixers"]:
+        mixer, own, label = mixer_variant(text)
+        options = variant_options(config, mixer, own, label)
         if not options or registry.get(mixer).unavailable_reason(options):
             continue
         problem = _layer_rejects(mixer, options, d_model, n_heads, device)
         if problem and _layer_rejects(mixer, {}, d_model, n_heads, device) is None:
-            raise ConfigError(f"mixer_options.{mixer}: the layer rejects {options}: {problem}")
+            where = f"mixer_options.{mixer}" if label == mixer else f"mixers: {label}"
+            raise ConfigError(f"{where}: the layer rejects {options}: {problem}")
 
 
 def check_layers(specs: list[dict]) -> None:
@@ -393,10 +485,17 @@ def load_config(path: str | None, overrides: dict) -> dict:
             raise ConfigError(f"{where}: give `weight_decays` (a grid) or train.weight_decay, "
                               "not both")
     if overrides.get("mixers") is not None:
+        kept = set()
+        for text in overrides["mixers"]:
+            try:
+                name, _, label = mixer_variant(text)
+            except ValueError as error:
+                raise ConfigError(f"--mixers: {error}") from None
+            kept |= {name, label}
         for key in ("mixer_options", "mixer_model"):
             if isinstance(merged.get(key), dict):
                 merged[key] = {mixer: value for mixer, value in merged[key].items()
-                               if mixer in overrides["mixers"]}
+                               if mixer in kept}
     for key, value in overrides.items():
         if value is None:
             continue
@@ -416,13 +515,18 @@ def _assignments(values: dict | None) -> list[str]:
 
 
 def setting_label(task: str, params: dict, train: dict | None = None, model: dict | None = None,
-                  name: str | None = None) -> str:
+                  name: str | None = None, mixes: dict | None = None) -> str:
     """A setting's name in results and reports: `name` when given, else the task, its params
     and then its train and model overrides, each `key=value` in key order (task parameters
-    and train / model keys do not share names, so distinct settings get distinct labels)."""
+    and train / model keys do not share names, so distinct settings get distinct labels),
+    then its mixes, `train_mix=[slice, ...]` with each slice's parameters and count."""
     if name:
         return name
-    return " ".join([task] + _assignments(params) + _assignments(train) + _assignments(model))
+    mix_parts = [f"{key}=[" + ", ".join(f"{tasks.mix_label(entry)} x{entry['count']}"
+                                         for entry in mix) + "]"
+                 for key, mix in sorted((mixes or {}).items())]
+    return " ".join([task] + _assignments(params) + _assignments(train) + _assignments(model)
+                    + mix_parts)
 
 
 def plan_runs(config: dict, device: str) -> list[dict]:
@@ -436,10 +540,12 @@ def plan_runs(config: dict, device: str) -> list[dict]:
         params = setting["params"]
         train = {**config["train"], **setting.get("train", {})}
         decays = config["weight_decays"] or [train["weight_decay"]]
+        mixes = {key: setting[key] for key in MIX_KEYS if key in setting}
         label = setting_label(task.name, params, setting.get("train"), setting.get("model"),
-                              setting.get("name"))
-        for mixer in config["mixers"]:
-            model = {**config["model"], **config["mixer_model"].get(mixer, {}),
+                              setting.get("name"), mixes)
+        for text in config["mixers"]:
+            mixer, own, variant = mixer_variant(text)
+            model = {**config["model"], **variant_model(config, mixer, variant),
                      **setting.get("model", {})}
             for d_model in config["d_model"]:
                 for lr in config["lrs"]:
@@ -448,7 +554,10 @@ def plan_runs(config: dict, device: str) -> list[dict]:
                             specs.append(RunSpec(
                                 task=task.name, mixer=mixer, d_model=int(d_model), lr=float(lr),
                                 params=dict(params),
-                                mixer_options=dict(config["mixer_options"].get(mixer) or {}),
+                                **{key: [dict(entry) for entry in mix]
+                                   for key, mix in mixes.items()},
+                                mixer_options=variant_options(config, mixer, own, variant),
+                                variant="" if variant == mixer else variant,
                                 seed=int(seed), device=device, setting=label,
                                 run_id=len(specs),
                                 **model, **{**train, "weight_decay": float(weight_decay)}).as_dict())
@@ -464,7 +573,8 @@ def option_conflicts(records: list[dict], specs: list[dict]) -> list[str]:
     impl=parallel): resuming would add the new run beside the stored one, and both would
     count in one cell of the report. One line per such run."""
     def identity(run: dict) -> tuple:
-        return (run["setting"], run["mixer"], int(run["d_model"]), float(run["lr"]),
+        return (run["setting"], run.get("variant") or run["mixer"], int(run["d_model"]),
+                float(run["lr"]),
                 float(run.get("weight_decay", _SPEC_DEFAULTS["weight_decay"])),
                 int(run.get("seed", 0)))
 
@@ -503,12 +613,12 @@ def plan_rows(specs: list[dict], max_group: int,
     rows = []
     for (setting, d_model), runs in cells.items():
         first = runs[0]
-        num_train = first["num_train"] or tasks.get(first["task"]).num_train
-        steps = first["epochs"] * math.ceil(num_train / first["batch_size"])
+        steps = first["epochs"] * steps_per_epoch(first, tasks.get(first["task"]).num_train)
         groups = plan_groups(runs, max_group)
         sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
-               "mixers": len({spec["mixer"] for spec in runs}), "runs": len(runs),
+               "mixers": len({spec.get("variant") or spec["mixer"] for spec in runs}),
+               "runs": len(runs),
                "groups": len(groups), "steps": steps, "model_steps": steps * len(runs),
                # the stacks the groups train as: "9 x 4" is nine stacks of four models
                "stacks": ", ".join(f"{count} x {size}" for size, count in

@@ -154,7 +154,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
     rate. A cell whose runs all failed has `score: None` and the failure."""
     cells: dict[tuple, dict[int, list[dict]]] = {}
     for run in runs:
-        key = (run["setting"], run["mixer"], int(run["d_model"]))
+        key = (run["setting"], run.get("variant") or run["mixer"], int(run["d_model"]))
         cells.setdefault(key, {}).setdefault(int(run.get("seed", 0)), []).append(run)
     table: dict[str, dict[str, dict[int, dict]]] = {}
     for (setting, mixer, d_model), by_seed in cells.items():

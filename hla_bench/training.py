@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import math
 import os
 import queue as queue_module
 import signal
@@ -44,17 +45,21 @@ from tasks.model import TinyLM
 from tasks.train import Interrupted, RunSpec, group_key, train_group
 
 def build_model(spec: dict) -> TinyLM:
-    """The tiny LM of one run, its mixer layers from the registry (softmax attention gets
-    learned positions; the other families carry order in their state)."""
+    """The tiny LM of one run, its mixer layers from the registry. Positions (`positions`):
+    "auto" gives softmax attention learned positions (the other families carry order in
+    their state), "learned" every mixer, "none" no mixer. Its length is the longest of
+    the run's sequences (every slice of its mixes)."""
     run = RunSpec(**spec)
     task = tasks.get(run.task)
     params = task.resolve_params(run.params)
     entry = registry.get(run.mixer)
+    positions = run.positions == "learned" or (run.positions == "auto"
+                                               and entry.family == "softmax")
     return TinyLM(params["vocab_size"], run.d_model,
                   lambda: entry.layer(run.d_model, run.n_heads, **run.mixer_options),
                   n_layers=run.n_layers, state_mixer=run.state_mixer,
-                  positions=entry.family == "softmax", embed_dropout=run.embed_dropout,
-                  max_len=int(params["seq_len"]), readout=task.readout, init=run.init,
+                  positions=positions, embed_dropout=run.embed_dropout,
+                  max_len=max(seq_lens(spec)), readout=task.readout, init=run.init,
                   norm=run.norm, head=run.head, swiglu_hidden=run.swiglu_hidden,
                   decoder=run.decoder)
 
@@ -73,7 +78,8 @@ def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padd
 # What a run's training step computes depends on these fields alone (not on its learning
 # rate, seed, data sizes or schedule)
 STEP_FIELDS = ("task", "params", "mixer", "mixer_options", "d_model", "n_layers", "n_heads",
-               "state_mixer", "norm", "head", "swiglu_hidden", "decoder", "batch_size")
+               "state_mixer", "norm", "head", "swiglu_hidden", "decoder", "positions",
+               "batch_size")
 _STEP_FLOPS: dict[str, int | None] = {}
 
 
@@ -85,6 +91,17 @@ def step_flops(spec: dict) -> int | None:
     needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
     kernels compute the same sums). None where the mixer cannot run on the CPU. Remembered
     per step shape (STEP_FIELDS)."""
+    if spec.get("train_mix"):  # a step of each slice, weighted by the slice's batches
+        batches = [math.ceil(int(entry["count"]) / spec["batch_size"])
+                   for entry in spec["train_mix"]]
+        counts = []
+        for entry in spec["train_mix"]:
+            params = {**spec["params"], **{k: v for k, v in entry.items() if k != "count"}}
+            counts.append(step_flops({**spec, "params": params, "train_mix": None,
+                                      "test_mix": None}))
+        if any(count is None for count in counts):
+            return None
+        return round(sum(c * b for c, b in zip(counts, batches)) / sum(batches))
     key = repr([(name, spec.get(name)) for name in STEP_FIELDS])
     if key not in _STEP_FLOPS:
         _STEP_FLOPS[key] = _step_flops(spec)
@@ -122,8 +139,23 @@ def _counted_step(spec: dict, inputs, labels, count: int, device: str) -> int:
 
 
 def seq_len_of(spec: dict) -> int:
-    """A run's sequence length: its task's default where its setting leaves it out."""
-    return int(tasks.get(spec["task"]).resolve_params(spec["params"])["seq_len"])
+    """A run's sequence length: its task's default where its setting leaves it out; with a
+    training mix, the longest of its training slices."""
+    return max(seq_lens(spec, "train"))
+
+
+def seq_lens(spec: dict, part: str | None = None) -> list[int]:
+    """The sequence length of each slice of a run's training mix (`part` "train"), test mix
+    ("test") or both (None); a part without a mix is one slice of the setting's params."""
+    task = tasks.get(spec["task"])
+    params = task.resolve_params(spec["params"])
+    lengths = []
+    for name in ("train", "test") if part is None else (part,):
+        mix = spec.get(f"{name}_mix")
+        entries = [{}] if mix is None else [
+            {k: v for k, v in entry.items() if k != "count"} for entry in mix]
+        lengths += [int({**params, **entry}["seq_len"]) for entry in entries]
+    return lengths
 
 
 def stackable(spec: dict) -> bool:
@@ -136,23 +168,39 @@ def stackable(spec: dict) -> bool:
     return callable(getattr(layer, "forward_stacked", None))
 
 
-def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
-                seq_len: int) -> int | None:
-    """Recurrent state (KV cache for softmax attention) per sequence of the whole layer stack,
-    from the mixer's decoder; None when the mixer has no decoder or it cannot run here."""
+def layer_state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int,
+                      seq_len: int) -> int | None:
+    """Recurrent state (KV cache for softmax attention) of one layer per sequence after
+    `seq_len` tokens, in float32 bytes: the registry entry's count (`Mixer.state_bytes`),
+    else its decoder's state; None when neither is known."""
     try:
         entry = registry.get(mixer)
     except registry.UnknownMixerError:
         return None
+    try:
+        counted = entry.state_bytes(d_model, n_heads, seq_len, **mixer_options)
+    except ValueError:
+        return None
+    if counted is not None:
+        return int(counted)
     if entry.build_decoder is None:
         return None
     try:
         heads, head_dim, value_dim = entry.state_dims(d_model, n_heads, **mixer_options)
         decoder = entry.decoder(**mixer_options)
         state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, "cpu", torch.float32)
-        return int(decoder.state_bytes(state)) * n_layers
+        return int(decoder.state_bytes(state))
     except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
         return None
+
+
+def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
+                seq_len: int) -> int | None:
+    """Recurrent state (KV cache for softmax attention) per sequence of the whole layer stack
+    after `seq_len` tokens, in float32 bytes (`layer_state_bytes` x the layers); None where
+    unknown."""
+    size = layer_state_bytes(mixer, mixer_options, d_model, n_heads, seq_len)
+    return None if size is None else size * n_layers
 
 
 def plan_groups(specs: list[dict], max_runs: int) -> list[list[dict]]:
@@ -308,12 +356,17 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
                  for part in (group[:half], group[half:])]
         return None if any(part is None for part in parts) else parts[0] + parts[1]
     first = group[0]  # the runs of a group share the mixer, its options and the shapes
-    seq_len = next((r["seq_len"] for r in results if r.get("seq_len")), None) or \
-        seq_len_of(first)
-    size = state_bytes(first["mixer"], first["mixer_options"], first["d_model"],
-                       first["n_heads"], first["n_layers"], seq_len)
+    # at the test length: the longest test slice's; each test slice also at its own
+    seq_len = max(seq_lens(first, "test"))
+    per_layer = {length: layer_state_bytes(first["mixer"], first["mixer_options"],
+                                           first["d_model"], first["n_heads"], length)
+                 for length in set(seq_lens(first, "test"))}
+    size = per_layer[seq_len]
     for result in results:
-        result["state_bytes"] = size
+        result["state_bytes_per_layer"] = size
+        result["state_bytes"] = None if size is None else size * first["n_layers"]
+        for part in result.get("test_slices") or []:
+            part["state_bytes_per_layer"] = per_layer.get(part["seq_len"])
     return results
 
 

@@ -92,11 +92,36 @@ def _chosen_backend(q, k, v, mask, dropout_p, scale) -> str:
             "cudnn_attention": "cudnn"}.get(names.get(choice, ""), names.get(choice, "unknown"))
 
 
+def check_window(window) -> int:
+    """A sliding window's width: 0 (none: full causal attention) or a positive int."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be 0 (full causal attention) or a positive int, got "
+                         f"{window!r}")
+    return window
+
+
+def window_mask(queries: int, keys: int, window: int, device) -> torch.Tensor:
+    """`[queries, keys]` True where query i (the last `queries` of `keys` positions) may
+    attend to key j: j <= i, and with `window` > 0 also i - j < window (its last `window`
+    tokens, itself included)."""
+    past = keys - queries
+    rows = torch.arange(queries, device=device)[:, None] + past
+    cols = torch.arange(keys, device=device)[None, :]
+    allowed = cols <= rows
+    if window:
+        allowed &= rows - cols < window
+    return allowed
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                    backend: str = "auto", scale: float | None = None,
                    initial_state: KVCache | None = None, output_final_state: bool = False,
-                   cache_reserve: int = 0, dropout_p: float = 0.0):
+                   cache_reserve: int = 0, dropout_p: float = 0.0, window: int = 0):
     """Causal attention through `F.scaled_dot_product_attention`; returns (o, KVCache | None).
+
+    `window` > 0 is sliding-window attention: each token attends to its last `window` tokens
+    (itself included), so its state is a KV cache of `window` tokens. The returned cache
+    then holds the last `window` tokens only.
 
     With `initial_state` (a KV cache) the new tokens also attend to the cached ones. The
     returned cache has room for `cache_reserve` more tokens. `dropout_p` drops attention
@@ -110,6 +135,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     check_qkv(q, k, v)
     check_flag("output_final_state", output_final_state)
     check_choice("backend", backend, SDPA_BACKENDS)
+    window = check_window(window)
     if not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
     guard = FiniteInputs(q, k, v)
@@ -123,13 +149,17 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         raw_k = torch.cat([initial_state.keys(), raw_k], 2)
         raw_v = torch.cat([initial_state.values(), raw_v], 2)
         T = q.shape[2]
-        mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        mask = window_mask(T, past + T, window, q.device)
+    elif window and window < q.shape[2]:
+        mask = window_mask(q.shape[2], q.shape[2], window, q.device)
     with _backend_context(backend):
         if dispatch.listening():
             dispatch.note(sdpa_backend=backend if backend != "auto" else
                           _chosen_backend(q, keys, values, mask, dropout_p, scale))
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p,
                                            is_causal=mask is None, scale=scale)
+    if window:  # the cache of a window: its last `window` tokens
+        raw_k, raw_v = raw_k[:, :, -window:], raw_v[:, :, -window:]
     cache = KVCache.from_tensors(raw_k, raw_v, cache_reserve) if output_final_state else None
     return guard.outputs(o.transpose(1, 2)), cache
 
@@ -144,18 +174,26 @@ def flash_attn_attention(q, k, v, *, initial_state=None, output_final_state=Fals
 
 
 class KVCacheDecoder:
-    """Decode with a KV cache: each step appends one token and attends over the cache."""
+    """Decode with a KV cache: each step appends one token and attends over the cache (with
+    `window` > 0 over its last `window` tokens, and the cache keeps no more)."""
 
     def __init__(self, backend: str = "auto", scale: float | None = None,
-                 cache_reserve: int = 1024):
+                 cache_reserve: int = 1024, window: int = 0):
         self.backend, self.scale, self.cache_reserve = backend, scale, cache_reserve
+        self.window = check_window(window)
 
     def init_state(self, batch, heads, head_dim, value_dim, context_len, device, dtype):
-        k = torch.randn(batch, heads, context_len, head_dim, device=device, dtype=dtype)
-        v = torch.randn(batch, heads, context_len, value_dim, device=device, dtype=dtype)
+        length = min(context_len, self.window) if self.window else context_len
+        k = torch.randn(batch, heads, length, head_dim, device=device, dtype=dtype)
+        v = torch.randn(batch, heads, length, value_dim, device=device, dtype=dtype)
         return KVCache.from_tensors(k, v, self.cache_reserve)
 
     def step(self, q, k, v, state: KVCache):
+        if self.window and state.length >= self.window:  # the oldest token leaves the window
+            kept = KVCache.from_tensors(state.keys()[:, :, 1 - self.window:],
+                                        state.values()[:, :, 1 - self.window:],
+                                        max(1, self.cache_reserve))
+            state.k, state.v, state.length = kept.k, kept.v, kept.length
         state.append(k.unsqueeze(2), v.unsqueeze(2))
         with _backend_context(self.backend):
             o = F.scaled_dot_product_attention(q.unsqueeze(2), state.keys(), state.values(),

@@ -86,6 +86,11 @@ class Mixer:
     `layer_state_dims(d_model, n_heads, **options)` gives the (heads, head dim, value dim)
     of the decoder state one layer holds, where the layer's op does not run on n_heads
     heads of d_model / n_heads (None: it does).
+    `state_size(d_model, n_heads, seq_len, **options)` counts the elements of the recurrent
+    state one layer of `build_layer(d_model, n_heads, **options)` holds per sequence after
+    `seq_len` tokens (softmax attention: its KV cache; a fixed-state mixer: its state,
+    whatever the length); the layer's short convolution buffer is not counted. None (the
+    field, or its value): no count known.
     """
 
     name: str
@@ -101,6 +106,7 @@ class Mixer:
     option_requires: Callable[..., tuple[str, ...]] | None = None
     build_reference: Callable[..., Callable] | None = None
     layer_state_dims: Callable[..., tuple[int, int, int]] | None = None
+    state_size: Callable[..., int | None] | None = None
 
     def unavailable_reason(self, options: Mapping[str, Any] | None = None) -> str | None:
         """Why this mixer (with `options`, when given) cannot run here, or None when it can.
@@ -148,6 +154,18 @@ class Mixer:
         if self.layer_state_dims is not None:
             return self.layer_state_dims(d_model, n_heads, **self.resolve_options(options))
         return n_heads, d_model // n_heads, d_model // n_heads
+
+    def state_bytes(self, d_model: int, n_heads: int, seq_len: int, *,
+                    element_bytes: int = 4, **options: Any) -> int | None:
+        """Bytes of the recurrent state of one layer per sequence after `seq_len` tokens
+        (`state_size` elements of `element_bytes` each, float32 by default), or None where
+        the entry has no count. Options as `layer` takes them (defaults filled in)."""
+        if self.state_size is None:
+            return None
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        elements = self.state_size(d_model, n_heads, seq_len, **self.resolve_options(options))
+        return None if elements is None else int(elements) * element_bytes
 
     def layer(self, d_model: int, n_heads: int, **options: Any) -> Any:
         if self.build_layer is None:

@@ -115,6 +115,13 @@ class FlaDecoder:
         return state_nbytes(state)
 
 
+def _fla_state_size(d_model, n_heads, seq_len, **_):
+    """fla's recurrent state per layer: S, d_k x d_v per head (d_k = d_v = d_model /
+    n_heads)."""
+    head = d_model // n_heads
+    return n_heads * head * head
+
+
 def fla_entry(name: str, kernel: FlaKernel, description: str, options: dict,
               flops=None) -> Mixer:
     def build_op(**opts):
@@ -138,7 +145,7 @@ def fla_entry(name: str, kernel: FlaKernel, description: str, options: dict,
     return Mixer(name=name, family="fla", description=description, build_op=build_op,
                  build_layer=build_layer, build_decoder=build_decoder,
                  options={"scale": None, **options, **LAYER_OPTIONS}, forms=("chunk", "triton"),
-                 requires=("fla", "cuda"), flops=flops)
+                 requires=("fla", "cuda"), flops=flops, state_size=_fla_state_size)
 
 
 def fla_mixers() -> list[Mixer]:

@@ -92,6 +92,16 @@ def _linear_reference(feature_map, normalize, eps, **_):
     return reference
 
 
+def _linear_state_size(d_model, n_heads, seq_len, feature_map, feature_dim, normalize, **_):
+    """Linear attention's state per layer: S, F x dv per head, and z, F per head when
+    normalized; F is phi's width of the key_dim-wide q, k (identity: d_k; Based's Taylor map
+    of f = feature_dim channels: 1 + f + f^2), dv = d_model / n_heads."""
+    from mixers.linear_attn import feature_size
+
+    features = feature_size(feature_map, feature_dim or d_model // n_heads)
+    return n_heads * features * (d_model // n_heads + (1 if normalize else 0))
+
+
 def _triton_requires(impl="auto", **_):
     return ("triton", "cuda") if impl == "triton" else ()
 
@@ -106,7 +116,8 @@ LINEAR_ATTN = Mixer(
              "impl": "auto", "chunk_size": 64, "qk_norm": "l2", "short_conv": 4,
              "output_norm": True},
     forms=("chunk", "parallel", "triton"), flops=linear_attn_flops,
-    option_requires=_triton_requires, build_reference=_linear_reference)
+    option_requires=_triton_requires, build_reference=_linear_reference,
+    state_size=_linear_state_size)
 
 
 # Based (Arora et al. 2024) as Zoology and the Based repository build it: q, k projected to
@@ -123,7 +134,8 @@ BASED = Mixer(
              "impl": "auto", "chunk_size": 64, "qk_norm": "none", "short_conv": 4,
              "output_norm": False},
     forms=("chunk", "parallel", "triton"), flops=linear_attn_flops,
-    option_requires=_triton_requires, build_reference=_linear_reference)
+    option_requires=_triton_requires, build_reference=_linear_reference,
+    state_size=_linear_state_size)
 
 
 def linear_mixers() -> list[Mixer]:

@@ -11,6 +11,7 @@ carries the test split's targets, so that it measures what test measures.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -38,6 +39,56 @@ class Splits(NamedTuple):
     train: tuple[torch.Tensor, torch.Tensor]
     val: tuple[torch.Tensor, torch.Tensor]
     test: tuple[torch.Tensor, torch.Tensor]
+
+
+class MixSplits(NamedTuple):
+    """Slices of (inputs, labels) per split, each of one length; `val[i]` is drawn with
+    the parameters of `test[i]`. `train_params` / `test_params`: each slice's resolved task
+    parameters."""
+
+    train: list[tuple[torch.Tensor, torch.Tensor]]
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    test: list[tuple[torch.Tensor, torch.Tensor]]
+    train_params: list[dict]
+    test_params: list[dict]
+
+
+MIX_PARTS = ("train", "val", "test")
+
+
+def mix_rng(seed: int, part: str, entry: Mapping[str, Any]) -> np.random.Generator:
+    """The generator of the slice `entry` of a mix's `part` for run seed `seed`: a stream of
+    its own for every (seed, part, slice parameters), none of them a task's `split_seed`
+    stream. A slice's examples depend on its parameters, not on the other slices of its mix
+    or its place there (a mix names each slice once)."""
+    if part not in MIX_PARTS:
+        raise ValueError(f"part must be one of {MIX_PARTS}, got {part!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    digest = hashlib.sha256(mix_label(entry).encode()).digest()
+    return np.random.default_rng([seed, MIX_PARTS.index(part), 0x6D6978,
+                                  int.from_bytes(digest[:8], "little")])
+
+
+def mix_entry(task: "Task", params: dict, entry: Mapping[str, Any]) -> tuple[dict, int]:
+    """One mix entry (task parameters and `count`) as (its resolved parameters over
+    `params`, its count); ValueError names what is wrong."""
+    if not isinstance(entry, Mapping) or "count" not in entry:
+        raise ValueError(f"a mix entry is a mapping of task parameters and `count`, got "
+                         f"{entry!r}")
+    count = entry["count"]
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_PARAM:
+        raise ValueError(f"a mix entry's count must be a positive int, got {count!r}")
+    overrides = {key: value for key, value in entry.items() if key != "count"}
+    return task.resolve_params({**params, **overrides}), count
+
+
+def mix_label(entry: Mapping[str, Any] | None) -> str:
+    """A slice's name: its entry's task parameters as written, `key=value` ("seq_len=64
+    num_kv_pairs=4"); "all" for the one slice of a setting without a mix."""
+    if entry is None:
+        return "all"
+    return " ".join(f"{key}={value}" for key, value in entry.items() if key != "count") or "all"
 
 
 def _row_keys(*parts: torch.Tensor) -> list[tuple[int, int]]:
@@ -145,6 +196,60 @@ class Task:
         seen = set(_row_keys(train[0])) | set(_row_keys(test[0]))
         keep = torch.tensor([key not in seen for key in _row_keys(val_x)])
         return Splits(train, (val_x[keep], val_y[keep]), test)
+
+    def mix_splits(self, train_mix: list[dict] | None, test_mix: list[dict] | None,
+                   num_train: int, num_val: int, num_test: int, seed: int = 0,
+                   **params: Any) -> "MixSplits":
+        """Train, validation and test data of one seed as slices: one per entry of
+        `train_mix` / `test_mix` (each entry: task parameters over `params`, and `count`
+        examples), or where a mix is None one slice of `params` with `num_train` /
+        `num_test` examples from the task's own streams (`make`).
+
+        Every slice of a mix has its own generator (`mix_rng`: the run seed, the part and
+        the slice's parameters), so no two slices share a stream and a train stream is never
+        a test one. Validation has one slice per test slice, `num_val` examples with that
+        slice's parameters from a stream of its own, drawn as the task's validation is
+        (`val_labels`), minus any example that also occurs in a training slice of the same
+        length or in its test slice: choosing on it never looks at test."""
+        resolved = self.resolve_params(params)
+        train_entries = [(resolved, num_train)] if train_mix is None else [
+            mix_entry(self, resolved, entry) for entry in train_mix]
+        test_entries = [(resolved, num_test)] if test_mix is None else [
+            mix_entry(self, resolved, entry) for entry in test_mix]
+        if train_mix is None:
+            train = [self.make("train", num_train, seed, **params)]
+        else:
+            train = [self._draw(mix_rng(seed, "train", entry), count, "train", seed, slice_params)
+                     for entry, (slice_params, count) in zip(train_mix, train_entries)]
+        if test_mix is None:
+            test = [self.make("test", num_test, seed, **params)]
+        else:
+            test = [self._draw(mix_rng(seed, "test", entry), count, "test", seed, slice_params)
+                    for entry, (slice_params, count) in zip(test_mix, test_entries)]
+        kind = "test" if self.val_labels == "test" else "train"
+        val = []
+        for i, (slice_params, _) in enumerate(test_entries):
+            if not num_val:
+                val.append((test[i][0][:0], test[i][1][:0]))
+                continue
+            entry = None if test_mix is None else test_mix[i]
+            val_x, val_y = self._draw(mix_rng(seed, "val", entry), num_val, kind, seed,
+                                      slice_params)
+            both = kind == "train"  # examples of one kind of target: inputs and labels
+            length = val_x.shape[1]
+            seen = set()
+            for part in [*(t for t in train if t[0].shape[1] == length), test[i]]:
+                seen |= set(_row_keys(*part) if both else _row_keys(part[0]))
+            keys = _row_keys(val_x, val_y) if both else _row_keys(val_x)
+            keep = torch.tensor([key not in seen for key in keys])
+            val.append((val_x[keep], val_y[keep]))
+        return MixSplits(train, val, test, [p for p, _ in train_entries],
+                         [p for p, _ in test_entries])
+
+    def _draw(self, rng: np.random.Generator, count: int, split: str, seed: int,
+              params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = self.generate(rng, count, split, seed, **params)
+        return torch.as_tensor(inputs, dtype=torch.long), torch.as_tensor(labels, dtype=torch.long)
 
     def vocab_size(self, **params: Any) -> int:
         return int(self.resolve_params(params)["vocab_size"])

@@ -62,6 +62,8 @@ from tasks.stacked import FlatAdamW, StackedLM
 from hla_bench.safe_files import replace_atomically
 
 STOP_ACCURACY = 0.99
+# "auto": learned positions for softmax attention only; "learned": for every mixer; "none"
+POSITIONS = ("auto", "learned", "none")
 SCHEDULES = ("warmup-cosine", "epoch-cosine", "constant")
 METRICS = ("micro", "mad-macro")
 MILESTONES = (0.5, 0.9)
@@ -84,8 +86,10 @@ class RunSpec:
     CosineAnnealingLR stepped once per epoch over `epochs`, no warmup) or "constant".
     `shuffle`: a fresh batch order every epoch (False: the same batches in the same order,
     as Zoology's loader). `num_val` validation examples come from the training stream.
-    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model (`tasks.model.TinyLM`);
+    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model (`tasks.model.TinyLM`),
+    `positions` its position embedding (POSITIONS; the harness's build_model reads it);
     `metric` and `test_at_best_val` are described in this module's docstring.
+    `train_mix` / `test_mix`: the training and test mixes (module docstring, "Mixes").
     """
 
     task: str
@@ -93,6 +97,10 @@ class RunSpec:
     d_model: int
     lr: float
     params: dict = field(default_factory=dict)
+    # mixes of slices, each entry task parameters over `params` and its `count`; None: one
+    # slice of `params` (num_train / num_test examples)
+    train_mix: list | None = None
+    test_mix: list | None = None
     mixer_options: dict = field(default_factory=dict)
     n_layers: int = 2
     n_heads: int = 1
@@ -103,6 +111,7 @@ class RunSpec:
     head: str = "tied"
     swiglu_hidden: int | None = None
     decoder: str = "default"
+    positions: str = "auto"
     epochs: int = 8
     num_train: int | None = None
     num_val: int = 0
@@ -120,6 +129,9 @@ class RunSpec:
     seed: int = 0
     device: str = "cpu"
     setting: str = ""
+    # the mixer entry as the config names it, where it has options of its own
+    # ("sdpa:window=64"); "" for a plain mixer name
+    variant: str = ""
     run_id: int = 0
 
     def as_dict(self) -> dict:
@@ -131,7 +143,7 @@ SPEC_FIELDS = tuple(f.name for f in fields(RunSpec))
 # runs and when, not how): runs that differ only in these share compiled code.
 PROTOCOL_FIELDS = ("epochs", "num_train", "num_val", "num_test", "eval_every", "schedule",
                    "warmup_frac", "stop_accuracy", "group_stop", "shuffle", "metric",
-                   "test_at_best_val", "setting", "init")
+                   "test_at_best_val", "setting", "init", "variant")
 
 
 def group_key(spec: dict) -> str:
@@ -216,6 +228,39 @@ def task_splits(task: str, seed: int, num_train: int, num_val: int, num_test: in
     return _DATA_CACHE[key]
 
 
+def mix_splits(spec: "RunSpec", seed: int, num_train: int, num_test: int) -> tasks.MixSplits:
+    """The slices of one seed of a run with a mix (`tasks.Task.mix_splits`), cached per
+    process."""
+    key = ("mix", spec.task, seed, repr(spec.train_mix), repr(spec.test_mix), num_train,
+           spec.num_val, num_test, tuple(sorted(spec.params.items())))
+    if key not in _DATA_CACHE:
+        _DATA_CACHE[key] = tasks.get(spec.task).mix_splits(
+            spec.train_mix, spec.test_mix, num_train, spec.num_val, num_test, seed, **spec.params)
+    return _DATA_CACHE[key]
+
+
+def mix_counts(mix: list | None, default: int) -> list[int]:
+    """The examples of each slice of `mix` (`default` for the one slice of no mix)."""
+    return [default] if mix is None else [int(entry["count"]) for entry in mix]
+
+
+def steps_per_epoch(spec: dict, default_train: int, batch_size: int | None = None) -> int:
+    """Training steps of an epoch: every slice of the training mix cut into batches (a short
+    last batch padded), or the `num_train` (else `default_train`) examples of no mix."""
+    batch = batch_size or spec["batch_size"]
+    counts = mix_counts(spec.get("train_mix"), spec.get("num_train") or default_train)
+    return sum(math.ceil(count / batch) for count in counts)
+
+
+def interleave(batches: list[int]) -> list[int]:
+    """The slice of each step of an epoch whose slice i has `batches[i]` batches: each
+    slice's batches spread evenly over the epoch (its k-th batch at (k + 1/2) / batches[i]
+    of the way, ties to the lower slice), the same for every epoch and every run."""
+    at = [((k + 0.5) / count, index) for index, count in enumerate(batches)
+          for k in range(count)]
+    return [index for _, index in sorted(at)]
+
+
 def warmup_cosine(step: int, total: int, warmup: int) -> float:
     """Learning-rate factor: linear warmup to 1, then cosine decay to 0."""
     if step < warmup:
@@ -247,27 +292,61 @@ class Interrupted(Exception):
 
 
 @dataclass
+class _TrainSlice:
+    """One training slice of a group on its device, seeds stacked (one row per seed); every
+    example of a slice has one length, and a batch is drawn from one slice."""
+
+    x: torch.Tensor                  # [S, n, T]
+    y: torch.Tensor
+    count: int                       # n
+    offset: int                      # where its batch order starts in the group's order row
+    max_rows_per_example: int        # labelled positions of its fullest example
+
+
+@dataclass
 class _Group:
-    """The data of a group on its device: seeds' splits stacked, one row per seed."""
+    """The data of a group on its device. `train`: its training slices; `val` and `test`:
+    per slice, one (inputs, labels) per seed (validation slice i is drawn as test slice i);
+    `labels`: the test slices' names, `test_params` their task parameters."""
 
     seeds: list[int]
-    train_x: torch.Tensor            # [S, n_train, T]
-    train_y: torch.Tensor
-    val: list[tuple[torch.Tensor, torch.Tensor]]
-    test: list[tuple[torch.Tensor, torch.Tensor]]
-    max_rows_per_example: int        # labelled positions of the fullest training example
+    train: list[_TrainSlice]
+    val: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    test: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    labels: list[str]
+    test_params: list[dict]
+    counts: list[int]                # test examples of each test slice
 
 
 def _load_group_data(spec: RunSpec, seeds: list[int], params: dict, num_train: int,
                      num_test: int, device: torch.device) -> _Group:
-    splits = [task_splits(spec.task, seed, num_train, spec.num_val, num_test, params)
-              for seed in seeds]
-    train_x = torch.stack([s.train[0] for s in splits]).to(device)
-    train_y = torch.stack([s.train[1] for s in splits]).to(device)
-    rows = max(int((s.train[1] != IGNORE).sum(1).max()) for s in splits)
+    if spec.train_mix is None and spec.test_mix is None:  # the task's own splits
+        splits = [task_splits(spec.task, seed, num_train, spec.num_val, num_test, params)
+                  for seed in seeds]
+        train = [[s.train] for s in splits]
+        val, test = [[s.val] for s in splits], [[s.test] for s in splits]
+        test_params = [params]
+    else:
+        mixes = [mix_splits(spec, seed, num_train, num_test) for seed in seeds]
+        train, val, test = ([list(getattr(m, part)) for m in mixes]
+                            for part in ("train", "val", "test"))
+        test_params = mixes[0].test_params
     to = lambda pair: tuple(t.to(device) for t in pair)  # noqa: E731
-    return _Group(seeds, train_x, train_y, [to(s.val) for s in splits],
-                  [to(s.test) for s in splits], rows)
+    slices, offset = [], 0
+    for index in range(len(train[0])):
+        parts = [seed_slices[index] for seed_slices in train]
+        count = len(parts[0][0])
+        rows = max(int((y != IGNORE).sum(1).max()) for _, y in parts)
+        slices.append(_TrainSlice(torch.stack([x for x, _ in parts]).to(device),
+                                  torch.stack([y for _, y in parts]).to(device), count, offset,
+                                  rows))
+        offset += count
+    per_slice = lambda data: [[to(seed_slices[i]) for seed_slices in data]  # noqa: E731
+                              for i in range(len(data[0]))]
+    labels = ([tasks.mix_label(None)] if spec.test_mix is None else
+              [tasks.mix_label(entry) for entry in spec.test_mix])
+    return _Group(seeds, slices, per_slice(val), per_slice(test), labels, test_params,
+                  [len(part[0][0]) for part in per_slice(test)])
 
 
 class _Step:
@@ -285,32 +364,39 @@ class _Step:
 
     WARM_STEPS = 2
 
-    def __init__(self, trainer: "_GroupTrainer", graph: bool):
-        self.trainer, self.use_graph = trainer, graph
+    def __init__(self, trainer: "_GroupTrainer", graph: bool, index: int = 0):
+        self.trainer, self.use_graph, self.index = trainer, graph, index
+        self.slice = trainer.data.train[index]
         self.batch = trainer.batch_size
         self.span = torch.arange(self.batch, device=trainer.device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        # the first slice's graph goes to the trainer's pool; another slice's graph, replayed
+        # in between, gets a pool of its own
+        self.pool = (trainer.pool if index == 0 or not graph else
+                     torch.cuda.graph_pool_handle())
         self.eager_steps = 0
         self.calls = 0  # calls before the graph replays (the warm-up ones are timed)
 
     def run(self) -> None:
-        t = self.trainer
-        position = t.batch_index * t.batch_size + self.span                      # [b]
-        last = t.sizes["num_train"] - 1
-        rows = t.order.index_select(1, position.clamp(max=last))                # [S, b]
+        t, part = self.trainer, self.slice
+        local = t.slice_batch[self.index] * t.batch_size + self.span           # [b]
+        last = part.count - 1
+        position = part.offset + local.clamp(max=last)
+        rows = t.order.index_select(1, position)                                # [S, b]
         rows = rows.index_select(0, t.model_seed)                               # [N, b]
         seed_rows = t.model_seed[:, None]
-        tokens, labels = t.data.train_x[seed_rows, rows], t.data.train_y[seed_rows, rows]
-        labels = torch.where((position <= last)[None, :, None], labels, IGNORE)
+        tokens, labels = part.x[seed_rows, rows], part.y[seed_rows, rows]
+        labels = torch.where((local <= last)[None, :, None], labels, IGNORE)
         t.model.zero_grad()
         with t.autocast():
-            losses = t.losses(tokens, labels, self.batch * t.data.max_rows_per_example)
+            losses = t.losses(tokens, labels, self.batch * part.max_rows_per_example)
         losses.sum().backward()
         t.optimizer.step(t.lr_table.index_select(0, t.global_step.view(1))[0]
                          .index_select(0, t.columns))
         with torch.no_grad():
             t.loss_sum.add_(losses.detach())
             t.batch_index.add_(1)
+            t.slice_batch[self.index].add_(1)
             t.global_step.add_(1)
 
     def __call__(self) -> None:
@@ -343,7 +429,7 @@ class _Step:
         else:
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self.trainer.pool):
+                with torch.cuda.graph(graph, pool=self.pool):
                     self.run()
             except RuntimeError as error:  # an op that syncs with the host cannot be captured
                 self.trainer.graph_failure = f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -403,15 +489,22 @@ class _GroupTrainer:
         self.cuda = self.device.type == "cuda"
         num_train = first.num_train or task.num_train
         num_test = first.num_test or task.num_test
+        if first.metric == "mad-macro" and (first.train_mix or first.test_mix):
+            raise ValueError("metric mad-macro scores batches of one split: a mix takes "
+                             "metric micro")
         self.seeds = sorted({spec.seed for spec in specs})
         self.data = _load_group_data(first, self.seeds, self.params, num_train, num_test,
                                      self.device)
         self.batch_size = first.batch_size
-        self.steps_per_epoch = math.ceil(num_train / self.batch_size)
+        batches = [math.ceil(part.count / self.batch_size) for part in self.data.train]
+        self.schedule = interleave(batches)  # the training slice of each step of an epoch
+        self.steps_per_epoch = len(self.schedule)
         self.total = first.epochs * self.steps_per_epoch
         self.eval_every = first.eval_every or self.steps_per_epoch
-        self.sizes = {"num_train": num_train, "num_val": len(self.data.val[0][0]),
-                      "num_test": num_test}
+        num_train = sum(part.count for part in self.data.train)
+        self.sizes = {"num_train": num_train,
+                      "num_val": sum(len(part[0][0]) for part in self.data.val),
+                      "num_test": sum(self.data.counts)}
 
         models = []
         for spec in specs:
@@ -435,10 +528,15 @@ class _GroupTrainer:
         self.columns = torch.arange(len(specs), device=self.device)
         self.model_seed = self._seed_rows(self.slots)
         self.batch_index = torch.zeros((), dtype=torch.long, device=self.device)
+        # the batches of each training slice taken so far in this epoch
+        self.slice_batch = torch.zeros(len(self.data.train), dtype=torch.long,
+                                       device=self.device)
         self.global_step = torch.zeros((), dtype=torch.long, device=self.device)
         self.loss_sum = torch.zeros(len(specs), device=self.device, dtype=dtype)
-        # [S, num_train]: row s, the batch order of seed s's epoch; rewritten in place
-        self.order = torch.arange(num_train, device=self.device).repeat(len(self.seeds), 1)
+        # [S, num_train]: row s, the batch order of seed s's epoch, slice after slice (each
+        # slice's part holds indices into that slice); rewritten in place
+        self.order = torch.cat([torch.arange(part.count) for part in self.data.train]).to(
+            self.device).repeat(len(self.seeds), 1)
         self.order_generators = [torch.Generator().manual_seed(seed) for seed in self.seeds]
         self.step, self.last_eval = 0, 0
         self.curves: list[list[dict]] = [[] for _ in specs]
@@ -452,7 +550,7 @@ class _GroupTrainer:
         self.vocab_size = task.vocab_size(**self.params)
         self.use_graphs = graphs and self.cuda
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.program: _Step | None = None
+        self.programs: dict[int, _Step] = {}  # per training slice
         self.graphed, self.graph_failure = False, None
         self.compile = compile
         self._compiled: tuple[StackedLM, Callable] | None = None
@@ -488,17 +586,25 @@ class _GroupTrainer:
         return torch.tensor([self.seeds.index(self.specs[i].seed) for i in runs],
                             device=self.device)
 
-    def _program(self) -> _Step:
-        if self.program is None:
-            self.program = _Step(self, self.use_graphs and self.graph_failure is None)
-        return self.program
+    def _program(self, index: int = 0) -> _Step:
+        if index not in self.programs:
+            self.programs[index] = _Step(self, self.use_graphs and self.graph_failure is None,
+                                         index)
+        return self.programs[index]
 
     def _new_epoch_order(self) -> None:
-        if self.specs[0].shuffle:
-            orders = [torch.randperm(self.sizes["num_train"], generator=g)
-                      for g in self.order_generators]
+        if self.specs[0].shuffle:  # each slice's examples in a fresh order of each seed
+            orders = [torch.cat([torch.randperm(part.count, generator=g)
+                                 for part in self.data.train]) for g in self.order_generators]
             self.order.copy_(torch.stack(orders))  # in place: a captured step reads this tensor
         self.batch_index.zero_()
+        self.slice_batch.zero_()
+
+    def _restore_slice_batches(self) -> None:
+        """Each slice's batches taken in the current epoch, as the schedule gives them up to
+        the current step (a checkpoint keeps the step and the epoch's position)."""
+        done = self.schedule[:self.step % self.steps_per_epoch]
+        self.slice_batch.copy_(torch.tensor([done.count(i) for i in range(len(self.data.train))]))
 
     def _keep(self, keep: list[int]) -> None:
         """Only the stack slots `keep` stay (the stack is compacted); the captured graphs
@@ -517,7 +623,7 @@ class _GroupTrainer:
         """Forget the captured step. Its memory pool may still hold live blocks after the
         graph is gone, and CUDA's allocator refuses a new capture into such a pool: the
         next capture gets a pool of its own."""
-        self.program = None
+        self.programs = {}
         if self.use_graphs:
             self.pool = torch.cuda.graph_pool_handle()
 
@@ -527,6 +633,7 @@ class _GroupTrainer:
         self.progress({"event": "start", "total": self.total, "runs": len(self.specs)})
         if checkpoint is not None and checkpoint.exists():
             self._load(checkpoint)
+            self._restore_slice_batches()
         self.model.train()
         self.setup_seconds = time.perf_counter() - self.building  # data, models, state
         while self.active and self.step < self.total:
@@ -558,7 +665,7 @@ class _GroupTrainer:
                 break
             if self.step % self.steps_per_epoch == 0:
                 self._new_epoch_order()
-            self._program()()
+            self._program(self.schedule[self.step % self.steps_per_epoch])()
             self.step += 1
         if self.cuda:
             torch.cuda.synchronize()
@@ -581,26 +688,56 @@ class _GroupTrainer:
         return self._labelled[key]
 
     @torch.no_grad()
-    def _scores(self, split: list[tuple[torch.Tensor, torch.Tensor]],
-                context: bool = False) -> tuple[list[float], list[float], list[float | None]]:
+    def _scores(self, slices: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                context: bool = False) -> tuple[list[float], list[float], list[float | None],
+                                                list[list[float | None]]]:
         """Accuracy (the runs' `metric`), mean cross-entropy over the labelled positions and,
         with `context`, the in-context value rate (None where the task defines no context
-        values) of the model in every stack slot (retired ones too) on its seed's `split`.
+        values) of the model in every stack slot (retired ones too) on its seed's part of
+        every slice of a split (`slices`: the group's `val` or `test`), all slices together:
+        each labelled position of each slice counts once. Also each slice's accuracy on its
+        own (`[slice][slot]`; None for an empty slice).
 
-        The split goes through the models in forwards of `_eval_rows` examples; the sums
+        A slice goes through the models in forwards of `_eval_rows` examples; the sums
         stay on the device and are read once at the end (the in-context values, computed on
-        the host, read each forward's tokens). "mad-macro" scores each batch of
+        the host, read each forward's tokens). "mad-macro" (one slice) scores each batch of
         MAD_METRIC_BATCH examples of a forward on its own, as MAD-lab's evaluation batches."""
         self.model.eval()
+        sums = [self._slice_sums(split, params, context)
+                for split, params in zip(slices, self.data.test_params)]
+        self.model.train()
+        correct, total, hits, loss_sum, macro_sum = (
+            sum(part[key] for part in sums).cpu()
+            for key in ("correct", "total", "hits", "loss_sum", "macro_sum"))
+        size = sum(part["size"] for part in sums)
+        macro = self.specs[0].metric == "mad-macro"
+        accuracy = (macro_sum / max(1, size) if macro else
+                    correct.double() / total.clamp_min(1)).tolist()
+        loss = (loss_sum / total.clamp_min(1).double()).tolist()
+        per_slice = [None if not part["size"] else
+                     (part["macro_sum"].cpu() / part["size"] if macro else
+                      part["correct"].cpu().double() / part["total"].cpu().clamp_min(1)).tolist()
+                     for part in sums]
+        if not context or self.task.context_values is None:
+            return accuracy, loss, [None] * len(self.slots), per_slice
+        return accuracy, loss, (hits.double() / total.clamp_min(1)).tolist(), per_slice
+
+    def _slice_sums(self, split: list[tuple[torch.Tensor, torch.Tensor]], params: dict,
+                    context: bool) -> dict:
+        """The device sums of `_scores` over one slice (its task parameters `params`)."""
         n, device = len(self.slots), self.device
         macro = self.specs[0].metric == "mad-macro"
         size, seq_len = split[0][0].shape
-        chunk = self._eval_rows(seq_len)
-        per_example = self._labelled_per_example(split)
         correct = torch.zeros(n, dtype=torch.long, device=device)
         total, hits = torch.zeros_like(correct), torch.zeros_like(correct)
         loss_sum = torch.zeros(n, dtype=torch.float64, device=device)
         macro_sum = torch.zeros(n, dtype=torch.float64, device=device)
+        sums = {"correct": correct, "total": total, "hits": hits, "loss_sum": loss_sum,
+                "macro_sum": macro_sum, "size": size}
+        if not size:
+            return sums
+        chunk = self._eval_rows(seq_len)
+        per_example = self._labelled_per_example(split)
         seeds = [self.seeds.index(self.specs[i].seed) for i in self.slots]
         values_fn = self.task.context_values if context else None
         for start in range(0, size, chunk):
@@ -619,21 +756,13 @@ class _GroupTrainer:
             if macro:
                 macro_sum += _macro_by_batch(predictions, targets, rows, T, B, self.vocab_size)
             if values_fn is not None:
-                values = values_fn(tokens.reshape(N * B, T).cpu().numpy(), **self.params)
+                values = values_fn(tokens.reshape(N * B, T).cpu().numpy(), **params)
                 values = torch.as_tensor(np.asarray(values), device=device).view(N, B, -1)
                 hits += in_context_hits(predictions, valid, rows, values, T)
-        self.model.train()
-        correct, total, hits, loss_sum, macro_sum = (
-            t.cpu() for t in (correct, total, hits, loss_sum, macro_sum))
-        accuracy = (macro_sum / max(1, size) if macro else
-                    correct.double() / total.clamp_min(1)).tolist()
-        loss = (loss_sum / total.clamp_min(1).double()).tolist()
-        if values_fn is None:
-            return accuracy, loss, [None] * n
-        return accuracy, loss, (hits.double() / total.clamp_min(1)).tolist()
+        return sums
 
     def _evaluate(self) -> None:
-        accuracy, val_loss, _ = self._scores(self.data.val)
+        accuracy, val_loss, _, slice_accuracy = self._scores(self.data.val)
         mean_loss = (self.loss_sum / max(1, self.step - self.last_eval)).tolist()
         self.loss_sum.zero_()
         self.last_eval = self.step
@@ -645,7 +774,8 @@ class _GroupTrainer:
                                        "epoch": round(self.step / self.steps_per_epoch, 3),
                                        "loss": round(mean_loss[slot], 5),
                                        "val_loss": round(val_loss[slot], 5),
-                                       "accuracy": round(accuracy[slot], 5)})
+                                       "accuracy": round(accuracy[slot], 5),
+                                       **self._slice_point(slice_accuracy, slot)})
             if accuracy[slot] > self.specs[index].stop_accuracy:
                 stopped.append(index)
         if self.specs[0].test_at_best_val:
@@ -660,6 +790,29 @@ class _GroupTrainer:
             for index in [i for i in self.active if self.specs[i].seed in won]:
                 self._finish(index, early=False, by_group=True)
         self._compact()
+
+    def _test_lengths(self) -> list[int]:
+        """The sequence length of each test slice."""
+        return [int(part[0][0].shape[-1]) for part in self.data.test]
+
+    def _slice_records(self, accuracy: list[list[float | None]], curve: list[dict]) -> list[dict]:
+        """Per test slice of a finished run: its name, sequence length, examples, test
+        accuracy, and validation accuracy at the last evaluation (validation slice i is
+        drawn as test slice i)."""
+        last = curve[-1] if curve else {}
+        val = last.get("slices") or [last.get("accuracy")] * len(accuracy)
+        return [{"slice": label, "seq_len": length, "count": count,
+                 "accuracy": None if part is None else round(part[0], 5),
+                 "val_accuracy": val[i] if i < len(val) else None}
+                for i, (label, length, count, part) in enumerate(zip(
+                    self.data.labels, self._test_lengths(), self.data.counts, accuracy))]
+
+    def _slice_point(self, slice_accuracy: list[list[float | None]], slot: int) -> dict:
+        """A curve point's validation accuracy per slice, where the split has several."""
+        if len(slice_accuracy) < 2:
+            return {}
+        return {"slices": [None if part is None else round(part[slot], 5)
+                           for part in slice_accuracy]}
 
     def _compact(self) -> None:
         """Once at most half of the stack's slots still train (and some do), the stack
@@ -704,7 +857,8 @@ class _GroupTrainer:
         after an evaluation: where that evaluation had its lowest validation loss, its test
         accuracy there is the one just scored."""
         slot = self.slots.index(index)
-        (test_accuracy,), _, (rate,) = self._score_alone(slot, self.data.test, context=True)
+        (test_accuracy,), _, (rate,), test_slices = self._score_alone(slot, self.data.test,
+                                                                      context=True)
         best = self.best.get(index)
         at_best = (None if best is None else test_accuracy if best["step"] == self.step else
                    self._score_alone(slot, self.data.test,
@@ -724,7 +878,8 @@ class _GroupTrainer:
             "best_val_loss": None if best is None else round(best["val_loss"], 5),
             "best_val_loss_step": None if best is None else best["step"],
             "test_accuracy_at_best_val_loss": None if at_best is None else round(at_best, 5),
-            "n_params": self.n_params, "seq_len": int(self.data.train_x.shape[-1]),
+            "n_params": self.n_params, "seq_len": max(self._test_lengths()),
+            "test_slices": self._slice_records(test_slices, curve),
             "curve": curve,
         }
         self.retired.add(index)

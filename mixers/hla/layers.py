@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 
 import torch
 
@@ -85,12 +86,48 @@ def _flops_fn(module: str, name: str):
     return flops
 
 
+def _elements(shapes: dict) -> int:
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
+def _hla2_state_size(masked: bool):
+    """hla2's state per layer (spec §1): S d x d and its value-side summaries d x dv per
+    head (masked: A, + C with ridge; the paper's decay: C, G; unmasked: C), each with a [d]
+    twin under normalize; d = dv = d_model / n_heads."""
+    def count(d_model, n_heads, seq_len, normalize, ridge, decay, decay_form, **_):
+        from mixers.hla.hla2.state import operator_form, state_shapes
+
+        d = d_model // n_heads
+        form = operator_form(masked, decay, decay_form)
+        return _elements(state_shapes(form, normalize, ridge, 1, n_heads, n_heads, d, d))
+
+    return count
+
+
+def _ahla2_state_size(d_model, n_heads, seq_len, normalize, **_):
+    """AHLA's state per layer (spec §2): P and E, d x dv per head (+ two [d] under
+    normalize)."""
+    from mixers.hla.ahla2 import _state_shapes
+
+    d = d_model // n_heads
+    return _elements(_state_shapes(1, n_heads, d, d, normalize))
+
+
+def _hla3_state_size(d_model, n_heads, seq_len, variant, normalize, **_):
+    """Third order's state per layer (spec §3): causal S^K d x d, P and F d x dv per head;
+    the paper's Alg. 3 adds S^Q d x d (+ two [d] under normalize)."""
+    from mixers.hla.hla3 import _state_shapes
+
+    d = d_model // n_heads
+    return _elements(_state_shapes(variant, 1, n_heads, d, d, normalize))
+
+
 def _triton_requires(impl="auto", **_):
     return ("triton", "cuda") if impl == "triton" else ()
 
 
 def hla_entry(name: str, module: str, op_name: str, description: str, options: dict,
-              forms: tuple[str, ...], bound: dict | None = None) -> Mixer:
+              forms: tuple[str, ...], bound: dict | None = None, state_size=None) -> Mixer:
     """A registry entry for the operator `module.op_name` (its step is `op_name + "_step"`,
     its reference `op_name + "_naive"`)."""
     bound = bound or {}
@@ -118,7 +155,7 @@ def hla_entry(name: str, module: str, op_name: str, description: str, options: d
                  build_layer=build_layer, build_decoder=build_decoder,
                  options={**options, **LAYER_OPTIONS}, forms=forms,
                  flops=_flops_fn(module, op_name + "_flops"), option_requires=_triton_requires,
-                 build_reference=build_reference)
+                 build_reference=build_reference, state_size=state_size)
 
 
 def hla_mixers() -> list[Mixer]:
@@ -128,18 +165,21 @@ def hla_mixers() -> list[Mixer]:
         hla_entry("hla2", "mixers.hla.hla2", "hla2",
                   "Second-order HLA, masked (strictly causal) form; optional decay, "
                   "normalisation and ridge.", hla2_options,
-                  ("serial", "scan", "chunk", "parallel", "triton"), bound={"masked": True}),
+                  ("serial", "scan", "chunk", "parallel", "triton"), bound={"masked": True},
+                  state_size=_hla2_state_size(True)),
         hla_entry("hla2-unmasked", "mixers.hla.hla2", "hla2",
                   "Second-order HLA without the causal mask inside: o_t = q_t^T S_t C_t.",
                   hla2_options, ("serial", "scan", "chunk", "parallel", "triton"),
-                  bound={"masked": False}),
+                  bound={"masked": False}, state_size=_hla2_state_size(False)),
         hla_entry("ahla2", "mixers.hla.ahla2", "ahla2",
                   "Asymmetric second-order HLA (AHLA): ((L*QK^T)(L*QK^T)*L) V.",
                   {"normalize": False, "eps": 1e-6, "decay": None, "impl": "auto",
-                   "chunk_size": 64}, ("serial", "scan", "chunk", "parallel", "triton")),
+                   "chunk_size": 64}, ("serial", "scan", "chunk", "parallel", "triton"),
+                  state_size=_ahla2_state_size),
         hla_entry("hla3", "mixers.hla.hla3", "hla3",
                   "Third-order HLA: variant 'causal' (causal restriction of the tensor form) "
                   "or 'paper' (the paper's Alg. 3).",
                   {"variant": "causal", "normalize": False, "eps": 1e-6, "impl": "auto",
-                   "chunk_size": 64}, ("serial", "scan", "chunk", "parallel", "triton")),
+                   "chunk_size": 64}, ("serial", "scan", "chunk", "parallel", "triton"),
+                  state_size=_hla3_state_size),
     ]

@@ -45,6 +45,14 @@ def _block_state_dims(d_model, n_heads, expand, d_state, layer_head_dim, **_):
     return heads, d_state, expand * d_model // heads
 
 
+def _block_state_size(d_model, n_heads, seq_len, expand, d_state, layer_head_dim, **_):
+    """The block's SSD state per layer: d_state x d_inner (d_inner = expand x d_model, its
+    heads side by side), whatever the head split."""
+    heads, state, head_dim = _block_state_dims(d_model, n_heads, expand, d_state,
+                                               layer_head_dim)
+    return heads * state * head_dim
+
+
 class Mamba2Block(nn.Module):
     """`[B, T, d_model]` -> `[B, T, d_model]`; head dim = expand * d_model / n_heads, or
     `head_dim` when given (then n_heads = expand * d_model / head_dim, as mamba_ssm's
@@ -143,7 +151,8 @@ MAMBA2_SSD = Mixer(
     options={"impl": "auto", "chunk_size": 64, "d_skip": False, "seed": 0,
              "d_state": 64, "expand": 2, "short_conv": 4, "layer_head_dim": None},
     forms=("naive", "chunk", "triton"), flops=ssd_flops, option_requires=_ssd_requires,
-    build_reference=_ssd_reference, layer_state_dims=_block_state_dims)
+    build_reference=_ssd_reference, layer_state_dims=_block_state_dims,
+    state_size=_block_state_size)
 
 
 def mamba2_mixers() -> list[Mixer]:
