@@ -352,12 +352,11 @@ def _percent(ctx: click.Context, param: click.Parameter, value: float | None) ->
                    "interval lies beyond ±PCT percent (above the method's noise floor).")
 @click.option("-k", "--mixers", "pattern", metavar="PATTERN",
               help="With --compare: only points whose mixer label, mixer name, sweep or mode "
-                   "matches PATTERN (a glob; a plain word matches as a substring). With "
-                   "--plots: only the mixers whose label or name matches one of the "
-                   "comma-separated PATTERNs are drawn, in one figure per sweep and mode "
-                   "(the tables keep every mixer); without it a figure of more than 8 "
-                   "mixers is split into an overview and one figure per family "
-                   "(docs/figures.md).")
+                   "matches PATTERN (a glob; a plain word matches as a substring). Else: only "
+                   "the mixers whose label or name matches one of the comma-separated "
+                   "PATTERNs, in bench tables and in plots (one figure per sweep and mode); "
+                   "without it a figure of more than 8 mixers is split into an overview "
+                   "and one figure per family (docs/figures.md).")
 @click.option("--markdown", is_flag=True, help="Print GitHub markdown tables (for READMEs).")
 @click.option("--sweep", "only", multiple=True, metavar="NAME",
               help="Bench files: show only this sweep (repeatable; default: all).")
@@ -401,8 +400,6 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
                  "--min-change"):
         if name in given and not compare_files:
             raise click.UsageError(f"{name} applies to --compare")
-    if "-k" in given and not compare_files and plots is None:
-        raise click.UsageError("-k/--mixers applies to --compare or --plots")
     if "--format" in given and plots is None:
         raise click.UsageError("--format applies to --plots")
     loaded = [load_any(path) for path in files]  # every file checked before any output
@@ -428,12 +425,18 @@ def report(files: tuple[str, ...], compare_files: bool, plots: str | None, plot_
             if kind == "bench" and baseline not in labels:
                 raise click.UsageError(f"--baseline {baseline!r} is not a mixer label of "
                                        f"{path} ({', '.join(sorted(labels)) or 'no points'})")
-    if pattern is not None and plots is not None and not compare_files:
+    if pattern is not None and not compare_files:
+        chosen = []
         for path, kind, data in loaded:
             labels = _mixer_labels(kind, data)
-            if not select(labels, _mixer_names(kind, data), pattern):
+            kept = select(labels, _mixer_names(kind, data), pattern)
+            if not kept:
                 raise click.UsageError(f"-k {pattern!r} matches no mixer of {path} "
                                        f"({', '.join(labels) or 'no mixers'})")
+            if kind == "bench":  # the tables show the chosen mixers only
+                data = {**data, "points": [p for p in data["points"] if p["mixer"] in kept]}
+            chosen.append((path, kind, data))
+        loaded = chosen
     problem = plots_dir_problem(plots) if plots is not None else None
     if plots is not None and not problem:  # names from the files, links where plots go
         problem = planned_plots_problem(loaded, plots, plot_format, bool(compare_files))

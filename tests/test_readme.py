@@ -18,7 +18,7 @@ def _blocks(language):
 
 
 def test_readme_is_short():
-    assert len(README.splitlines()) <= 250
+    assert len(README.splitlines()) <= 180
 
 
 def test_setup_commands_are_the_ones_ci_runs():
