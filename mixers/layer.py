@@ -129,9 +129,11 @@ class MixerLayer(nn.Module):
         call over N * B rows; equals running each copy's `forward` on its own x."""
         N, B, T, _ = x.shape
         qkv = stacked_linear(x, params["qkv.weight"], params.get("qkv.bias"))
-        # convolution, split and q/k norm in one fused op (its PyTorch form under compile)
+        # convolution, split and q/k norm in one op; its Triton path stays opt-in (impl=)
+        # until it replays inside a captured CUDA graph, as the stacked steps are run
         q, k, v = conv_split_norm(qkv, params.get("conv.conv.weight"), self.split,
-                                  self.n_heads, self.key_dim, self.head_dim, self.qk_norm)
+                                  self.n_heads, self.key_dim, self.head_dim, self.qk_norm,
+                                  impl="torch")
         if self.traceable_op:
             o, _ = self.op(q, k, v, **self.op_kwargs())
         else:

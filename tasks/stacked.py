@@ -349,6 +349,8 @@ class FlatAdamW:
         """One update with learning rates `lr` `[N]` (a tensor on the parameters' device)."""
         beta1, beta2 = self.betas
         self.steps.add_(1)
-        # one pass over the rows on CUDA; elsewhere the same ops as torch.optim.AdamW's
+        # the same ops as torch.optim.AdamW's; the one-pass Triton path stays opt-in (impl=)
+        # until it replays inside a captured CUDA graph, as the stacked steps are run
         adamw_step_(self.model.flat, self.model.grad, self.exp_avg, self.exp_avg_sq, lr,
-                    self.weight_decay, self.steps, beta1=beta1, beta2=beta2, eps=self.eps)
+                    self.weight_decay, self.steps, beta1=beta1, beta2=beta2, eps=self.eps,
+                    impl="torch")

@@ -514,7 +514,7 @@ class _GroupTrainer:
         template = None
         if compile:
             _compile_settings(first.n_layers)
-            template = template_for(first.as_dict(), models[0].to(self.device))
+            template = template_for(first.as_dict(), models[0])  # moved with the stack
         self.model = StackedLM(models, template=template).to(self.device)
         self.optimizer = FlatAdamW(self.model, weight_decay=[spec.weight_decay for spec in specs])
         factors = torch.tensor(lr_factors(first.schedule, first.epochs, self.steps_per_epoch,
