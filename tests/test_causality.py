@@ -217,8 +217,12 @@ def _grid(cases, fast):
 
 
 def _forward_fast(name, value, which):
-    """The PyTorch forms in full; each interpreted form once, NaN in v."""
-    return name not in INTERPRETED or (value, which) == ("nan", 2)
+    """Each PyTorch form with NaN in q and inf in v (NaN in v without an inf case), each
+    interpreted form once, NaN in v."""
+    if name in INTERPRETED:
+        return (value, which) == ("nan", 2)
+    return (value, which) in (("nan", 0), ("inf", 2)) or (
+        (value, which) == ("nan", 2) and (name, "inf") not in FORWARD_CASES)
 
 
 @_grid(FORWARD_CASES, _forward_fast)
@@ -248,8 +252,8 @@ BACKWARD_CASES = [(name, value) for name in FORMS
                   or (name not in TRITON_FORMS and name not in CHAIN_FORMS)]
 
 
-# The backward cases of the fast suite: NaN in one input for each of the three slowest
-# PyTorch forms (scans of d^2 and d^3 states), every case of the other PyTorch forms, and the
+# The backward cases of the fast suite: NaN in q for each of the three slowest PyTorch forms
+# (scans of d^2 and d^3 states), NaN in k and inf in v for the other PyTorch forms, and the
 # interpreted kernels in one form of hla2's kernels and one of the chain.
 SLOW_SCANS = ("hla2-scan", "hla3-scan", "hla3-paper-scan")
 INTERPRETED_FAST = (("hla2-triton", "nan", 1), ("linear-attn-triton-elu1-normalize", "nan", 2))
@@ -258,7 +262,9 @@ INTERPRETED_FAST = (("hla2-triton", "nan", 1), ("linear-attn-triton-elu1-normali
 def _backward_fast(name, value, which):
     if name in INTERPRETED:
         return (name, value, which) in INTERPRETED_FAST
-    return name not in SLOW_SCANS or (value, which) == ("nan", 0)
+    if name in SLOW_SCANS:
+        return (value, which) == ("nan", 0)
+    return (value, which) in (("nan", 1), ("inf", 2))
 
 
 @_grid(BACKWARD_CASES, _backward_fast)

@@ -124,7 +124,7 @@ def test_one_chunk_without_start_or_final_state(name, normalize):
         assert relative_error(got, want) < 1e-12
 
 
-@pytest.mark.parametrize("name", OPS)
+@parametrize("name", OPS, fast=[2, 3])
 @parametrize("normalize", [False, True], fast=[1])
 def test_decode_steps_continue_the_forward(name, normalize):
     op, _, step, options = OPS[name]

@@ -216,7 +216,7 @@ def _with_state(impl, opts, shapes_from):
 
 
 @pytest.mark.parametrize("opts", GRAD_OPTIONS)
-@pytest.mark.parametrize("impl", ["chunk", "parallel", "serial"])
+@parametrize("impl", ["chunk", "parallel", "serial"], fast=[0])
 def test_gradcheck(opts, impl):
     q, k, v = (x[:1, :5, :, :3].clone() for x in make_inputs(5, seed=2))
     v = v[..., :2].clone()

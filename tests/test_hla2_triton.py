@@ -749,8 +749,8 @@ def test_unsupported_reasons():
         hla2(q, k, v, ridge=0.1, decay=g, decay_form="paper", impl="triton")
 
 
-@pytest.mark.parametrize("normalize, decay", [(False, None), (True, None),
-                                              (False, "per-head"), (True, "per-head")])
+@parametrize("normalize, decay", [(False, None), (True, None),
+                                  (False, "per-head"), (True, "per-head")], fast=[0, 3])
 def test_decode_step_matches_reference(normalize, decay):
     B, T, H, D, Dv = 2, 9, 2, 16, 64
     q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=9))
@@ -867,11 +867,11 @@ def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=
 # its fp32 gradients lose digits in any form: on (37, 64, ...) below the PyTorch chunk and
 # serial forms are off by up to 2.7e-4 against float64, and so may the Triton form be
 # natively (it sums in another order than the interpreter). That row gets 5e-4.
-@pytest.mark.parametrize("T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol", [
+@parametrize("T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol", [
     (45, 16, 16, 32, (0.9, 1.0), False, True, None),   # per-head decay including 1, partial chunk
     (37, 64, 16, 16, (0.8, 0.95), True, True, 5e-4),   # normalize (m, h), chunk capped
     (20, 16, 32, 16, (0.6, 0.9), False, False, None),
-    (2, 16, 16, 16, (0.5, 0.9), True, False, None)])
+    (2, 16, 16, 16, (0.5, 0.9), True, False, None)], fast=[0, 3])
 def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol):
     q, k, v = make_inputs(1, T, 2, D, Dv, torch.float32, seed=22)
     if normalize:  # nonnegative features keep the denominator away from zero

@@ -21,6 +21,7 @@ def invoke(*args):
                               env={"COLUMNS": "160"})
 
 
+@pytest.mark.slow  # fast: every form against its sums in its own module
 def test_default_run_agrees_and_prints_both_tables():
     result = invoke()
     assert result.exit_code == 0, result.output
