@@ -55,6 +55,7 @@ def test_bench_writes_results_and_tables(runner, fake_mixers, tmp_path):
     assert data["environment"]["wall_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_point_timeout_recorded_in_results_and_table(runner, fake_mixers, tmp_path):
     out = tmp_path / "r.yaml"
     result = runner.invoke(main, ["bench", "--mixers", "fake-slow,fake-fast", "--seq-lens", "16",
@@ -123,6 +124,7 @@ def test_bench_usage_errors_exit_2_without_traceback(runner, fake_mixers, tmp_pa
     assert not (tmp_path / "r.yaml").exists()
 
 
+@pytest.mark.slow
 def test_run_config_with_two_sweeps(runner, fake_mixers, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump({
@@ -162,6 +164,7 @@ def test_run_selected_sweeps(runner, fake_mixers, tmp_path):
     assert result.exit_code == 2 and "--sweep 'd32' is not a sweep of two.yaml (d8, d16)" in result.output
 
 
+@pytest.mark.slow
 def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp_path,
                                                         monkeypatch):
     """A sweep cut short is continued from its results file: kept points are not measured
@@ -191,6 +194,7 @@ def test_resume_keeps_measured_points_and_reruns_errors(runner, fake_mixers, tmp
 
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_measured_points_says_how_to_resume_and_exits_130(
         runner, fake_mixers, tmp_path, monkeypatch):
     out = tmp_path / "out.yaml"

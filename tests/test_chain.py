@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from grids import parametrize
 from mixers.hla.chain import backward, forward, plan_chain
 from mixers.reference import relative_error
 
@@ -41,9 +42,9 @@ OPTIONS = ("two-blocks", "decay", "ones-column", "start", "walked", "scores-once
            "fused-backward")
 
 
-@pytest.mark.parametrize("two_blocks, with_decay, ones, start, walked, scores_once, fused",
-                         LINK_CASES, ids=["-".join(name for name, on in zip(OPTIONS, case) if on)
-                                          or "plain" for case in LINK_CASES])
+@parametrize("two_blocks, with_decay, ones, start, walked, scores_once, fused", LINK_CASES,
+             ids=["-".join(name for name, on in zip(OPTIONS, case) if on) or "plain"
+                  for case in LINK_CASES], fast=[3])
 def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, start, walked,
                                               scores_once, fused):
     T, D, Dv = (21, 80, 70) if two_blocks else (37, 24, 40)
@@ -77,6 +78,7 @@ def test_a_link_equals_its_token_by_token_sum(two_blocks, with_decay, ones, star
         assert relative_error(got, want) < 1e-12, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("walked, scores_once, fused", [(False, False, False),
                                                         (True, True, True)])
 def test_bf16_operands_round_every_product_and_stay_within_bf16_of_the_sum(walked,
@@ -126,8 +128,9 @@ def test_plans():
     assert plan_chain(24, 21, torch.bfloat16, chunk_size=128).chunk == 64
 
 
-@pytest.mark.parametrize("feature_map, normalize", [
-    ("identity", False), ("identity", True), ("elu1", True), ("relu", False), ("taylor", True)])
+@parametrize("feature_map, normalize", [
+    ("identity", False), ("identity", True), ("elu1", True), ("relu", False), ("taylor", True)],
+    fast=[1])
 def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, normalize):
     """linear_attn(impl="triton"): the link on phi's features (the denominator as a column of
     ones), from a start state, against the token-by-token form; gradients against the
@@ -159,6 +162,7 @@ def test_linear_attention_through_the_link_equals_its_recurrence(feature_map, no
         assert relative_error(got, want_grad) < 1e-12
 
 
+@pytest.mark.slow
 def test_the_link_takes_16_bit_inputs_as_they_are(monkeypatch):
     """linear_attn(impl="triton") in bf16 hands q, k, v to the link without a float32 copy,
     and the link's kernel writes the outputs in bf16 (no float32 buffer to cast): outputs

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from grids import parametrize
 from hla_bench import compare, report, results
 from test_report import _data, _point
 
@@ -99,11 +100,11 @@ def test_a_drift_below_the_smallest_change_is_not_significant():
     assert _rows(compare.compare(*slowed))["a", 1024]["significant"]
 
 
-@pytest.mark.parametrize("folder, names, control, least", [
+@parametrize("folder, names, control, least", [
     ("h200-2026-12-04", ("h200-a.yaml", "h200-b.yaml"), "fla-linear-attn", 30),
     ("h100-2026-12-05", ("h200-b.yaml", "h200-c.yaml"), "fla-linear-attn", 180),
     ("h100-2026-12-05", ("h200-b.yaml", "h200-c.yaml"), None, 280),
-])
+], fast=[0])
 def test_the_committed_runs_of_one_sweep_twice_differ_in_no_point(folder, names, control, least):
     """The noise floor docs/comparing.md quotes: the same sweep run twice on one machine,
     compared with and without its control, has no significant change at the default
@@ -116,6 +117,7 @@ def test_the_committed_runs_of_one_sweep_twice_differ_in_no_point(folder, names,
     assert sorted(abs(row["ratio"] - 1) for row in tested)[len(tested) // 2] < 0.005
 
 
+@pytest.mark.slow
 def test_runs_of_one_config_on_two_machines_differ_significantly():
     """The same config on two machines of one kind (docs/comparing.md): the test finds
     changes beyond the 2% default that the same-machine pair does not have."""

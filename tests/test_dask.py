@@ -29,6 +29,7 @@ def scores(path):
             for r in yaml.safe_load(Path(path).read_text())["runs"]}
 
 
+@pytest.mark.slow
 def test_a_dask_sweep_gives_the_local_executors_results(tmp_path):
     local = CliRunner().invoke(main, SWEEP + ["--out", str(tmp_path / "local.yaml")])
     assert local.exit_code == 0, local.output
@@ -41,6 +42,7 @@ def test_a_dask_sweep_gives_the_local_executors_results(tmp_path):
     assert data["executor"]["executor"] == "dask" and data["executor"]["workers"] == 2
 
 
+@pytest.mark.slow
 def test_a_stopped_dask_sweep_resumes(tmp_path):
     out = str(tmp_path / "r.yaml")
     stopped = CliRunner().invoke(main, SWEEP + ["--executor", "dask", "--out", out,
@@ -87,6 +89,7 @@ def run_stand_in_groups(tmp_path, task, count: int, after=lambda client: None):
     return complete, {r["run_id"]: r for r in finished}, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task,status", [(dies_once, "ok"), (always_dies, "crashed")])
 def test_a_task_whose_worker_dies_runs_once_more_then_is_recorded(tmp_path, task, status):
     complete, by_id, _ = run_stand_in_groups(tmp_path, task, 3)
@@ -110,6 +113,7 @@ def faults_on_group_0(group, options):
     return [{**spec, "status": "ok", "pid": os.getpid()} for spec in group]
 
 
+@pytest.mark.slow
 def test_the_worker_that_returns_a_cuda_fault_is_restarted(tmp_path):
     complete, by_id, alive = run_stand_in_groups(
         tmp_path, faults_on_group_0, 4, after=lambda client: set(client.run(os.getpid).values()))
@@ -189,6 +193,7 @@ def points(path):
     return {point_key(p): p for p in yaml.safe_load(Path(path).read_text())["points"]}
 
 
+@pytest.mark.slow
 def test_a_dask_bench_sweep_measures_the_local_plan_and_resumes(tmp_path):
     local = CliRunner().invoke(main, BENCH + ["--out", str(tmp_path / "local.yaml")])
     assert local.exit_code == 0, local.output

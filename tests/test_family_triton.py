@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from grids import parametrize
 from hla_inputs import random_qkv
 from mixers.hla.ahla2 import ahla2, ahla2_naive, ahla2_step
 from mixers.hla.ahla2.triton import plan_launch, unsupported_reason
@@ -32,9 +33,17 @@ def inputs(T, D, Dv, dtype=torch.float64, positive=False, seed=0, B=2):
     return random_qkv(B, T, H, D, Dv, dtype=dtype, seed=seed, positive=positive, scale_qk=True)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d-D%d-Dv%d" % s)
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("normalize", [False, True])
+FORWARD_CASES = [(normalize, name, shape) for shape in SHAPES for name in OPS
+                 for normalize in (False, True)]
+# the fast suite: each op once, at the shapes of the other tests' cases
+FORWARD_FAST = {(False, "ahla2", SHAPES[0]), (True, "ahla2-decay-per-head", SHAPES[2]),
+                (True, "hla3", SHAPES[0])}
+
+
+@parametrize("normalize, name, shape", FORWARD_CASES,
+             ids=["%s-%s-T%d-D%d-Dv%d" % (normalize, name, *shape)
+                  for normalize, name, shape in FORWARD_CASES],
+             fast=lambda case: case in FORWARD_FAST)
 def test_forward_and_final_state_match_the_explicit_sum(shape, name, normalize):
     op, naive, _, options = OPS[name]
     q, k, v = inputs(*shape, positive=normalize)
@@ -49,7 +58,7 @@ def test_forward_and_final_state_match_the_explicit_sum(shape, name, normalize):
         assert relative_error(state[key], ref_state[key]) < 1e-10, key
 
 
-@pytest.mark.parametrize("name", OPS)
+@parametrize("name", OPS, fast=[1])
 def test_two_calls_chained_by_the_state_equal_one(name):
     op, _, _, options = OPS[name]
     q, k, v = inputs(40, 24, 20, positive=True)
@@ -62,10 +71,10 @@ def test_two_calls_chained_by_the_state_equal_one(name):
         assert relative_error(end[key], whole_state[key]) < 1e-10, key
 
 
-@pytest.mark.parametrize("name, D, normalize, fused", [(name, 20, normalize, False)
+@parametrize("name, D, normalize, fused", [(name, 20, normalize, False)
                                                         for name in OPS
                                                         for normalize in (False, True)]
-                         + [("hla3", 80, True, False), ("hla3", 80, False, True)])
+                         + [("hla3", 80, True, False), ("hla3", 80, False, True)], fast=[2])
 def test_gradients_match_the_chunk_form(name, D, normalize, fused, monkeypatch):
     """Through the backward kernels, at a key dim of one block (20) and of two (hla3 at 80);
     `fused`: dq, dk and dv in one launch (grad_fused.py), where hla3's first link adds its
@@ -115,8 +124,8 @@ def test_one_chunk_without_start_or_final_state(name, normalize):
         assert relative_error(got, want) < 1e-12
 
 
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("normalize", [False, True])
+@parametrize("name", OPS, fast=[2, 3])
+@parametrize("normalize", [False, True], fast=[1])
 def test_decode_steps_continue_the_forward(name, normalize):
     op, _, step, options = OPS[name]
     q, k, v = inputs(12, 24, 40, positive=normalize)
@@ -134,7 +143,7 @@ def test_decode_steps_continue_the_forward(name, normalize):
             assert relative_error(state[key], torch_state[key]) < 1e-10, key
 
 
-@pytest.mark.parametrize("name", ["ahla2-decay", "hla3"])
+@parametrize("name", ["ahla2-decay", "hla3"], fast=[0])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_low_precision_against_float64_on_the_same_rounded_inputs(name, dtype, tolerance):
     op, naive, _, options = OPS[name]
@@ -163,7 +172,7 @@ def test_unnormalized_16_bit_outputs_come_from_the_last_link_as_they_are(name, m
 
 
 
-@pytest.mark.parametrize("D, Dv", [(80, 24), (192, 8), (300, 130)])
+@parametrize("D, Dv", [(80, 24), (192, 8), (300, 130)], fast=[0, 1])
 def test_hla3_decode_step_at_large_and_odd_head_dims(D, Dv):
     """Key dims over several row blocks of 64 with a partial last one, and (Dv 130 plus the
     ones column) two value blocks, whose programs all read S^K and one writes it."""

@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from hla_bench import results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +89,7 @@ def snapshot(path):
     return points
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_leaves_a_valid_resumable_file(tmp_path):
     rng = random.Random(20)
     started = time.monotonic()
@@ -125,6 +128,7 @@ def test_sigkill_at_random_moments_leaves_a_valid_resumable_file(tmp_path):
     assert kills >= 4
 
 
+@pytest.mark.slow
 def test_two_writers_of_one_file_never_lose_a_point(tmp_path):
     """The first writer is held inside its sweep until the others have tried."""
     out = tmp_path / "r.yaml"

@@ -42,6 +42,7 @@ def test_the_script_parses_and_refuses_an_unknown_stage(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted({m for line in commands()
                                          for m in re.findall(r"benchmarks/(\w+)\.py", line)}))
 def test_every_benchmark_option_it_passes_exists(name):
@@ -67,6 +68,7 @@ def test_every_hla_bench_command_option_and_config_it_names_exists():
     assert {"gpu-mixers", "zoology-fig2", "mad"} <= named <= set(configs.names())
 
 
+@pytest.mark.slow
 def test_layer_parts_runs_on_the_cpu(tmp_path):
     """benchmarks/layer_parts.py on a tiny CPU shape: a row for every part the mixer's layer
     has, its operator and the three ways of the short convolution."""

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from grids import pairs, parametrize
 from hla_inputs import random_qkv
 from mixers.hla import hla2, hla2_step
 from mixers.hla.hla2 import hla2_flops, hla2_naive, hla2_naive_final_state, hla2_state_bytes
@@ -45,7 +46,7 @@ OPTIONS = list(itertools.product([True, False], [False, True], [0.0, 0.3], [None
                                  ["masked", "paper"], [H, 1]))
 
 
-@pytest.mark.parametrize("masked,normalize,ridge,decay,decay_form,kv_heads", OPTIONS)
+@parametrize("masked,normalize,ridge,decay,decay_form,kv_heads", OPTIONS, fast=pairs(OPTIONS))
 def test_every_impl_matches_explicit_sums(masked, normalize, ridge, decay, decay_form, kv_heads):
     q, k, v = make_inputs(13, kv_heads=kv_heads)
     opts = dict(masked=masked, normalize=normalize, ridge=ridge,
@@ -76,7 +77,7 @@ def test_explicit_sums_match_the_matrix_form_of_the_masked_decay():
     assert torch.allclose(hla2_naive(q, k, v, decay=g), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("masked,normalize,ridge,decay,decay_form,kv_heads", OPTIONS)
+@parametrize("masked,normalize,ridge,decay,decay_form,kv_heads", OPTIONS, fast=pairs(OPTIONS))
 def test_explicit_sums_continue_from_an_initial_state(masked, normalize, ridge, decay,
                                                       decay_form, kv_heads):
     """From a state (a prefix's, perturbed: any state, not only a reachable one), the
@@ -215,7 +216,7 @@ def _with_state(impl, opts, shapes_from):
 
 
 @pytest.mark.parametrize("opts", GRAD_OPTIONS)
-@pytest.mark.parametrize("impl", ["chunk", "parallel", "serial"])
+@parametrize("impl", ["chunk", "parallel", "serial"], fast=[0])
 def test_gradcheck(opts, impl):
     q, k, v = (x[:1, :5, :, :3].clone() for x in make_inputs(5, seed=2))
     v = v[..., :2].clone()

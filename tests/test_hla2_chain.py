@@ -6,6 +6,7 @@ gradients against the float64 chunk form, and which path impl="triton" takes."""
 import pytest
 import torch
 
+from grids import parametrize
 from mixers.dispatch import noting
 from mixers.hla.hla2 import hla2, hla2_naive, hla2_naive_final_state
 from mixers.reference import relative_error
@@ -26,9 +27,9 @@ def inputs(T, D, Dv, positive, seed=0, dtype=torch.float64):
 # T = 37 at chunks of 16: 3 chunks, walked; T = 70: 5 chunks, increments + scan; T = 13:
 # one chunk, without a start state and (test below) a final state, no state at all (two key
 # blocks: tests/test_chain.py and the hla3 and ahla2 tests, whose links these are)
-@pytest.mark.parametrize("T, D, decay, normalize, start", [
+@parametrize("T, D, decay, normalize, start", [
     (37, 24, False, False, False), (70, 40, True, True, True), (13, 24, True, True, False),
-    (13, 24, False, False, True)])
+    (13, 24, False, False, True)], fast=[2, 3])
 def test_the_chain_equals_the_explicit_sums(T, D, decay, normalize, start):
     q, k, v = inputs(T, D, 20, positive=normalize)
     g = DECAY if decay else None
@@ -51,6 +52,7 @@ def test_the_chain_equals_the_explicit_sums(T, D, decay, normalize, start):
     assert none is None and torch.equal(o_only, o)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T, states", [(41, True), (13, False)], ids=["states", "one-chunk"])
 def test_the_chain_gradients_equal_the_chunk_form(T, states):
     """With a start state and the final state's gradient, and (one chunk) with neither."""
@@ -76,6 +78,7 @@ def test_the_chain_gradients_equal_the_chunk_form(T, states):
         assert relative_error(got, want) < 1e-12
 
 
+@pytest.mark.slow
 def test_impl_triton_takes_the_fused_kernels_where_they_run_and_the_chain_elsewhere():
     q, k, v = inputs(20, 24, 16, positive=False, dtype=torch.float32)
     with noting() as notes:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from triton.runtime import Autotuner
 
+from grids import parametrize
 from hla2_plans import chunk_128_paths, num_chunks, split_output_rows, two_level_scans
 from mixers.hla.hla2 import hla2, hla2_step
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
@@ -168,7 +169,8 @@ def launched(launches, name):
     return [(grid, kwargs) for kernel, grid, kwargs in launches if kernel == name]
 
 
-@pytest.mark.parametrize("T, chunk_size, D, Dv", [(37, 16, 16, 32), (100, 32, 32, 16), (32, 16, 16, 16), (1, 16, 16, 16)])
+@parametrize("T, chunk_size, D, Dv",
+             [(37, 16, 16, 32), (100, 32, 32, 16), (32, 16, 16, 16), (1, 16, 16, 16)], fast=[0])
 def test_matches_reference_fp32(T, chunk_size, D, Dv):
     q, k, v = make_inputs(2, T, 2, D, Dv, torch.float32)
     check_against_reference(q, k, v, chunk_size=chunk_size)
@@ -184,8 +186,8 @@ def random_state(B, H, D, Dv, normalize=False, seed=3):
     return {key: x.to(DEVICE).requires_grad_() for key, x in state.items()}
 
 
-@pytest.mark.parametrize("normalize, parts", [(False, ("qk", "v")), (True, ("qk", "v")),
-                                              (True, ("q", "k", "v"))])
+@parametrize("normalize, parts", [(False, ("qk", "v")), (True, ("qk", "v")),
+                                  (True, ("q", "k", "v"))], fast=[1])
 def test_split_gradient_launches(launches, normalize, parts):
     """Large head dims compute dq, dk and dv in several launches; force that path here."""
     q, k, v = make_inputs(1, 40, 2, 16, 32, torch.float32, seed=18)
@@ -223,6 +225,7 @@ def test_in_place_scans_read_before_they_write():
         assert all(torch.equal(a, b) for a, b in zip(run(), first))
 
 
+@pytest.mark.slow
 def test_backward_twice_with_retained_graph():
     """The backward reads the chunk states the forward kept and must not overwrite them: a
     second backward through the same graph gives the same gradients."""
@@ -235,6 +238,7 @@ def test_backward_twice_with_retained_graph():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T, normalize, decay", [(45, False, None), (77, True, (0.9, 0.7))])
 def test_two_level_scans(launches, T, normalize, decay):
     """Long sequences scan in segments of chunks; force 2-chunk segments here (the last
@@ -251,6 +255,7 @@ def test_two_level_scans(launches, T, normalize, decay):
             (n_seg, True), (1, False), (n_seg, False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalize, decay", [(False, None), (True, (0.9, 0.7))])
 def test_wide_scan_rows(launches, normalize, decay):
     """Scans with programs to spare take wider row blocks (state scan 32 rows, gradient scan
@@ -268,6 +273,7 @@ def test_wide_scan_rows(launches, normalize, decay):
             + launched(launches, "grad_scan_kernel")] == [(2, 32), (1, 64)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalize, decay", [(False, None), (True, [0.9, 0.75])])
 def test_increments_and_grad_terms_in_row_blocks(launches, normalize, decay):
     """The increments and gradient-terms kernels split the state rows over programs (each
@@ -284,6 +290,7 @@ def test_increments_and_grad_terms_in_row_blocks(launches, normalize, decay):
         assert (grid[0], kw["BR"]) == (4, 16), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T, normalize, decay", [(45, False, None), (40, True, [0.9, 0.6]),
                                                  (77, True, [0.95, 0.7]), (77, False, None)])
 def test_output_rows_split(launches, T, normalize, decay):
@@ -300,6 +307,7 @@ def test_output_rows_split(launches, T, normalize, decay):
     assert (grid[1], kw["BT"]) == (2 * -(-T // 32), 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T, normalize, decay, segments", [
     (77, False, None, False), (77, True, [0.9, 0.6], False), (100, True, [0.95, 0.7], True),
     (70, False, None, True)])
@@ -333,6 +341,7 @@ def test_chunk_128_paths_without_backward(monkeypatch, launches, T, normalize, d
         [False, True, False] if segments else [False])  # the summaries' chain runs in place
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalize, decay", [(False, None), (True, [0.9, 0.75])])
 def test_chunk_128_paths_with_backward(launches, normalize, decay):
     """With a backward pass the states overwrite the increments; the increments in halves and
@@ -740,8 +749,8 @@ def test_unsupported_reasons():
         hla2(q, k, v, ridge=0.1, decay=g, decay_form="paper", impl="triton")
 
 
-@pytest.mark.parametrize("normalize, decay", [(False, None), (True, None),
-                                              (False, "per-head"), (True, "per-head")])
+@parametrize("normalize, decay", [(False, None), (True, None),
+                                  (False, "per-head"), (True, "per-head")], fast=[0, 3])
 def test_decode_step_matches_reference(normalize, decay):
     B, T, H, D, Dv = 2, 9, 2, 16, 64
     q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=9))
@@ -765,6 +774,7 @@ def test_decode_step_matches_reference(normalize, decay):
         assert frobenius_error(state[key], ref_state[key]) < 1e-4, key
 
 
+@pytest.mark.slow
 def test_decode_step_continues_the_chunked_op():
     q, k, v = (x.detach() for x in make_inputs(1, 33, 2, 32, 32, torch.float32, seed=10))
     kw = dict(normalize=False, eps=1e-6, decay=None, decay_form="masked")
@@ -776,8 +786,9 @@ def test_decode_step_continues_the_chunked_op():
     assert frobenius_error(o_last, full[:, 32]) < 1e-4
 
 
-@pytest.mark.parametrize("decay, normalize, with_state", [
-    ((0.9, 0.6), False, False), ((0.95, 0.05), False, True), ((0.8, 1.0), True, True)])
+@parametrize("decay, normalize, with_state", [
+    ((0.9, 0.6), False, False), ((0.95, 0.05), False, True), ((0.8, 1.0), True, True)],
+    fast=[0])
 def test_masked_decay_matches_reference(decay, normalize, with_state):
     q, k, v = make_inputs(1, 45, 2, 16, 32, torch.float32, seed=11)
     state = random_state(1, 2, 16, 32, normalize) if with_state else None
@@ -785,6 +796,7 @@ def test_masked_decay_matches_reference(decay, normalize, with_state):
                             decay=torch.tensor(decay, device=DEVICE), initial_state=state)
 
 
+@pytest.mark.slow
 def test_multi_query_shares_k_v_and_S():
     B, T, H, D, Dv = 1, 40, 3, 16, 16
     q, _, _ = make_inputs(B, T, H, D, Dv, torch.float32, seed=12)
@@ -855,11 +867,11 @@ def check_paper(q, k, v, *, decay, chunk_size=16, initial_state=None, normalize=
 # its fp32 gradients lose digits in any form: on (37, 64, ...) below the PyTorch chunk and
 # serial forms are off by up to 2.7e-4 against float64, and so may the Triton form be
 # natively (it sums in another order than the interpreter). That row gets 5e-4.
-@pytest.mark.parametrize("T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol", [
+@parametrize("T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol", [
     (45, 16, 16, 32, (0.9, 1.0), False, True, None),   # per-head decay including 1, partial chunk
     (37, 64, 16, 16, (0.8, 0.95), True, True, 5e-4),   # normalize (m, h), chunk capped
     (20, 16, 32, 16, (0.6, 0.9), False, False, None),
-    (2, 16, 16, 16, (0.5, 0.9), True, False, None)])
+    (2, 16, 16, 16, (0.5, 0.9), True, False, None)], fast=[0, 3])
 def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_state, grad_tol):
     q, k, v = make_inputs(1, T, 2, D, Dv, torch.float32, seed=22)
     if normalize:  # nonnegative features keep the denominator away from zero
@@ -870,6 +882,7 @@ def test_paper_matches_reference(T, chunk_size, D, Dv, decay, normalize, with_st
                 initial_state=state, normalize=normalize, grad_tol=grad_tol)
 
 
+@pytest.mark.slow
 def test_paper_value_slices(launches):
     """Programs split the value columns (backward sums their dq, dk, dS0 parts); force 4
     slices of 16."""
@@ -882,6 +895,7 @@ def test_paper_value_slices(launches):
         ("paper_backward_kernel", (4, 2), 16)]  # forward; backward: the walk again, reversed
 
 
+@pytest.mark.slow
 def test_paper_head_dim_64():
     """Head dim 64, the largest the paper kernels take (their plain fp32 products: Triton
     3.6's 3xTF32 builds make illegal memory accesses there)."""
@@ -903,6 +917,7 @@ def test_paper_head_dim_128_is_refused_with_its_reason():
     assert torch.equal(o, want)
 
 
+@pytest.mark.slow
 def test_paper_half_precision():
     q, k, v = make_inputs(1, 40, 2, 16, 16, HALF, seed=23)
     check_paper(q, k, v, decay=torch.tensor([0.9, 0.8], device=DEVICE))
@@ -923,6 +938,7 @@ def test_paper_initial_state_continues_the_sequence():
         assert frobenius_error(last[key], full_state[key]) < 1e-4, key
 
 
+@pytest.mark.slow
 def test_paper_multi_query():
     B, T, H, D, Dv = 1, 40, 3, 16, 16
     q, _, _ = make_inputs(B, T, H, D, Dv, torch.float32, seed=25)
@@ -953,7 +969,7 @@ def test_paper_dispatch_runs_triton(launches):
     assert frobenius_error(o, ref_o) < 1e-4
 
 
-@pytest.mark.parametrize("normalize, shared_kv", [(False, False), (True, False), (False, True)])
+@parametrize("normalize, shared_kv", [(False, False), (True, False), (False, True)], fast=[0])
 def test_paper_decode_step(normalize, shared_kv):
     B, T, H, D, Dv = 2, 5, 2, 32, 16
     q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=29))
@@ -1075,6 +1091,7 @@ def bf16_dots(monkeypatch):
     monkeypatch.setattr(builder, "create_dot", create_dot)
 
 
+@pytest.mark.slow
 def test_bf16_normalize_max_abs_error(bf16_dots):
     """bf16 with normalize over 1,100 tokens (18 chunks of 64, bf16 chunk buffers): the
     max-abs error against float64 on the same rounded inputs stays within 1e-2 (verify's
@@ -1096,6 +1113,7 @@ def test_bf16_normalize_max_abs_error(bf16_dots):
 # dims and two heads, so a load past a row's end would read the next head's or token's
 # entries and a store there would overwrite them: unmasked padding changes the results.
 
+@pytest.mark.slow
 @pytest.mark.parametrize("D, Dv, T, chunk_size, normalize, decay, with_state", [
     (24, 40, 37, 16, False, (0.9, 0.75), True),
     (48, 16, 50, 32, True, None, True),
@@ -1113,6 +1131,7 @@ def test_odd_head_dims_match_reference(D, Dv, T, chunk_size, normalize, decay, w
                             decay=g, initial_state=state)
 
 
+@pytest.mark.slow
 def test_head_dim_above_128_matches_reference(bf16_dots):
     """D = 136 is held in a block of 256: the plan's tiles for blocks above 128 (chunks of at
     most 32, 32-row increments and gradient terms, 16-row scans), with normalize, decay and
@@ -1129,6 +1148,7 @@ def test_head_dim_above_128_matches_reference(bf16_dots):
                             initial_state=random_state(1, 2, 136, 24, True, seed=43))
 
 
+@pytest.mark.slow
 def test_scans_split_columns(launches):
     """At head dims whose X tile would exceed 128 x 128 entries (D = Dv = 256, say) the state
     scan splits A's value columns and the gradient scan gS's key columns over programs, the
@@ -1160,9 +1180,9 @@ def test_scans_split_columns(launches):
             split(plan_call(q, k, v, chunk_size=16)), states_out_of_place=False))
 
 
-@pytest.mark.parametrize("D, Dv, normalize, decay, shared_kv", [
+@parametrize("D, Dv, normalize, decay, shared_kv", [
     (24, 40, True, (0.9, 0.75), False), (40, 24, False, (0.8, 0.8), True),
-    (200, 72, False, None, False)])
+    (200, 72, False, None, False)], fast=[0, 1])
 def test_odd_head_dims_decode_step(D, Dv, normalize, decay, shared_kv):
     B, T, H = 2, 2, 2
     q, k, v = (x.detach() for x in make_inputs(B, T, H, D, Dv, torch.float32, seed=46))
@@ -1212,6 +1232,7 @@ def test_odd_head_dims_continue_and_multi_query():
         assert frobenius_error(last[key], full_state[key]) < 1e-4, key
 
 
+@pytest.mark.slow
 def test_paper_odd_head_dims():
     """The paper decay form at D = 40 (a block of 64), Dv = 24, with an initial state,
     against float64 (outputs, states, gradients), and its decode step with normalize."""

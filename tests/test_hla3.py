@@ -94,6 +94,7 @@ def test_step_from_empty_state_matches_first_output():
     assert set(state) == {"SK", "SQ", "P", "F"}
 
 
+@pytest.mark.slow
 def test_gradcheck_and_gradients_agree_between_forms():
     q, k, v = (x[:1, :5, :1, :2].clone().requires_grad_() for x in inputs(positive=True))
     for variant, impl in (("causal", "chunk"), ("causal", "parallel"), ("causal", "serial"),

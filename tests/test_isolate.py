@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from hla_bench import results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +55,7 @@ def bench(tmp_path, *extra):
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow
 def test_a_mixer_that_kills_its_process_costs_only_its_own_points(tmp_path):
     out = tmp_path / "r.yaml"
     done = bench(tmp_path, "--isolate", "--out", str(out))
@@ -75,6 +78,7 @@ def test_a_mixer_that_kills_its_process_costs_only_its_own_points(tmp_path):
     assert resumed["fake-crash", 32]["status"] == "error"
 
 
+@pytest.mark.slow
 def test_without_isolation_the_same_crash_ends_the_sweep(tmp_path):
     out = tmp_path / "r.yaml"
     done = bench(tmp_path, "--out", str(out))

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from grids import parametrize
 from mixers.short_conv import stacked_causal_conv
 from mixers.reference import relative_error
 from tasks.kernels.adamw import adamw_step_
@@ -97,7 +98,7 @@ def test_the_pytorch_path_is_todays_code_path(qk_norm, K):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("qk_norm", MODES)
+@parametrize("qk_norm", MODES, fast=[1])
 def test_the_pytorch_path_passes_gradcheck(qk_norm):
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 1, 5, C, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -114,8 +115,8 @@ TRITON_CASES = [("l2", 4, 1e-12), ("l2", None, 1e-12), ("l2", 2, 1.0), ("scale",
 
 
 @needs_triton
-@pytest.mark.parametrize("qk_norm, K, eps", TRITON_CASES,
-                         ids=[f"{m}-K{k}-eps{e:g}" for m, k, e in TRITON_CASES])
+@parametrize("qk_norm, K, eps", TRITON_CASES,
+             ids=[f"{m}-K{k}-eps{e:g}" for m, k, e in TRITON_CASES], fast=[1, 2, 4, 6])
 def test_the_triton_path_in_float64_equals_the_pytorch_path(qk_norm, K, eps):
     """Every operation of the kernels is float64 here, so outputs agree to 1e-14 and
     gradients to 1e-12 (max-norm relative): the backward's transposed convolution, its
@@ -138,7 +139,7 @@ def test_the_triton_path_in_float64_equals_the_pytorch_path(qk_norm, K, eps):
 
 
 @needs_triton
-@pytest.mark.parametrize("qk_norm", MODES)
+@parametrize("qk_norm", MODES, fast=[2])
 def test_the_triton_path_in_float32_equals_the_pytorch_path(qk_norm):
     """float32: the convolution and the scaling bit for bit (products and sums rounded as
     the PyTorch ops round them); "l2" within 3e-7 (an ulp or two: the sum of squares in
@@ -157,9 +158,9 @@ def test_the_triton_path_in_float32_equals_the_pytorch_path(qk_norm):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype, grad_tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)],
-                         ids=["bf16", "fp16"])
-@pytest.mark.parametrize("qk_norm", ["l2", "scale"])
+@parametrize("dtype, grad_tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)],
+             ids=["bf16", "fp16"], fast=[1])
+@parametrize("qk_norm", ["l2", "scale"], fast=[1])
 def test_the_triton_path_in_16_bits_rounds_as_the_pytorch_path(dtype, grad_tol, qk_norm):
     """16-bit qkv with float32 weights (autocast's case): outputs bit for bit where no norm
     is taken and within one ulp of the dtype where it is; gradients of qkv and of the
@@ -184,6 +185,7 @@ def test_the_triton_path_in_16_bits_rounds_as_the_pytorch_path(dtype, grad_tol, 
         assert relative_error(got, want) < grad_tol, name
 
 
+@pytest.mark.slow
 @needs_triton
 def test_the_triton_path_leaves_out_the_weight_gradient_it_is_not_asked_for():
     qkv, _, _ = inputs(K=None, device=DEVICE)

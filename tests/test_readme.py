@@ -5,6 +5,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from hla_bench.cli import main
@@ -30,6 +31,15 @@ def test_setup_commands_are_the_ones_ci_runs():
     assert tests in ci
 
 
+def test_ci_runs_the_slow_tests_after_the_fast_suite_and_readme_says_how_to_run_all():
+    """README's test command is the fast suite (tests/conftest.py deselects the tests marked
+    slow); .ci/run runs the slow ones after it, so CI runs every test."""
+    tests = _blocks("bash")[0].strip().splitlines()[1]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci.index(tests + " -m slow") > ci.index(tests)
+    assert f"`{tests} --full`" in README
+
+
 def test_the_operator_example_runs():
     example = next(block for block in _blocks("python") if "from mixers.hla import" in block)
     exec(compile(example, "README.md", "exec"), {})
@@ -40,6 +50,7 @@ def test_local_links_resolve():
     assert links and [link for link in links if not (ROOT / link).exists()] == []
 
 
+@pytest.mark.slow
 def test_results_sections_are_the_output_of_their_commands():
     sections = re.findall(r"```bash\n((?:hla-bench report [^\n]*\n)+)```\n\n<!-- output -->\n"
                           r"(.*?)<!-- end of output -->", README, re.S)

@@ -228,6 +228,7 @@ def test_in_context_hits_on_a_constructed_example():
     assert context.tolist() == [[9, 10]]
 
 
+@pytest.mark.slow
 def test_softmax_learns_tiny_mqar():
     torch.set_num_threads(2)
     result, = train_group([RunSpec(mixer="test-softmax", d_model=64, lr=3e-3, epochs=2,
@@ -245,6 +246,7 @@ def test_state_bytes_without_decoder_is_none():
     assert state_bytes("test-softmax", {}, 32, 1, 2, 8) == 2 * (2 * 8 * 32 * 4)
 
 
+@pytest.mark.slow
 def test_failing_group_is_recorded_and_the_sweep_goes_on():
     groups = [[tiny_spec(mixer="test-broken", run_id=0)], [tiny_spec(run_id=1)]]
     finished, events = [], []
@@ -258,6 +260,7 @@ def test_failing_group_is_recorded_and_the_sweep_goes_on():
     assert cells["test-broken"][32]["score"] is None and cells["test-softmax"][32]["score"] is not None
 
 
+@pytest.mark.slow
 def test_parallel_workers_report_failures():
     groups = [[tiny_spec(mixer="not-in-worker", run_id=i)] for i in range(2)]
     finished = []
@@ -267,6 +270,7 @@ def test_parallel_workers_report_failures():
     assert default_workers("cpu") >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [["small", "big", "small", "big", "small"],
                                    ["big", "small", "small", "big", "small"]])
 def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(
@@ -289,6 +293,7 @@ def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(
     assert retries and retries[-1] == 1
 
 
+@pytest.mark.slow
 def test_groups_after_one_that_needed_the_gpu_alone_run_side_by_side_again(monkeypatch,
                                                                           tmp_path):
     """The fewer-at-once limit lasts while the group that ran out of memory is unfinished:
@@ -314,6 +319,7 @@ def test_groups_after_one_that_needed_the_gpu_alone_run_side_by_side_again(monke
     assert limits[-2] == {"event": "retry", "at_once": 1}
 
 
+@pytest.mark.slow
 def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
     """run_group: out of memory with other groups running returns RETRY_WITH_FEWER and
     trains nothing more; alone, the group splits in halves down to single runs, which are
@@ -337,6 +343,7 @@ def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
     assert [r["run_id"] for r in results] == [0, 1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_group_out_of_memory_frees_its_model_before_anything_else_runs(monkeypatch, shared):
     """A group's trainer and its step refer to each other, so only the cycle collector frees
@@ -401,6 +408,7 @@ def test_a_shape_the_mixer_refuses_is_recorded_unsupported_and_kept_on_resume(mo
     assert kept_keys(records) == {run_key(records[0]), run_key(records[1])}
 
 
+@pytest.mark.slow
 def test_a_cuda_fault_reruns_its_group_alone_and_retires_the_worker_that_faulted(monkeypatch):
     """A group whose kernels fault beside others is queued again and runs alone; its fault,
     once alone, is recorded on its runs, and no group starts afterwards in the process that
@@ -551,6 +559,7 @@ def test_failed_runs_are_listed_once_per_cell_and_reason_with_their_learning_rat
         "oom: m d=128 lr=0.001 seed=0 [s]: CUDA out of memory. Tried to allocate 196.00 MiB."]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixer, d_model, seq_len, recorded", [
     ("hla2", 8, 16, {"impl": "parallel", "fallback": "not triton: no CUDA device"}),
     ("hla2", 8, 18, {"impl": "chunk", "fallback": "not triton: no CUDA device"}),
@@ -961,6 +970,7 @@ def test_recall_cli_writes_yaml_that_round_trips_into_the_report(tmp_path):
     assert f"| test-softmax | 32 | 4.0 KiB | {cell['score']['mean']:.3f}±" in markdown.output
 
 
+@pytest.mark.slow
 def test_resume_keeps_every_run_and_adds_only_the_missing(tmp_path):
     assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
     path = tmp_path / "recall.yaml"
@@ -981,6 +991,7 @@ def test_resume_keeps_every_run_and_adds_only_the_missing(tmp_path):
     assert len(yaml.safe_load(path.read_text())["runs"]) == 3
 
 
+@pytest.mark.slow
 def test_each_part_of_a_resumed_sweep_is_recorded_and_each_run_names_its_device(tmp_path):
     assert CliRunner().invoke(main, recall_args(tmp_path)).exit_code == 0
     path = tmp_path / "recall.yaml"
@@ -1050,6 +1061,7 @@ def test_existing_out_needs_resume_or_overwrite_and_protocols_must_match(tmp_pat
     assert bad.exit_code == 2 and "--resume needs --out" in bad.output
 
 
+@pytest.mark.slow
 def test_time_limit_checkpoints_and_resume_finishes(tmp_path):
     path = tmp_path / "recall.yaml"
     stopped = CliRunner().invoke(main, recall_args(tmp_path, "--time-limit", "0.001",
@@ -1065,6 +1077,7 @@ def test_time_limit_checkpoints_and_resume_finishes(tmp_path):
     assert not list((tmp_path / "recall.yaml.checkpoints").glob("*.pt"))
 
 
+@pytest.mark.slow
 def test_progress_into_a_pipe_is_whole_lines(tmp_path):
     """Not a terminal (CliRunner's output, a log file): no bars, and no line cut to the
     width, however narrow."""
@@ -1130,6 +1143,7 @@ def test_a_width_its_heads_do_not_divide_stops_the_sweep_before_any_run(tmp_path
         assert not (tmp_path / "o.yaml").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_path,
                                                                           monkeypatch):
     from hla_bench import recall as recall_command
@@ -1265,6 +1279,7 @@ def test_unavailable_mixer_is_recorded_not_run(tmp_path):
     assert "unavailable" in result.output
 
 
+@pytest.mark.slow
 def test_mad_config_smoke_on_the_cpu_through_the_cli(tmp_path):
     """The shipped mad config's protocol at tiny sizes: one task setting, two mixers (one with a
     per-mixer model), its lr x weight-decay grid, MAD-lab's metric and test pick."""
@@ -1424,6 +1439,7 @@ def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step_and
     assert step_flops(on_cuda_only) is None or torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_a_gpu_config_is_planned_without_a_gpu_and_refused_to_run(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     planned = CliRunner().invoke(main, ["recall", "--config", "zoology-fig2", "--dry-run"],
@@ -1492,6 +1508,7 @@ def test_recall_throughput_cells_name_a_setting_by_its_length_or_its_label():
             module.cell_runs(mad, cell)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_recall_throughput_refuses_bad_arguments_and_a_machine_without_a_gpu_with_exit_2():
     """benchmarks/recall_throughput.py: a bad --cells or --option is a usage error, and so
@@ -1511,6 +1528,7 @@ def test_recall_throughput_refuses_bad_arguments_and_a_machine_without_a_gpu_wit
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_recall_grid_time_sums_each_cells_groups_and_takes_the_sweeps_seconds(tmp_path):
     """benchmarks/recall_grid_time.py: a group's seconds are its longest run's, a cell's the
     sum over its groups; failed runs count in `runs` only; the total is the file's seconds."""

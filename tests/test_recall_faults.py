@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from hla_bench.recall_report import validate_recall
@@ -53,6 +54,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_killed_sweeps_leave_a_resumable_file_and_resume_trains_only_the_missing(tmp_path):
     rng = random.Random(7)
     out = tmp_path / "recall.yaml"
@@ -82,6 +84,7 @@ def test_killed_sweeps_leave_a_resumable_file_and_resume_trains_only_the_missing
         out.unlink()
 
 
+@pytest.mark.slow
 def test_workers_die_with_their_sweep(tmp_path):
     process = start(tmp_path, "--epochs", "200", "--num-train", "2048", workers=2)
     deadline = time.monotonic() + 120

@@ -315,6 +315,7 @@ def test_index_never_replaces_a_hand_written_readme_and_takes_no_file(tmp_path):
     assert neither.exit_code == 2 and "--index DIR" in neither.output
 
 
+@pytest.mark.slow
 def test_the_repository_results_index_is_the_generated_one():
     """results/README.md is `hla-bench report --index results` of the files there now."""
     from pathlib import Path

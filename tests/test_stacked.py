@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from grids import parametrize
 import tasks
 from hla_bench import registry
 from hla_bench.training import build_model, stackable
@@ -68,8 +69,14 @@ def assert_same_params(stacked: StackedLM, slot: int, model):
                                    atol=1e-11, msg=f"{name} differs")
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
-@pytest.mark.parametrize("state_mixer", ["identity", "mlp"])
+LOSS_CASES = [(state_mixer, mixer) for mixer in MIXERS for state_mixer in ("identity", "mlp")]
+# the fast suite: sdpa, hla2 and mamba2-ssd with the identity state mixer, sdpa with the mlp
+LOSS_FAST = {("identity", "sdpa"), ("identity", "hla2"), ("identity", "mamba2-ssd"),
+             ("mlp", "sdpa")}
+
+
+@parametrize("state_mixer, mixer", LOSS_CASES, ids=[f"{s}-{m}" for s, m in LOSS_CASES],
+             fast=lambda case: case in LOSS_FAST)
 def test_stacked_losses_equal_each_model_alone(mixer, state_mixer):
     assert_stacked_equals_alone(group(mixer, state_mixer=state_mixer, init="zoology",
                                       embed_dropout=0.0))
@@ -122,6 +129,7 @@ def test_swiglu_and_last_state_readout_stack():
         torch.testing.assert_close(losses[n], model.loss(tokens[n], labels[n]), rtol=1e-10, atol=0)
 
 
+@pytest.mark.slow  # fast: test_a_run_leaving_the_stack_does_not_change_the_others
 @pytest.mark.parametrize("mixer,schedule,shuffle", [
     ("hla2", "warmup-cosine", True), ("sdpa", "epoch-cosine", False),
     ("mamba2-ssd", "constant", True), ("based", "epoch-cosine", True)])
@@ -142,6 +150,7 @@ def assert_trains_as_each_alone(runs: list[dict], steps: int) -> None:
         assert losses[n].item() == pytest.approx(sum(alone), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_step_captured_once_trains_as_each_run_alone_across_shuffled_epochs(monkeypatch):
     """A CUDA graph replays the tensors it captured, not the trainer's attributes of the
     moment: the step here is bound to the trainer's tensors once, after its eager warm-up
@@ -179,6 +188,7 @@ def test_a_run_leaving_the_stack_does_not_change_the_others():
         assert_same_params(trainer.model, slot, model)
 
 
+@pytest.mark.slow
 def test_a_retired_run_keeps_its_slot_frozen_and_the_others_train_as_each_alone():
     """A run that stops keeps its slot: the stack's size stays, its parameters stay those of
     its stop, and the other runs train as each alone."""
@@ -197,6 +207,7 @@ def test_a_retired_run_keeps_its_slot_frozen_and_the_others_train_as_each_alone(
         assert_same_params(trainer.model, index, model)
 
 
+@pytest.mark.slow
 def test_the_stack_compacts_once_at_most_half_of_its_slots_train():
     runs = group("linear-attn", lrs=(1e-3, 2e-3, 3e-3, 4e-3), seeds=(0, 1, 0, 1))
     trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
@@ -255,6 +266,7 @@ def test_labelled_rows_per_model_in_order():
     assert rows.tolist() == [[1, 3, 0], [0, 0, 0]] and counts.tolist() == [2, 1]
 
 
+@pytest.mark.slow
 def test_train_group_results_are_reproducible_and_seeded(tmp_path):
     runs = group("hla2", lrs=(3e-3, 3e-3), seeds=(0, 1), eval_every=2)
     first = train_group(runs, build64, graphs=False)
@@ -277,6 +289,7 @@ def test_early_stopped_runs_leave_and_are_scored(monkeypatch):
     assert all(r["test_accuracy"] is not None for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_stop", [False, True])
 def test_group_stop_ends_a_seeds_other_runs_at_the_evaluation_where_one_stops_early(
         monkeypatch, group_stop):
@@ -310,6 +323,7 @@ def test_group_stop_ends_a_seeds_other_runs_at_the_evaluation_where_one_stops_ea
         assert other["curve"] == uncut[1]["curve"]
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_continues_where_the_deadline_stopped(tmp_path):
     from tasks.train import Interrupted
 
@@ -324,6 +338,7 @@ def test_checkpoint_resume_continues_where_the_deadline_stopped(tmp_path):
     assert not checkpoint.exists()
 
 
+@pytest.mark.slow
 def test_a_deadline_between_evaluations_stops_at_the_next_step_and_resumes_exactly(
         tmp_path, monkeypatch):
     """A group cut mid-epoch, between two evaluations, checkpoints there (not at its next
@@ -369,6 +384,7 @@ def test_every_builtin_layer_trains_stacked(mixer):
     assert stackable(spec(mixer=mixer))
 
 
+@pytest.mark.slow
 def test_a_mixer_without_a_stacked_form_trains_alone():
     from mixers.layer import MixerLayer
 
@@ -422,6 +438,7 @@ def test_flat_adamw_weight_decay_per_row_is_torch_adamw_per_row():
         FlatAdamW(stacked, weight_decay=[0.1, 0.2, 0.3])
 
 
+@pytest.mark.slow
 def test_runs_differing_in_weight_decay_train_as_one_group_equal_to_each_alone():
     from hla_bench.training import plan_groups
 
@@ -467,7 +484,7 @@ def _assert_losses_and_grads(stacked, models, tokens, labels, max_rows):
 
 
 @pytest.mark.parametrize("variant", sorted(MODEL_VARIANTS))
-@pytest.mark.parametrize("mixer", ["sdpa", "hla2", "mamba2-ssd"])
+@parametrize("mixer", ["sdpa", "hla2", "mamba2-ssd"], fast=[0])
 def test_model_features_stack(mixer, variant):
     runs = group(mixer, **MODEL_VARIANTS[variant])
     stacked, models = _stacked_and_alone(runs)
@@ -478,8 +495,8 @@ def test_model_features_stack(mixer, variant):
     _assert_losses_and_grads(stacked, models, tokens, labels, 4 * 4)
 
 
-@pytest.mark.parametrize("decoder", ["default", "mad-lab"])
-@pytest.mark.parametrize("norm", ["layer", "rms"])
+@parametrize("decoder", ["default", "mad-lab"], fast=[1])
+@parametrize("norm", ["layer", "rms"], fast=[1])
 def test_last_state_decoders_stack(decoder, norm):
     runs = [spec(mixer="linear-attn", task="compression", params={}, decoder=decoder, norm=norm,
                  head="untied", seed=s, run_id=s) for s in (0, 1)]
@@ -491,6 +508,7 @@ def test_last_state_decoders_stack(decoder, norm):
     _assert_losses_and_grads(stacked, models, tokens, labels, 3 * T)
 
 
+@pytest.mark.slow
 def test_training_with_the_mad_lab_model_stacked_equals_each_alone():
     runs = group("linear-attn", lrs=(1e-3, 3e-3), seeds=(0, 1), epochs=3, norm="rms",
                  head="untied", state_mixer="swiglu", swiglu_hidden=24, weight_decay=0.1)
@@ -511,6 +529,7 @@ def _unstacked(trainer, slot, run):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_mad_macro_metric_is_mad_accuracy_per_batch_of_128_averaged_by_examples():
     from tasks.mad import mad_accuracy
 
@@ -543,6 +562,7 @@ def test_mad_macro_metric_is_mad_accuracy_per_batch_of_128_averaged_by_examples(
             float((predictions == y)[y != IGNORE].double().mean()), rel=1e-6)  # float32 counts
 
 
+@pytest.mark.slow
 def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_path):
     from tasks.train import Interrupted
 
@@ -579,6 +599,7 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
         assert a["best_val_loss_step"] == b["best_val_loss_step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["micro", "mad-macro"])
 def test_scores_do_not_depend_on_how_many_examples_one_evaluation_forward_holds(
         monkeypatch, metric):
@@ -609,6 +630,7 @@ def test_scores_do_not_depend_on_how_many_examples_one_evaluation_forward_holds(
         assert a == pytest.approx(b, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_the_test_split_is_scored_once_a_run_with_test_at_best_val(monkeypatch, tmp_path):
     """test_at_best_val keeps each run's parameters of lowest validation loss and scores
     them on test when the run stops (at most twice a run in all, not at every new low); a
@@ -657,6 +679,7 @@ def _eager_and_compiled(runs):
                           compile=compile) for compile in (False, True)]
 
 
+@pytest.mark.slow
 def test_compiled_training_equals_eager_training():
     """torch.compile'd stacked steps (inductor; the layer's op traced with it) give the
     eager steps' losses and parameters (float64)."""
@@ -669,6 +692,7 @@ def test_compiled_training_equals_eager_training():
     torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_compiled_training_follows_a_run_leaving_the_stack(monkeypatch):
     """After a run leaves, the smaller stack compiles anew and still equals eager training
     (traced by dynamo and AOT autograd, run eagerly: inductor's code is checked above)."""
@@ -686,6 +710,7 @@ def test_compiled_training_follows_a_run_leaving_the_stack(monkeypatch):
     torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_a_compiled_group_compiles_at_most_three_times(monkeypatch, fresh_compiler):
     """The epoch's short last batch runs at full size (its extra rows ignored), and the loss
     does not read the stack size: a group of 5 runs that shrinks to 4, 3, 2 and 1 compiles
@@ -708,6 +733,7 @@ def test_a_compiled_group_compiles_at_most_three_times(monkeypatch, fresh_compil
     assert counters["frames"]["ok"] == 3, dict(counters["frames"])
 
 
+@pytest.mark.slow
 def test_a_later_group_of_the_same_structure_compiles_nothing(monkeypatch, fresh_compiler):
     """Compiled code stays with the process: a second group of the same model structure and
     stack size (other learning rates, seeds and protocol) runs on the first one's code, and
@@ -739,6 +765,7 @@ def test_a_later_group_of_the_same_structure_compiles_nothing(monkeypatch, fresh
     assert counters["frames"]["ok"] > compiled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_layers", [3])
 def test_an_op_outside_the_trace_leaves_the_rest_of_the_model_compiled(monkeypatch, n_layers,
                                                                         fresh_compiler):
@@ -774,9 +801,9 @@ def test_an_op_outside_the_trace_leaves_the_rest_of_the_model_compiled(monkeypat
     torch.testing.assert_close(compiled.model.flat, eager.model.flat, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("mixer,options", [(mixer, {}) for mixer in MIXERS]
-                         + [(mixer, {"impl": "parallel"})
-                            for mixer in ("hla2", "ahla2", "hla3", "linear-attn", "based")])
+@parametrize("mixer,options", [(mixer, {}) for mixer in MIXERS]
+             + [(mixer, {"impl": "parallel"})
+                for mixer in ("hla2", "ahla2", "hla3", "linear-attn", "based")], fast=[3])
 def test_stacked_layers_trace_their_pytorch_ops_into_one_graph(mixer, options):
     """On the CPU every built-in op runs a PyTorch form, and torch.compile traces the whole
     stacked loss, op included, without a graph break (so the op's elementwise work fuses

@@ -195,6 +195,7 @@ def test_each_setting_is_checked_by_its_kind(key, bad, message):
         tiny_sweep(["a"], **{key: bad})
 
 
+@pytest.mark.slow
 def test_records_hold_exactly_the_declared_fields(fake_mixers):
     sweep = tiny_sweep(["fake-fast", "fake-broken", "fake-missing"], modes=["fwd", "decode"])
     records = run_sweeps([sweep])
@@ -318,6 +319,7 @@ def test_time_calls_pause_the_garbage_collector_while_timing():
 # ---------------------------------------------------------------- the runner
 
 
+@pytest.mark.slow
 def test_runner_records_every_status_and_goes_on(fake_mixers):
     sweep = tiny_sweep(["fake-oom", "fake-oom-runtime", "fake-broken", "fake-missing",
                         "fake-fast:scale=2:label=fast2"], modes=["fwd", "fwdbwd", "decode"])
@@ -503,6 +505,7 @@ def test_the_mixers_of_a_sweep_are_timed_in_interleaved_rounds_at_each_shape(log
         assert part == [("log-a", T)] * 2 + [("log-b", T)] * 2 + [("log-a", T), ("log-b", T)] * 3
 
 
+@pytest.mark.slow
 def test_a_failure_while_sampling_is_that_mixers_alone(logging_mixers, context_mixer):
     log = []
     logging_mixers("log-a", log)
@@ -521,6 +524,7 @@ def test_a_failure_while_sampling_is_that_mixers_alone(logging_mixers, context_m
     assert by[64]["status"] == "oom" and by[64]["reason"].startswith("skipped: out of memory")
 
 
+@pytest.mark.slow
 def test_points_timed_as_graph_replays_are_timed_alone(fake_mixers, monkeypatch):
     grouped = []
     together = runner.run_together
@@ -554,6 +558,7 @@ def test_a_point_records_what_ran(fake_mixers):
     assert by["fake-fast"] == {"packages": by["sdpa"]["packages"]}
 
 
+@pytest.mark.slow
 def test_decode_rounds_keep_resumed_points(context_mixer):
     log = context_mixer()
     sweep = tiny_sweep(["fake-context"], modes=["decode"], seq_lens=[16, 32, 64], warmup=0,
@@ -646,6 +651,7 @@ def test_cpu_allocation_failures_are_oom_and_skip_larger_t(build, monkeypatch):
         registry._REGISTRY.pop("fake-cpu-oom", None)
 
 
+@pytest.mark.slow
 def test_prefill_fills_the_state_at_the_decode_batch():
     calls = []
     hla2 = registry.get("hla2")
@@ -672,6 +678,7 @@ def test_prefill_fills_the_state_at_the_decode_batch():
     assert by["prefill"]["flops"] == pytest.approx(by["fwd"]["flops"] * 3 / 4)
 
 
+@pytest.mark.slow
 def test_layer_level_times_the_registry_layer(fake_mixers):
     sweep = tiny_sweep(["linear-attn:short_conv=4", "hla2"], modes=["fwd", "fwdbwd"],
                        seq_lens=[16], level="layer")

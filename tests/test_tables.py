@@ -153,6 +153,7 @@ def test_verify_tables_keep_pairs_and_options_whole(width):
     _narrow(text, width)
 
 
+@pytest.mark.slow
 def test_verify_command_at_80_columns():
     result = CliRunner(env={"COLUMNS": "80"}).invoke(main, ["verify", "--seq-len", "14"])
     assert result.exit_code == 0, result.output

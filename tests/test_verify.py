@@ -21,6 +21,7 @@ def invoke(*args):
                               env={"COLUMNS": "160"})
 
 
+@pytest.mark.slow  # fast: every form against its sums in its own module
 def test_default_run_agrees_and_prints_both_tables():
     result = invoke()
     assert result.exit_code == 0, result.output
@@ -30,6 +31,7 @@ def test_default_run_agrees_and_prints_both_tables():
     assert "FAIL" not in result.output
 
 
+@pytest.mark.slow
 def test_json_and_yaml_outputs(tmp_path):
     path = tmp_path / "verify.yaml"
     result = invoke("--json", "--dtype", "float32", "--seed", "3", "--yaml", str(path))
@@ -49,6 +51,7 @@ def test_json_and_yaml_outputs(tmp_path):
     assert notes[("hla3 variant paper vs causal", "plain")] > 1e-1
 
 
+@pytest.mark.slow
 def test_injected_disagreement_exits_1(monkeypatch):
     real_scan = ahla2_module.FORMS["scan"]
 
