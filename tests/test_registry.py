@@ -41,8 +41,8 @@ def test_unknown_name_lists_registered_names():
 
 
 def test_unknown_option_is_a_value_error_naming_it():
-    with pytest.raises(ValueError, match="'window'.*accepted: .*backend"):
-        get("sdpa").op(window=3)
+    with pytest.raises(ValueError, match="'stride'.*accepted: .*backend"):
+        get("sdpa").op(stride=3)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])

@@ -301,11 +301,12 @@ def test_group_stop_ends_a_seeds_other_runs_at_the_evaluation_where_one_stops_ea
     original = _GroupTrainer._scores
 
     def scores(self, split, context=False):
-        accuracy, loss, rate = original(self, split, context)
+        accuracy, loss, rate, slices = original(self, split, context)
         if split is self.data.val:
             accuracy = [1.0 if (self.specs[i].seed, self.specs[i].lr) == (0, 1e-2) else 0.0
                         for i in self.slots]
-        return accuracy, loss, rate
+            slices = [accuracy]
+        return accuracy, loss, rate, slices
 
     monkeypatch.setattr(_GroupTrainer, "_scores", scores)
     results = train_group(runs, build64, graphs=False)
@@ -537,11 +538,11 @@ def test_mad_macro_metric_is_mad_accuracy_per_batch_of_128_averaged_by_examples(
                  num_train=64, num_val=32, num_test=200, **RECALL)
     trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
     trainer.train_to(4)
-    macro, _, _ = trainer._scores(trainer.data.test)
+    macro, *_ = trainer._scores(trainer.data.test)
     vocab = 16
     for slot, run in enumerate(runs):
         model = _unstacked(trainer, slot, run)
-        x, y = trainer.data.test[trainer.seeds.index(run["seed"])]
+        x, y = trainer.data.test[0][trainer.seeds.index(run["seed"])]
         with torch.no_grad():
             predictions = model(x).argmax(-1)
         per_batch = [(mad_accuracy(predictions[s:s + 128], y[s:s + 128], vocab), len(y[s:s + 128]))
@@ -552,10 +553,10 @@ def test_mad_macro_metric_is_mad_accuracy_per_batch_of_128_averaged_by_examples(
         micro = float((predictions == y)[valid].double().mean())
         assert expected != pytest.approx(micro)  # the two metrics differ here
     trainer.specs = [RunSpec(**{**r, "metric": "micro"}) for r in runs]
-    micro_scores, _, _ = trainer._scores(trainer.data.test)
+    micro_scores, *_ = trainer._scores(trainer.data.test)
     for slot, run in enumerate(runs):
         model = _unstacked(trainer, slot, run)
-        x, y = trainer.data.test[trainer.seeds.index(run["seed"])]
+        x, y = trainer.data.test[0][trainer.seeds.index(run["seed"])]
         with torch.no_grad():
             predictions = model(x).argmax(-1)
         assert micro_scores[slot] == pytest.approx(
@@ -587,7 +588,7 @@ def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_pa
         earlier += step < result["steps"]
         alone = _GroupTrainer([RunSpec(**run)], build64, graphs=False, progress=None)
         alone.train_to(step)
-        (accuracy,), _, _ = alone._scores(alone.data.test)
+        (accuracy,), *_ = alone._scores(alone.data.test)
         assert result["test_accuracy_at_best_val_loss"] == round(accuracy, 5)
     assert earlier  # some run's best validation loss came before its last evaluation
     checkpoint = tmp_path / "group.pt"
@@ -626,7 +627,9 @@ def test_scores_do_not_depend_on_how_many_examples_one_evaluation_forward_holds(
     pieces = trainer._scores(trainer.data.test, context=True)
     assert forwards == ([40] * 7 + [20] if metric == "micro" else [128, 128, 44])
     assert all(rate is not None for rate in whole[2])  # MQAR has context values
-    for a, b in zip(whole, pieces):
+    for a, b in zip(whole[:3], pieces[:3]):
+        assert a == pytest.approx(b, rel=1e-12)
+    for a, b in zip(whole[3], pieces[3]):  # each test slice's own accuracies
         assert a == pytest.approx(b, rel=1e-12)
 
 
