@@ -16,6 +16,8 @@ from hla_bench.safe_files import (UnsafeNameError, name_problem, path_in, plain_
                                   replace_atomically)
 
 PLOT_FORMATS = ("png", "svg", "pdf")
+# The recall plots' file-name stems: accuracy against state, against d_model.
+RECALL_PLOT_NAMES = ("recall_accuracy_vs_state", "recall_accuracy_vs_d_model")
 
 
 def save_figure(figure: Any, path: Path, dpi: int = 110, tight: bool = False) -> Path:
@@ -50,9 +52,7 @@ def plot_path(out_dir: str | Path, stem: object, fmt: str) -> Path:
 def _stems(kind: str, data: dict) -> list[object]:
     """The file-name stems of a results file's plots, as `report --plots` writes them."""
     if kind == "recall":
-        from hla_bench.recall_report import PLOT_NAMES
-
-        return list(PLOT_NAMES)
+        return list(RECALL_PLOT_NAMES)
     return list(dict.fromkeys(f"{p.get('sweep')}-{p.get('mode')}"
                               for p in data.get("points", [])))
 

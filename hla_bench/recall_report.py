@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import configs
-from hla_bench.plots import plot_path, pyplot_for
+from hla_bench.plots import RECALL_PLOT_NAMES, plot_path, pyplot_for
 from hla_bench.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
@@ -673,10 +673,6 @@ def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_
     return figure
 
 
-# The recall plots' file-name stems: accuracy against state, against d_model.
-PLOT_NAMES = ("recall_accuracy_vs_state", "recall_accuracy_vs_d_model")
-
-
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                 published: dict | None = None, matches: dict | None = None,
                 mixers: str | None = None) -> list[Path]:
@@ -698,7 +694,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
     unmatched = sorted({label.removeprefix("Zoology: ") for curves in (published or {}).values()
                         for label in curves} - set(matches))
     paths = []
-    for name, x_key in zip(PLOT_NAMES, ("state_bytes", "d_model")):
+    for name, x_key in zip(RECALL_PLOT_NAMES, ("state_bytes", "d_model")):
         panels = _panel_points(summary, x_key)
         placed = _published_points(summary, published, matches, x_key)
         ranked = {mixer: -statistics.fmean(y for points in panels.values()
