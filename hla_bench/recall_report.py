@@ -163,6 +163,7 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
         ok = {seed: seed_runs for seed, seed_runs in ok.items() if seed_runs}
         any_run = next(iter(by_seed.values()))[0]
         cell: dict[str, Any] = {"state_bytes": any_run.get("state_bytes"),
+                                "state_bytes_per_layer": any_run.get("state_bytes_per_layer"),
                                 "runs": sum(len(r) for r in by_seed.values())}
         if not ok:
             failed = [r for seed_runs in by_seed.values() for r in seed_runs]
@@ -523,6 +524,56 @@ def mad_markdown(scores: dict, reference: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def frontier_rows(runs: list[dict], summary: dict) -> dict[str, list[tuple]]:
+    """{setting: [(mixer, state bytes, best accuracy, on the front)]} for the settings whose
+    runs were tested on a mix of more than one slice: per mixer (variant) and state size,
+    the best val-picked accuracy over the mix among its d_models and knobs at that state,
+    and whether that point is on the mixer's Pareto front (no smaller state scores as high).
+    State is per layer where the runs record it, else over the whole model."""
+    mixed = {run["setting"] for run in runs if len(run.get("test_slices") or []) > 1}
+    table: dict[str, list[tuple]] = {}
+    for setting, by_mixer in summary.items():
+        if setting not in mixed:
+            continue
+        rows = []
+        for mixer, cells in by_mixer.items():
+            best: dict[int, float] = {}
+            for cell in cells.values():
+                state = cell.get("state_bytes_per_layer") or cell.get("state_bytes")
+                if cell["score"] is None or not state:
+                    continue
+                best[int(state)] = max(best.get(int(state), 0.0), cell["score"]["mean"])
+            front = set(pareto_front(list(best.items())))
+            rows += [(mixer, state, accuracy, (state, accuracy) in front)
+                     for state, accuracy in sorted(best.items())]
+        if rows:
+            table[setting] = rows
+    return table
+
+
+def frontier_markdown(setting: str, rows: list[tuple], per_layer: bool) -> str:
+    unit = "state bytes per layer" if per_layer else "state bytes (all layers)"
+    lines = [f"**Accuracy against state: {setting}** (best val-picked accuracy over the test "
+             f"mix at each {unit} a mixer ran; front: no smaller state of that mixer scores as "
+             "high)", "", f"| mixer | {unit} | accuracy | front |", "| --- | ---: | ---: | :---: |"]
+    lines += [f"| {mixer} | {state:,} | {accuracy:.3f} | {'*' if front else ''} |"
+              for mixer, state, accuracy, front in rows]
+    return "\n".join(lines) + "\n"
+
+
+def frontier_table(setting: str, rows: list[tuple], per_layer: bool) -> Table:
+    unit = "state bytes / layer" if per_layer else "state bytes"
+    table = Table(title=f"Accuracy against state: {setting}", box=box.SIMPLE_HEAD,
+                  pad_edge=False, caption="best val-picked accuracy over the test mix at each "
+                  "state a mixer ran; *: on the mixer's front")
+    for index, header in enumerate(["mixer", unit, "accuracy", "front"]):
+        table.add_column(header, justify="left" if index == 0 else "right",
+                         no_wrap=index == 0, overflow="fold")
+    for mixer, state, accuracy, front in rows:
+        table.add_row(escape(mixer), f"{state:,}", f"{accuracy:.3f}", "*" if front else "")
+    return table
+
+
 def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dict[int, float]]]:
     """{setting: {"Zoology: NAME": {d_model: accuracy}}} for the settings that are Figure 2
     panels (`zoology_panel`)."""
@@ -764,7 +815,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                   markdown: bool = False, fmt: str = "png", tables: str = "all",
                   mixers: str | None = None) -> list[Path]:
     """Print one table per task setting ("settings"), the Zoology view of the settings that
-    are panels of its Figure 2 and, for runs of MAD tasks, the MAD score view ("reference"),
+    are panels of its Figure 2, for runs of MAD tasks the MAD score view and, for settings
+    tested on a mix, the accuracy-against-state table (`frontier_rows`) ("reference"),
     or all of them; then what each mixer's dispatch ran (the runs' `mixer_path`) and the
     runs that failed (GitHub markdown with `markdown`). With
     `plots_dir`, write the plots there (`plot_recall`; `mixers` chooses the mixers drawn)
@@ -808,6 +860,15 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
                           soft_wrap=True)
         else:
             table = mad_table(scores, reference)
+            print_table(console, table, lambda: table_lines(table, console))
+    frontier = frontier_rows(runs, summary) if tables != "settings" else {}
+    per_layer = all(run.get("state_bytes_per_layer") for run in runs if run.get("status") == "ok")
+    for setting, rows in frontier.items():
+        if markdown:
+            console.print(frontier_markdown(setting, rows, per_layer), markup=False,
+                          highlight=False, soft_wrap=True)
+        else:
+            table = frontier_table(setting, rows, per_layer)
             print_table(console, table, lambda: table_lines(table, console))
     for line in path_lines(runs) + failure_lines(runs):
         console.print(f"- {line}" if markdown else line, markup=False, highlight=False,

@@ -362,3 +362,34 @@ def test_plots_keep_one_colour_per_mixer_show_the_spread_and_take_a_format(tmp_p
     assert "batch = 512 tokens / T" in paths[0].read_text()
     with pytest.raises(ValueError, match="plot format"):
         report.write_plots({"points": points}, tmp_path, "gif")
+
+
+def _mix_run(mixer, d_model, state, lr, val, test, slices=2):
+    return {"setting": "mqar mix", "mixer": mixer, "variant": mixer, "d_model": d_model,
+            "lr": lr, "seed": 0, "status": "ok", "val_accuracy": val, "test_accuracy": test,
+            "steps": 10, "state_bytes": 2 * state, "state_bytes_per_layer": state,
+            "test_slices": [{"slice": f"s{i}", "accuracy": test} for i in range(slices)]}
+
+
+def test_the_frontier_table_gives_each_mixers_best_accuracy_at_each_state_and_its_front():
+    from rich.console import Console
+
+    from hla_bench.recall_report import frontier_rows, render_recall, summarize
+
+    runs = [_mix_run("hla2", 64, 4096, 1e-3, 0.9, 0.80),
+            _mix_run("hla2", 64, 4096, 1e-2, 0.5, 0.95),
+            _mix_run("hla2", 128, 16384, 1e-3, 0.9, 0.70),  # more state, lower: off the front
+            _mix_run("sdpa", 64, 100_000, 1e-3, 0.9, 0.99)]
+    rows = frontier_rows(runs, summarize(runs))["mqar mix"]
+    # the lr is picked on validation (0.80, not the 0.95 of the lr validation rejects)
+    assert rows == [("hla2", 4096, 0.80, True), ("hla2", 16384, 0.70, False),
+                    ("sdpa", 100_000, 0.99, True)]
+    single = [{**run, "test_slices": run["test_slices"][:1]} for run in runs]
+    assert frontier_rows(single, summarize(single)) == {}  # no mix, no frontier table
+    console = Console(record=True, width=200)
+    data = {"kind": "recall", "schema_version": 2, "config": {"name": "f"},
+            "environment": {}, "runs": runs}
+    render_recall(data, console, markdown=True, tables="reference")
+    text = console.export_text()
+    assert "| mixer | state bytes per layer | accuracy | front |" in text
+    assert "| hla2 | 16,384 | 0.700 |  |" in text and "| sdpa | 100,000 | 0.990 | * |" in text
