@@ -28,7 +28,7 @@ import time
 import torch
 import yaml
 
-from hla_bench.results import git_commit
+from hla_bench.results.bench_files import git_commit
 from hla_bench.engine.config import MixerSpec, SweepConfig, parse_seq_len
 from hla_bench.engine.runner import Point, build_call, prepare
 from hla_bench.engine.timing import percentile, time_calls

@@ -35,7 +35,7 @@ import torch
 import yaml
 
 from hla_bench.engine.timing import median_ms
-from hla_bench.results import git_commit
+from hla_bench.results.bench_files import git_commit
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
 from mixers.reference import relative_error
 

@@ -22,15 +22,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hla_bench import configs, registry
-from hla_bench import results as results_io
+from hla_bench.results import bench_files as results_io
 from hla_bench.engine.config import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
                                      is_required, load_config,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
 from hla_bench.engine.records import point_key
 from hla_bench.report import render_bench
-from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
-from hla_bench.tables import print_table
+from hla_bench.results.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
+from hla_bench.results.tables import print_table
 
 
 

@@ -11,7 +11,7 @@ from rich.text import Text
 
 import tasks
 from hla_bench.engine.config import parse_value
-from hla_bench.tables import print_table
+from hla_bench.results.tables import print_table
 
 ROLE_STYLES = {"key": "bold cyan", "value": "bold green", "query": "bold magenta",
                "filler": "dim", "noise": "yellow", "special": "bold red"}

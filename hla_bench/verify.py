@@ -30,8 +30,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import registry
-from hla_bench.store import StoreError, atomic_write_text, check_out, check_writable, file_kind
-from hla_bench.tables import pack, print_table
+from hla_bench.results.store import StoreError, atomic_write_text, check_out, check_writable, file_kind
+from hla_bench.results.tables import pack, print_table
 from mixers.reference import relative_error
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

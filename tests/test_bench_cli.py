@@ -9,7 +9,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, configs, registry, results
+from hla_bench import bench, configs, registry
+from hla_bench.results import bench_files as results
 from hla_bench.engine import runner as engine_runner
 from hla_bench.engine.config import load_config
 from hla_bench.engine.records import point_key
@@ -404,7 +405,7 @@ def test_runs_without_out_never_share_a_file(runner, fake_mixers, tmp_path, monk
 def test_a_file_being_written_is_refused_naming_the_writer(runner, fake_mixers, tmp_path):
     import os
 
-    from hla_bench.store import ResultsStore
+    from hla_bench.results.store import ResultsStore
 
     out = tmp_path / "r.yaml"
     holder = ResultsStore.open(out, kind="bench", key=point_key, settings={},

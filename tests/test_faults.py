@@ -11,7 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from hla_bench import results
+from hla_bench.results import bench_files as results
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = ("a", "b", "c", "d")

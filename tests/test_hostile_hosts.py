@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hla_bench import results
+from hla_bench.results import bench_files as results
 from hla_bench.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hla_bench import registry, results, store
+from hla_bench import registry
+from hla_bench.results import bench_files as results, store
 from hla_bench.cli import main
 from hla_bench.engine import runner as engine_runner
 from hla_bench.engine.config import parse_modes

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from hla_bench.recall_report import validate_recall
-from hla_bench.store import load_results
+from hla_bench.results.store import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ["recall", "--task", "mqar", "--mixers", "linear-attn,hla2,mamba2-ssd",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hla_bench import store
-from hla_bench.store import LockedError, ResultsStore, StoreError
+from hla_bench.results import store
+from hla_bench.results.store import LockedError, ResultsStore, StoreError
 
 HEADER = {"schema_version": 2, "config": {"name": "t"}}
 
@@ -375,7 +375,7 @@ def test_without_flock_a_live_pid_holds_the_lock_and_a_dead_one_does_not(tmp_pat
 
 HOLDER = textwrap.dedent("""
     import signal, sys, time
-    from hla_bench.store import ResultsStore
+    from hla_bench.results.store import ResultsStore
     # a process started in the background inherits SIGINT ignored: take Python's own handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
     s = ResultsStore.open(sys.argv[1], kind="bench", key=lambda r: r["t"], settings={},

@@ -8,7 +8,8 @@ from click.testing import CliRunner
 from rich.console import Console
 from rich.table import Table
 
-from hla_bench import registry, report, results, tables, verify
+from hla_bench import registry, report, verify
+from hla_bench.results import bench_files as results, tables
 from hla_bench.cli import main
 from test_report import _data, _point
 from test_sweeps import _fast_op, fake_mixers  # noqa: F401  (fixture)

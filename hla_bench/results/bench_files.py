@@ -1,6 +1,6 @@
 """Benchmark results files: schema, environment capture, validated load and save.
 
-A bench results file is YAML, written through `hla_bench.store` (atomic writes, a lock,
+A bench results file is YAML, written through `hla_bench.results.store` (atomic writes, a lock,
 a completion marker):
 
     kind: bench              # report dispatches on it (recall files say `recall`)
@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 from hla_bench import __version__
 from hla_bench.processes import cuda_mps_active
-from hla_bench import store
+from hla_bench.results import store
 from hla_bench.engine import records
 from hla_bench.engine.config import SweepConfig
 
