@@ -30,7 +30,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import registry
-from hla_bench.results.store import StoreError, atomic_write_text, check_out, check_writable, file_kind
+from hla_bench.results.load import file_kind
+from hla_bench.results.store import StoreError, atomic_write_text, check_out, check_writable
 from hla_bench.results.tables import pack, print_table
 from mixers.reference import relative_error
 
@@ -257,7 +258,7 @@ _LEGACY_KEYS = ["device", "dtype", "seed", "seq_len", "checks"]
 
 def output_kind(path: Path) -> str | None:
     """The kind of the file at `path` as --yaml's policy sees it: the kind its first lines
-    name (`store.file_kind`), "verify" for a verify output written before the kind line
+    name (`load.file_kind`), "verify" for a verify output written before the kind line
     (a mapping starting with run_all's keys and holding `passed`), else None."""
     kind = file_kind(path)
     if kind is not None:

@@ -14,6 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from hla_bench.results import index, store
+from hla_bench.results.load import load
 from hla_bench.cli import main
 from test_recall import recall_args
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
@@ -60,7 +61,7 @@ def renamed(value, old, new):
 
 def with_sweep_named(path, name):
     """The results file at `path`, rewritten whole with its sweep named `name`."""
-    data = renamed(store.load_results(path), "plain", name)
+    data = renamed(load(path), "plain", name)
     path.write_text(store.dump_results(data))
     return path
 

@@ -324,7 +324,7 @@ def test_the_repository_results_index_is_the_generated_one():
 
     folder = Path(__file__).resolve().parents[1] / "results"
     text, count = index.index_markdown(folder)
-    from hla_bench.results.store import file_kind
+    from hla_bench.results.load import file_kind
 
     files = list(folder.rglob("*.yaml"))
     others = [path for path in files if file_kind(path) is None]

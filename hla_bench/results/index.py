@@ -1,6 +1,6 @@
 """The index of a results folder (`hla-bench report --index DIR`): DIR/README.md, generated.
 
-Each `*.yaml` below DIR is read as a results file (`store.load_results`, then the kind's
+Each `*.yaml` below DIR is read as a results file (`load.load`, then the kind's
 own schema) and listed with what the file itself records: its kind, the name of its config
 (and, for bench files, the sweeps it ran), the GPU or CPU it ran on, its date, the git
 commit of the tree that ran it, whether its plan ran to the end, and how many records it
@@ -22,6 +22,7 @@ import yaml
 
 from hla_bench import recall_report
 from hla_bench.results import store
+from hla_bench.results.load import RECORDS_KEY, file_kind, load
 from hla_bench.results import bench_files as results_io
 
 INDEX_NAME = "README.md"
@@ -60,7 +61,7 @@ def _complete(data: dict[str, Any]) -> str:
 
 
 def _records(data: dict[str, Any]) -> str:
-    key = store.RECORDS_KEY[data["kind"]]
+    key = RECORDS_KEY[data["kind"]]
     records = data[key]
     ok = sum(1 for record in records if record.get("status") == "ok")
     noun = "points" if key == "points" else "runs"
@@ -83,11 +84,11 @@ def _date(data: dict[str, Any]) -> str:
 
 def load_checked(path: str | Path) -> dict[str, Any]:
     """A results file of any kind, checked: the structure every results file has
-    (`store.check_structure`, the completion marker), then the kind's own schema (bench:
+    (`load.check_structure`, the completion marker), then the kind's own schema (bench:
     `bench_files.validate`; recall: `recall_report.validate_recall`). Any problem is a
     ValueError whose message starts with the path."""
     try:
-        data = store.load_results(path)
+        data = load(path)
         if data["kind"] == "bench":
             results_io.validate(data)
         else:
@@ -143,7 +144,7 @@ def index_markdown(folder: str | Path) -> tuple[str, int]:
         if path.suffix not in (".yaml", ".yml"):
             others.append(link)
             continue
-        if store.file_kind(path) not in store.RECORDS_KEY:  # verify's output, benchmarks'
+        if file_kind(path) not in RECORDS_KEY:  # verify's output, benchmarks'
             outputs.append((link, output_summary(path)))
             continue
         try:
