@@ -1,5 +1,5 @@
 """Tables and plots of results files, and the `hla-bench report` command (its `--compare`
-of two bench files is `hla_bench.compare`).
+of two bench files is `hla_bench.speed.compare`).
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
 `hla_bench.recall_report.render_recall`. Every file given is checked before anything is
@@ -20,8 +20,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench.results import store
-from hla_bench.engine.config import format_seq_len
-from hla_bench.engine.records import iter_groups
+from hla_bench.speed.sweeps import format_seq_len
+from hla_bench.speed.records import iter_groups
 from hla_bench.results.index import load_checked
 from hla_bench.results.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
 from hla_bench.recall_report import RECALL_TABLES, render_recall
@@ -501,10 +501,10 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
                       memory_tolerance: float, fail_percent: float | None, markdown: bool,
                       plots: str | None, plot_format: str,
                       min_change: float) -> bool:
-    """`report --compare`: the comparison of two loaded bench files (`hla_bench.compare`)
+    """`report --compare`: the comparison of two loaded bench files (`hla_bench.speed.compare`)
     as a table (plain lines where it does not fit; markdown with `markdown`), its summary,
     and its plots; True when `fail_percent` is given and some point fails it."""
-    from hla_bench import compare
+    from hla_bench.speed import compare
 
     (old_path, _, old), (new_path, _, new) = loaded
     names = Path(old_path).name, Path(new_path).name

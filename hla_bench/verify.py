@@ -387,7 +387,7 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     try:
         result = run_all(seed=seed, seq_len=seq_len, dtype_name=dtype_name, device=device)
     except (MemoryError, RuntimeError) as error:
-        from hla_bench.engine.runner import is_oom
+        from hla_bench.speed.runner import is_oom
 
         if not is_oom(error):
             raise

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from hla_bench import compare, report
+from hla_bench import report
+from hla_bench.speed import compare
 from hla_bench.results import bench_files as results
 from test_report import _data, _point
 

@@ -22,7 +22,7 @@ SEQ_LENS = (16, 32, 64, 128, 256, 512)
 DRIVER = textwrap.dedent("""
     import os, sys, time
     from hla_bench import registry
-    from hla_bench.engine import runner
+    from hla_bench.speed import runner
     from hla_bench.cli import main
 
     def build(**options):

@@ -211,7 +211,7 @@ OOM_SCRIPT = textwrap.dedent("""
     from pathlib import Path
 
     from hla_bench import registry
-    from hla_bench.engine import isolate
+    from hla_bench.speed import isolate
 
     COUNTER = Path(os.environ["HOSTILE_OOM_COUNTER"])
 

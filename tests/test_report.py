@@ -9,7 +9,7 @@ from rich.console import Console
 
 from hla_bench import report
 from hla_bench.results import bench_files as results, store, tables
-from hla_bench.engine.runner import run_sweeps
+from hla_bench.speed.runner import run_sweeps
 from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
 
 

@@ -113,7 +113,7 @@ def test_bench_lines_where_no_table_fits():
 
 
 def test_comparison_keeps_names_whole():
-    from hla_bench import compare
+    from hla_bench.speed import compare
 
     old = _data([_point(LONG, 1024, 4.0), _point("b", 4096, 2.0)])
     new = _data([_point(LONG, 1024, 8.0), _point("b", 4096, 1.0)])

@@ -11,7 +11,7 @@ a completion marker):
     environment: {...}       # versions, GPU, host, git commit, memory method
     earlier_runs: [...]      # optional: config and environment of the runs a resume continued
     settings: {sweeps: {NAME: {...}}}   # per sweep, what a resume must match
-    points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields: engine.records.FIELDS
+    points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields: speed.records.FIELDS
     complete: true           # the plan ran to its end
     end_of_results: true     # the completion marker
 
@@ -35,8 +35,8 @@ from hla_bench import __version__
 from hla_bench.processes import cuda_mps_active
 from hla_bench.results import store
 from hla_bench.results.load import MARKER_KEY, check_structure, load as load_file
-from hla_bench.engine import records
-from hla_bench.engine.config import SweepConfig
+from hla_bench.speed import records
+from hla_bench.speed.sweeps import SweepConfig
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -94,7 +94,7 @@ def capture_environment(device: str) -> dict[str, Any]:
     """What the numbers depend on: hardware, driver and library versions, code version."""
     import torch
 
-    from hla_bench.engine.timing import memory_method, timing_method
+    from hla_bench.speed.timing import memory_method, timing_method
 
     env: dict[str, Any] = {
         "hostname": socket.gethostname(),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import yaml
 
-from hla_bench.engine.config import MODES
+from hla_bench.speed.sweeps import MODES
 
 STATUSES = ("ok", "oom", "error", "unavailable", "unsupported", "timeout")
 # Statuses a resumed sweep keeps; an error or a timeout is measured again.
