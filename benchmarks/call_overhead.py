@@ -6,7 +6,7 @@
 Each mixer is built through the registry and called exactly as `hla-bench run` calls it
 (bf16, H = 16, 65,536 tokens per batch, D = 64 and 128, T = 2k and 32k, fwd and fwd+bwd):
   synced_ms     the harness's figure: CUDA events around one call, synchronised after it
-                (hla_bench.engine.timing.time_calls), median of 30;
+                (hla_bench.speed.timing.time_calls), median of 30;
   pipelined_ms  CUDA events around 30 calls back to back, per call: the GPU's time once the
                 host runs ahead of it;
   host_ms       wall time until the call returns (median of 30, after a synchronise): the
@@ -28,10 +28,10 @@ import time
 import torch
 import yaml
 
-from hla_bench.results import git_commit
-from hla_bench.engine.config import MixerSpec, SweepConfig, parse_seq_len
-from hla_bench.engine.runner import Point, build_call, prepare
-from hla_bench.engine.timing import percentile, time_calls
+from hla_bench.results.bench_files import git_commit
+from hla_bench.speed.sweeps import MixerSpec, SweepConfig, parse_seq_len
+from hla_bench.speed.runner import Point, build_call, prepare
+from hla_bench.speed.timing import percentile, time_calls
 
 MIXERS = {"hla2-triton": "hla2:impl=triton:label=hla2-triton",
           "fla-linear-attn": "fla-linear-attn"}

@@ -10,7 +10,7 @@ warps, 3 pipeline stages, every product's operands in bfloat16 instead of TF32, 
 32, scan programs of 64 entries, the states walked instead of increments + scan, Q K^T
 formed once for all value blocks, the backward's dq, dk and dv in one launch, the last two
 at 4 and 8 warps) the forward (`forward`) and the forward with its backward (`forward` keeping the chunk states, then `backward`) are timed with the
-harness's method (hla_bench.engine.timing.time_calls: a quarter second of samples, the L2
+harness's method (hla_bench.speed.timing.time_calls: a quarter second of samples, the L2
 cache flushed between them); fla's `chunk_linear_attn` (normalize off) where it imports.
 Prints median ms with the spread (IQR / median) and the ratio to fla.
 """
@@ -24,7 +24,7 @@ import sys
 import torch
 import yaml
 
-from hla_bench.engine.timing import percentile, spread, time_calls
+from hla_bench.speed.timing import percentile, spread, time_calls
 from mixers.hla.chain import backward, forward, plan_chain
 
 TOKENS, HEADS = 65536, 16

@@ -24,7 +24,7 @@ import time
 import torch
 import yaml
 
-from hla_bench.results import git_commit
+from hla_bench.results.bench_files import git_commit
 from mixers.hla.hla2 import hla2_step
 from mixers.hla.hla2.triton import _step_unchecked, decode, triton_unsupported_reason
 

@@ -8,7 +8,7 @@
 1. Correctness on random data against hla2's float64 explicit sums (mixers/hla/hla2/naive.py,
    differentiated by torch autograd): outputs, final states and q/k/v gradients (relative
    Frobenius errors).
-2. Timings (hla_bench.engine.timing.median_ms: the harness's method, median ms) of forward
+2. Timings (hla_bench.speed.timing.median_ms: the harness's method, median ms) of forward
    and forward+backward in bf16 with B*T = 65536, H = 16, D = Dv in {64, 128}, T in {2k,
    8k, 32k, 64k}, for the Triton op, the PyTorch chunk form (mixers.hla.hla2, impl="chunk")
    and fla's chunk_linear_attn when it imports; with the peak memory of one forward+backward.
@@ -34,8 +34,8 @@ from dataclasses import replace
 import torch
 import yaml
 
-from hla_bench.engine.timing import median_ms
-from hla_bench.results import git_commit
+from hla_bench.speed.timing import median_ms
+from hla_bench.results.bench_files import git_commit
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
 from mixers.reference import relative_error
 

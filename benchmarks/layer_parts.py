@@ -8,7 +8,7 @@ stacked training path (`mixers.short_conv.stacked_causal_conv`), eager and compi
         [--modes fwd,fwdbwd] [--yaml out.yaml]
 
 bf16 on CUDA (float32 with --device cpu), d_model = heads x head dim (16 x 64), `--tokens`
-a call (batch = tokens // T), timed with the harness's method (hla_bench.engine.timing:
+a call (batch = tokens // T), timed with the harness's method (hla_bench.speed.timing:
 a quarter second of samples, the L2 cache flushed between them on CUDA). A part a mixer's
 layer does not have (an option it does not take) is left out of its rows.
 """
@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from hla_bench import registry
-from hla_bench.engine.timing import percentile, spread, time_calls
+from hla_bench.speed.timing import percentile, spread, time_calls
 from mixers.layer import ShortConv
 from mixers.short_conv import stacked_causal_conv
 

@@ -365,7 +365,7 @@ def main() -> None:
             parser.error(f"--cells: {error}")
     if not torch.cuda.is_available():
         parser.error("no CUDA device visible: this benchmark times the training step on a GPU")
-    from hla_bench.results import git_commit
+    from hla_bench.results.bench_files import git_commit
 
     report = {"config": args.config, "git_commit": git_commit(), "steps": args.steps,
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],

@@ -22,15 +22,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hla_bench import configs, registry
-from hla_bench import results as results_io
-from hla_bench.engine.config import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
+from hla_bench.results import bench_files as results_io
+from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
                                      is_required, load_config,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
-from hla_bench.engine.records import point_key
+from hla_bench.speed.records import point_key
 from hla_bench.report import render_bench
-from hla_bench.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
-from hla_bench.tables import print_table
+from hla_bench.results.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
+from hla_bench.results.tables import print_table
 
 
 
@@ -83,7 +83,7 @@ def mixer_lines(rows: list[dict[str, Any]]) -> list[str]:
 def _check(sweeps: list[SweepConfig]) -> None:
     """Usage errors for unknown mixers or options, options of layers only, option values a
     mixer rejects, or an absent device: every spec of every sweep, before anything runs."""
-    from hla_bench.engine.runner import check_options
+    from hla_bench.speed.runner import check_options
 
     for sweep in sweeps:
         try:
@@ -158,8 +158,8 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
             isolate: bool | None = False, dashboard: bool = False) -> dict[str, Any]:
     """Check everything, run the sweeps with a progress bar, keeping the results file
     current after every point; print tables or data. `isolate` None: isolated when a CPU
-    point is big enough to need the memory watchdog (`hla_bench.engine.isolate`)."""
-    from hla_bench.engine.runner import run_sweeps
+    point is big enough to need the memory watchdog (`hla_bench.speed.isolate`)."""
+    from hla_bench.speed.runner import run_sweeps
 
     _check_executor(executor, scheduler, dashboard)
     mode = _mode(out, resume, overwrite)
@@ -168,7 +168,7 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
     if isolate is None:
         isolate = False
         if executor == "local":
-            from hla_bench.engine.isolate import watch_threshold_bytes, watched_points
+            from hla_bench.speed.isolate import watch_threshold_bytes, watched_points
 
             watched = watched_points(sweeps)
             if watched:
@@ -227,7 +227,7 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
                                           on_measured=on_measured, dashboard=dashboard,
                                           on_connected=on_connected)
             elif isolate:
-                from hla_bench.engine.isolate import run_sweeps_isolated
+                from hla_bench.speed.isolate import run_sweeps_isolated
 
                 planned = run_sweeps_isolated(sweeps, previous=store.records(),
                                               on_measured=on_measured, on_point=on_point)
@@ -300,7 +300,7 @@ def with_output_options(command):
 
 
 def _setting_option(each) -> Callable:
-    """The click option of one sweep setting (see `hla_bench.engine.config`): its type from
+    """The click option of one sweep setting (see `hla_bench.speed.sweeps`): its type from
     the setting's kind, its default and help from the setting itself. List kinds are taken
     as comma-separated text and parsed by the config, so one parser serves both."""
     kind, default = each.metadata["kind"], default_text(each)

@@ -53,7 +53,7 @@ class LazyGroup(click.Group):
     def invoke(self, ctx: click.Context):
         """Ctrl-C ends any command with status 130, as shells report SIGINT (click's own
         handling says "Aborted!" and exits 1); commands that write results say first what
-        their file kept (`hla_bench.store.exit_on_interrupt`)."""
+        their file kept (`hla_bench.results.store.exit_on_interrupt`)."""
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:

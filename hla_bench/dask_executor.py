@@ -219,12 +219,12 @@ def _restart_worker_of(client, future) -> None:
 
 def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
     """A bench point group on a worker, measured in a fresh child process
-    (`hla_bench.engine.isolate`): a fault there (an illegal address, a hung kernel, a
+    (`hla_bench.speed.isolate`): a fault there (an illegal address, a hung kernel, a
     poisoned CUDA context, a kill for memory) stays out of the worker and of the other
     mixers' points, and the child dies with its worker. The points it measured before a
     crash come back with the ones the crash cost (errors, or `oom` for a memory kill)."""
-    from hla_bench.engine.config import SweepConfig
-    from hla_bench.engine.isolate import run_sweeps_isolated
+    from hla_bench.speed.sweeps import SweepConfig
+    from hla_bench.speed.isolate import run_sweeps_isolated
 
     measured: list[dict] = []
     run_sweeps_isolated([SweepConfig.from_dict(sweep)], previous=previous,
@@ -235,16 +235,16 @@ def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
 def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
                     on_measured: Callable[[dict], None], dashboard: bool = False,
                     on_connected: Callable[[Any], Any] | None = None) -> list[dict]:
-    """`hla_bench.engine.runner.run_sweeps` on a Dask cluster: each (sweep, mixer) point
+    """`hla_bench.speed.runner.run_sweeps` on a Dask cluster: each (sweep, mixer) point
     group is one task; its measured points reach `on_measured` as the task finishes. A task
     whose worker died twice is recorded as an error point per planned point. A local
     cluster (no `scheduler`) serves a dashboard when `dashboard` (see `connect`);
     `on_connected(client)` is called once connected. Returns every record of the plan (kept
     and measured), as run_sweeps does."""
-    from hla_bench.engine.config import SweepConfig
-    from hla_bench.engine.isolate import group_records, point_groups
-    from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
-    from hla_bench.engine.runner import plan
+    from hla_bench.speed.sweeps import SweepConfig
+    from hla_bench.speed.isolate import group_records, point_groups
+    from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+    from hla_bench.speed.runner import plan
 
     distributed = _distributed()
     groups = point_groups(sweeps)

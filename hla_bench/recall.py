@@ -21,15 +21,15 @@ from rich.table import Table
 
 from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
-from hla_bench.plots import planned_plots_problem, plots_dir_problem
+from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall_config import (ConfigError, check_given_params, check_layers,
                                      check_mixer_options, load_config, option_conflicts,
                                      plan_rows, plan_runs, run_key, validate_config)
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
-from hla_bench.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
+from hla_bench.results.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
                              read_resumable)
-from hla_bench.tables import print_table
+from hla_bench.results.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.safe_files import refuse_symlink
 from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
@@ -130,7 +130,7 @@ def previous_parts(header: dict | None, finished: int) -> list[dict]:
 
 
 def environment(device: str) -> dict:
-    from hla_bench.results import capture_environment
+    from hla_bench.results.bench_files import capture_environment
 
     return capture_environment(device)
 

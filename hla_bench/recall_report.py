@@ -37,8 +37,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import configs
-from hla_bench.plots import RECALL_PLOT_NAMES, plot_path, pyplot_for
-from hla_bench.tables import print_table, table_lines
+from hla_bench.results.plots import RECALL_PLOT_NAMES, plot_path, pyplot_for
+from hla_bench.results.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
 MAD_REFERENCE = configs.reference("mad-lab.yaml")
@@ -654,8 +654,8 @@ def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_
     state, each mixer's Pareto front drawn through them, against d_model a line; the
     published points hollow in the same colour; the legend right of the panels and
     `notes` under them."""
-    from hla_bench import styles
-    from hla_bench.plots import format_bytes_tick, legend_outside, log_axis, notes_under
+    from hla_bench.results import styles
+    from hla_bench.results.plots import format_bytes_tick, legend_outside, log_axis, notes_under
 
     names = list(panels)
     columns = min(len(names), PLOT_COLUMNS)
@@ -729,15 +729,15 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                 mixers: str | None = None) -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
     (with each mixer's Pareto front) and against d_model, one panel per setting plus the
-    overall (`_panel_points`), a colour per mixer by family (`hla_bench.styles`), one legend
+    overall (`_panel_points`), a colour per mixer by family (`hla_bench.results.styles`), one legend
     outside the panels. `published` ({setting: {"Zoology: NAME": {d_model: accuracy}}},
     Zoology's Figure 2) draws, for an architecture `matches` maps to an hla-bench mixer,
     hollow markers of that mixer's colour. Past styles.MAX_SERIES mixers, the files
     `recall_accuracy_vs_*.FMT` are an overview and `recall_accuracy_vs_*-FAMILY.FMT` hold
     each family; `mixers` (comma-separated globs) chooses the mixers instead, in one
     figure."""
-    from hla_bench import styles
-    from hla_bench.plots import save_figure_tight, select
+    from hla_bench.results import styles
+    from hla_bench.results.plots import save_figure_tight, select
 
     plt, plots_dir = pyplot_for(plots_dir, fmt)
     every = list(dict.fromkeys(m for by_mixer in summary.values() for m in by_mixer))

@@ -1,5 +1,5 @@
 """Tables and plots of results files, and the `hla-bench report` command (its `--compare`
-of two bench files is `hla_bench.compare`).
+of two bench files is `hla_bench.speed.compare`).
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
 `hla_bench.recall_report.render_recall`. Every file given is checked before anything is
@@ -19,13 +19,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hla_bench import store
-from hla_bench.engine.config import format_seq_len
-from hla_bench.engine.records import iter_groups
-from hla_bench.index import load_checked
-from hla_bench.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
+from hla_bench.results import store
+from hla_bench.speed.sweeps import format_seq_len
+from hla_bench.speed.records import iter_groups
+from hla_bench.results.index import load_checked
+from hla_bench.results.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
 from hla_bench.recall_report import RECALL_TABLES, render_recall
-from hla_bench.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
+from hla_bench.results.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
@@ -168,7 +168,7 @@ def bench_table(points: list[dict[str, Any]], title: str, metric: str = "time",
 
 def bench_tables(points: list[dict[str, Any]], title: str, metric: str, baseline: str | None,
                  console: Console) -> list[Table]:
-    """The bench table of `points` sized to the console (see `hla_bench.tables.fit`): one
+    """The bench table of `points` sized to the console (see `hla_bench.results.tables.fit`): one
     table when it fits, else the mixer columns in consecutive groups, each table with T and
     batch: as few tables as fit, their columns shared out evenly where that fits too; []
     when not even one mixer column fits."""
@@ -293,10 +293,10 @@ def _batch_label(points: list[dict[str, Any]]) -> str:
 
 def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png",
                 baseline: str | None = None, mixers: str | None = None) -> list[Path]:
-    """The speed figures of a bench file (`hla_bench.plots.write_bench_plots`): per
+    """The speed figures of a bench file (`hla_bench.results.plots.write_bench_plots`): per
     (sweep, mode), time, the ratio to `baseline` and memory (decode: the state held) against
     T; `mixers` (comma-separated globs) chooses the mixers drawn."""
-    from hla_bench.plots import write_bench_plots
+    from hla_bench.results.plots import write_bench_plots
 
     return write_bench_plots(data, out_dir, fmt, _group_title, _batch_label, baseline, mixers)
 
@@ -504,10 +504,10 @@ def render_comparison(loaded: list[tuple[str, str, dict[str, Any]]], console: Co
                       memory_tolerance: float, fail_percent: float | None, markdown: bool,
                       plots: str | None, plot_format: str,
                       min_change: float) -> bool:
-    """`report --compare`: the comparison of two loaded bench files (`hla_bench.compare`)
+    """`report --compare`: the comparison of two loaded bench files (`hla_bench.speed.compare`)
     as a table (plain lines where it does not fit; markdown with `markdown`), its summary,
     and its plots; True when `fail_percent` is given and some point fails it."""
-    from hla_bench import compare
+    from hla_bench.speed import compare
 
     (old_path, _, old), (new_path, _, new) = loaded
     names = Path(old_path).name, Path(new_path).name
@@ -580,8 +580,8 @@ def _only_points(path: str, kind: str, data: dict[str, Any], option: str, key: s
 
 
 def write_folder_index(folder: str, console: Console) -> None:
-    """`report --index DIR`: write DIR/README.md (`hla_bench.index`)."""
-    from hla_bench import index
+    """`report --index DIR`: write DIR/README.md (`hla_bench.results.index`)."""
+    from hla_bench.results import index
 
     try:
         path, count = index.write_index(folder)

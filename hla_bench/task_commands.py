@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 import tasks
-from hla_bench.engine.config import parse_value
-from hla_bench.tables import print_table
+from hla_bench.speed.sweeps import parse_value
+from hla_bench.results.tables import print_table
 
 ROLE_STYLES = {"key": "bold cyan", "value": "bold green", "query": "bold magenta",
                "filler": "dim", "noise": "yellow", "special": "bold red"}

@@ -30,8 +30,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench import registry
-from hla_bench.store import StoreError, atomic_write_text, check_out, check_writable, file_kind
-from hla_bench.tables import pack, print_table
+from hla_bench.results.load import file_kind
+from hla_bench.results.store import StoreError, atomic_write_text, check_out, check_writable
+from hla_bench.results.tables import pack, print_table
 from mixers.reference import relative_error
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -257,7 +258,7 @@ _LEGACY_KEYS = ["device", "dtype", "seed", "seq_len", "checks"]
 
 def output_kind(path: Path) -> str | None:
     """The kind of the file at `path` as --yaml's policy sees it: the kind its first lines
-    name (`store.file_kind`), "verify" for a verify output written before the kind line
+    name (`load.file_kind`), "verify" for a verify output written before the kind line
     (a mapping starting with run_all's keys and holding `passed`), else None."""
     kind = file_kind(path)
     if kind is not None:
@@ -386,7 +387,7 @@ def verify(device: str, dtype_name: str, seed: int, seq_len: int, as_json: bool,
     try:
         result = run_all(seed=seed, seq_len=seq_len, dtype_name=dtype_name, device=device)
     except (MemoryError, RuntimeError) as error:
-        from hla_bench.engine.runner import is_oom
+        from hla_bench.speed.runner import is_oom
 
         if not is_oom(error):
             raise

@@ -9,10 +9,11 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import bench, configs, registry, results
-from hla_bench.engine import runner as engine_runner
-from hla_bench.engine.config import load_config
-from hla_bench.engine.records import point_key
+from hla_bench import bench, configs, registry
+from hla_bench.results import bench_files as results
+from hla_bench.speed import runner as engine_runner
+from hla_bench.speed.sweeps import load_config
+from hla_bench.speed.records import point_key
 from hla_bench.cli import main
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
 
@@ -86,7 +87,7 @@ def test_bench_json_output(runner, fake_mixers, tmp_path):
 def test_bench_options_are_the_sweep_settings_with_their_defaults(runner, monkeypatch):
     """A bench run without options and a config file giving only the mixers are the same
     sweep: one default per setting."""
-    from hla_bench.engine.config import SweepConfig, setting_fields
+    from hla_bench.speed.sweeps import SweepConfig, setting_fields
 
     seen = []
     monkeypatch.setattr(bench, "execute", lambda config, sweeps, *a: seen.append(sweeps))
@@ -408,7 +409,7 @@ def test_runs_without_out_never_share_a_file(runner, fake_mixers, tmp_path, monk
 def test_a_file_being_written_is_refused_naming_the_writer(runner, fake_mixers, tmp_path):
     import os
 
-    from hla_bench.store import ResultsStore
+    from hla_bench.results.store import ResultsStore
 
     out = tmp_path / "r.yaml"
     holder = ResultsStore.open(out, kind="bench", key=point_key, settings={},

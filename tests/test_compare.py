@@ -9,7 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from grids import parametrize
-from hla_bench import compare, report, results
+from hla_bench import report
+from hla_bench.speed import compare
+from hla_bench.results import bench_files as results
 from test_report import _data, _point
 
 RESULTS = Path(__file__).parent.parent / "results"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hla_bench import results
+from hla_bench.results import bench_files as results
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = ("a", "b", "c", "d")
@@ -24,7 +24,7 @@ SEQ_LENS = (16, 32, 64, 128, 256, 512)
 DRIVER = textwrap.dedent("""
     import os, sys, time
     from hla_bench import registry
-    from hla_bench.engine import runner
+    from hla_bench.speed import runner
     from hla_bench.cli import main
 
     def build(**options):

@@ -11,7 +11,9 @@ import matplotlib.colors  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
-from hla_bench import compare, plots, recall_report, report, results, styles  # noqa: E402
+from hla_bench import recall_report, report  # noqa: E402
+from hla_bench.speed import compare
+from hla_bench.results import plots, bench_files as results, styles  # noqa: E402
 from hla_bench.recall_report import summarize  # noqa: E402
 
 BENCH_MIXERS = [  # (label, mixer name, time factor)

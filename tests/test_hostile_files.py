@@ -13,7 +13,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from hla_bench import index, store
+from hla_bench.results import index, store
+from hla_bench.results.load import load
 from hla_bench.cli import main
 from test_recall import recall_args
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
@@ -60,7 +61,7 @@ def renamed(value, old, new):
 
 def with_sweep_named(path, name):
     """The results file at `path`, rewritten whole with its sweep named `name`."""
-    data = renamed(store.load_results(path), "plain", name)
+    data = renamed(load(path), "plain", name)
     path.write_text(store.dump_results(data))
     return path
 
@@ -217,7 +218,7 @@ def test_report_plots_refuse_a_sweep_name_that_would_leave_the_folder(tmp_path, 
 def test_a_plot_name_is_checked_where_the_path_is_made():
     """The last guard, behind the check at load: a name never joins a folder unchecked."""
     from hla_bench import safe_files
-    from hla_bench.plots import plot_path
+    from hla_bench.results.plots import plot_path
 
     assert plot_path("out", "d64-fwd", "png") == Path("out/d64-fwd.png")
     for stem in ("../x-fwd", "a/b-fwd", "/abs/x-fwd", ".x", "", 3):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hla_bench import results
+from hla_bench.results import bench_files as results
 from hla_bench.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ OOM_SCRIPT = textwrap.dedent("""
     from pathlib import Path
 
     from hla_bench import registry
-    from hla_bench.engine import isolate
+    from hla_bench.speed import isolate
 
     COUNTER = Path(os.environ["HOSTILE_OOM_COUNTER"])
 

@@ -20,11 +20,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hla_bench import registry, results, store
+from hla_bench import registry
+from hla_bench.results import bench_files as results, store
 from hla_bench.cli import main
-from hla_bench.engine import runner as engine_runner
-from hla_bench.engine.config import parse_modes
-from hla_bench.engine.timing import PointTimeout, time_limit
+from hla_bench.speed import runner as engine_runner
+from hla_bench.speed.sweeps import parse_modes
+from hla_bench.speed.timing import PointTimeout, time_limit
 from mixers.hla import ahla2, ahla2_step, hla2, hla2_step, hla3, hla3_step
 from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
 

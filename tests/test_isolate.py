@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hla_bench import results
+from hla_bench.results import bench_files as results
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run as a script: the spawned children import it again (as __mp_main__), so they register

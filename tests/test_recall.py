@@ -17,7 +17,7 @@ from hla_bench import configs, registry
 from hla_bench.cli import main
 from hla_bench.recall_config import ConfigError, load_config, plan_runs, validate_config
 from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
-from hla_bench.store import dump_results
+from hla_bench.results.store import dump_results
 from hla_bench.training import build_model, default_workers, run_groups, state_bytes, step_flops
 from mixers.layer import MixerLayer
 from tasks import IGNORE
@@ -660,7 +660,8 @@ def test_recall_plots_wrap_their_panels_and_name_every_mixer_in_one_legend(tmp_p
     """Five settings and the overall take two rows of four panels (two left blank); a mixer
     run in the first setting only still has its entry in the one legend, the figure's,
     outside the panels."""
-    from hla_bench import plots, recall_report
+    from hla_bench import recall_report
+    from hla_bench.results import plots
 
     figures = []
     monkeypatch.setattr(plots, "save_figure_tight",

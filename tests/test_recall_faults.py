@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from hla_bench.recall_report import validate_recall
-from hla_bench.store import load_results
+from hla_bench.results.load import load
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ["recall", "--task", "mqar", "--mixers", "linear-attn,hla2,mamba2-ssd",
@@ -65,7 +65,7 @@ def test_killed_sweeps_leave_a_resumable_file_and_resume_trains_only_the_missing
         process.wait()
         if not out.exists():
             continue
-        data = load_results(out, "recall", validate=validate_recall)
+        data = load(out, "recall", validate=validate_recall)
         finished = {(r["mixer"], r["lr"], r["seed"]): r["curve"] for r in data["runs"]
                     if r["status"] == "ok"}
         resumed = subprocess.run([sys.executable, "-m", "hla_bench", *SWEEP, "--workers", "1",

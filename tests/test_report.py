@@ -7,8 +7,9 @@ import yaml
 from click.testing import CliRunner
 from rich.console import Console
 
-from hla_bench import report, results, store, tables
-from hla_bench.engine.runner import run_sweeps
+from hla_bench import report
+from hla_bench.results import bench_files as results, store, tables
+from hla_bench.speed.runner import run_sweeps
 from test_sweeps import fake_mixers, tiny_sweep  # noqa: F401  (fixture)
 
 
@@ -269,7 +270,7 @@ def test_mode_shows_only_the_named_modes(tmp_path):
 
 
 def test_index_lists_each_file_from_its_own_record(tmp_path):
-    from hla_bench import index, store
+    from hla_bench.results import index, store
 
     data = _data([_point("a", 1024, 4.0), _point("b", 1024, 0, status="oom")])
     data["config"]["name"] = "smoke"
@@ -320,11 +321,11 @@ def test_the_repository_results_index_is_the_generated_one():
     """results/README.md is `hla-bench report --index results` of the files there now."""
     from pathlib import Path
 
-    from hla_bench import index
+    from hla_bench.results import index
 
     folder = Path(__file__).resolve().parents[1] / "results"
     text, count = index.index_markdown(folder)
-    from hla_bench.store import file_kind
+    from hla_bench.results.load import file_kind
 
     files = list(folder.rglob("*.yaml"))
     others = [path for path in files if file_kind(path) is None]
@@ -338,7 +339,7 @@ def test_the_repository_results_index_is_the_generated_one():
 def test_plots_keep_one_colour_per_mixer_show_the_spread_and_take_a_format(tmp_path):
     import matplotlib.pyplot as plt
 
-    from hla_bench.styles import mixer_colors
+    from hla_bench.results.styles import mixer_colors
 
     points = []
     for sweep, labels in (("a", ["m1", "m2"]), ("b", ["m2"])):

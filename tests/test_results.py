@@ -5,8 +5,8 @@ import copy
 import pytest
 import yaml
 
-from hla_bench import results
-from hla_bench.engine.runner import run_sweeps
+from hla_bench.results import bench_files as results
+from hla_bench.speed.runner import run_sweeps
 from hla_bench import registry
 from test_sweeps import FAKES, tiny_sweep
 

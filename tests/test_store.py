@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hla_bench import store
-from hla_bench.store import LockedError, ResultsStore, StoreError
+from hla_bench.results import store
+from hla_bench.results.load import load, parse_results
+from hla_bench.results.store import LockedError, ResultsStore, StoreError
 
 HEADER = {"schema_version": 2, "config": {"name": "t"}}
 
@@ -45,7 +46,7 @@ def test_new_file_layout_and_records(tmp_path):
     s = open_store(path)
     assert not path.exists()  # nothing is written before the first record
     s.add({"name": "a", "t": 1, "v": (1, 2)})
-    data = store.load_results(path, "bench")
+    data = load(path, "bench")
     assert list(data) == ["kind", "schema_version", "config", "settings", "points", "complete",
                           "end_of_results"]
     assert data["points"] == [{"name": "a", "t": 1, "v": [1, 2]}] and data["complete"] is False
@@ -55,7 +56,7 @@ def test_new_file_layout_and_records(tmp_path):
     assert s.has(("a", 1)) and not s.has(("a", 2)) and s.get(("a", 1))["v"] == 3
     assert [r["name"] for r in s.records()] == ["a", "b"] and len(s) == 2
     final = s.close()
-    assert final["complete"] is True and store.load_results(path)["complete"] is True
+    assert final["complete"] is True and load(path)["complete"] is True
     assert not (tmp_path / "sub" / "r.yaml.lock").exists()
     with pytest.raises(StoreError, match="closed"):
         s.add({"name": "c", "t": 0})
@@ -101,7 +102,7 @@ def test_overwrite_replaces_a_results_file_of_the_same_kind(tmp_path):
     with open_store(path, "overwrite", {"repeats": 99}) as s:
         assert s.records() == [] and s.kept == 0
         s.add({"name": "new", "t": 0})
-    data = store.load_results(path)
+    data = load(path)
     assert [r["name"] for r in data["points"]] == ["new"] and data["settings"] == {"repeats": 99}
 
 
@@ -111,7 +112,7 @@ def test_resume_keeps_every_record_and_adds_the_missing(tmp_path):
         assert s.kept == 4 and s.has(("other", 0))
         s.add({"name": "a", "t": 1, "status": "redone"})
         s.add({"name": "b", "t": 0})
-    points = store.load_results(path)["points"]
+    points = load(path)["points"]
     assert [(p["name"], p["t"]) for p in points] == [("a", 0), ("a", 1), ("a", 2), ("other", 0),
                                                      ("b", 0)]
     assert points[1]["status"] == "redone"
@@ -121,7 +122,7 @@ def test_resume_of_a_missing_file_starts_it(tmp_path):
     with open_store(tmp_path / "r.yaml", "resume") as s:
         assert s.kept == 0 and s.previous_header is None
         s.add({"name": "a", "t": 0})
-    assert len(store.load_results(tmp_path / "r.yaml")["points"]) == 1
+    assert len(load(tmp_path / "r.yaml")["points"]) == 1
 
 
 def test_resume_refuses_other_settings_naming_each_key(tmp_path):
@@ -143,7 +144,7 @@ def test_settings_only_one_side_has_are_no_conflict_and_are_kept(tmp_path):
     path = written(tmp_path / "r.yaml", records(1), settings={"sweeps": {"a": {"heads": 2}}})
     with open_store(path, "resume", {"sweeps": {"b": {"heads": 8}}}) as s:
         assert s.settings == {"sweeps": {"a": {"heads": 2}, "b": {"heads": 8}}}
-    assert store.load_results(path)["settings"] == {"sweeps": {"a": {"heads": 2},
+    assert load(path)["settings"] == {"sweeps": {"a": {"heads": 2},
                                                                "b": {"heads": 8}}}
 
 
@@ -159,7 +160,7 @@ def test_resume_gives_the_previous_header_to_a_header_function(tmp_path):
                            mode="resume", header=header) as s:
         assert s.previous_header == {"schema_version": 2, "config": {"name": "t"}}
     assert seen == [{"schema_version": 2, "config": {"name": "t"}}]
-    assert store.load_results(path)["runs_before"] == 1
+    assert load(path)["runs_before"] == 1
 
 
 def test_resume_refuses_a_schema_1_file(tmp_path):
@@ -168,19 +169,19 @@ def test_resume_refuses_a_schema_1_file(tmp_path):
                                    sort_keys=False))
     with pytest.raises(StoreError, match="schema version 1 predates resumable files"):
         open_store(path, "resume")
-    assert store.load_results(path)["schema_version"] == 1  # still readable
+    assert load(path)["schema_version"] == 1  # still readable
 
 
 def test_a_file_cut_at_any_byte_is_rejected(tmp_path):
     path = written(tmp_path / "r.yaml", records(3, extra="x" * 5), settings={"repeats": 3})
     text = path.read_text()
-    store.parse_results(text)  # the whole file is valid
+    parse_results(text)  # the whole file is valid
     cut = tmp_path / "cut.yaml"
     header = len("kind: bench\nschema_version: 2\n")
     for end in range(len(text)):
         # once the header is whole, every cut says so, wherever YAML parsing stops
         with pytest.raises(StoreError, match="cut short" if end >= header else None):
-            store.parse_results(text[:end])
+            parse_results(text[:end])
     for end in (len(text) - 1, len(text) - 5, len(text) // 2, 40):
         cut.write_text(text[:end])
         with pytest.raises(StoreError, match=r"cannot resume .*cut\.yaml: .*cut short"):
@@ -207,14 +208,14 @@ def test_a_file_cut_at_any_byte_is_rejected(tmp_path):
 ])
 def test_structure_errors_name_the_problem(text, message):
     with pytest.raises(StoreError, match=message):
-        store.parse_results(text)
+        parse_results(text)
 
 
-def test_load_results_names_the_file(tmp_path):
+def test_load_names_the_file(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("a: [1, 2")
     with pytest.raises(StoreError, match=r"^.*broken\.yaml: not valid YAML"):
-        store.load_results(path)
+        load(path)
 
 
 def test_validate_runs_on_resume_and_before_every_write(tmp_path):
@@ -280,7 +281,7 @@ def test_a_value_used_twice_is_written_twice_without_anchors(tmp_path):
         s.update_header({"config": shared, "also": shared}, write=False)
         s.add({"name": "a", "t": 0, "options": shared})
     assert "&" not in path.read_text() and "*id" not in path.read_text()
-    assert store.load_results(path)["points"][0]["options"] == {"scale": 2}
+    assert load(path)["points"][0]["options"] == {"scale": 2}
 
 
 def test_temporary_names_are_unique_and_leftovers_are_removed(tmp_path, monkeypatch):
@@ -328,7 +329,7 @@ def test_the_lock_is_released_when_the_block_raises(tmp_path):
             s.add({"name": "a", "t": 0})
             raise RuntimeError("stop")
     assert not (tmp_path / "r.yaml.lock").exists()
-    data = store.load_results(path)
+    data = load(path)
     assert data["complete"] is False and len(data["points"]) == 1
     open_store(path, "resume").release()
 
@@ -375,7 +376,7 @@ def test_without_flock_a_live_pid_holds_the_lock_and_a_dead_one_does_not(tmp_pat
 
 HOLDER = textwrap.dedent("""
     import signal, sys, time
-    from hla_bench.store import ResultsStore
+    from hla_bench.results.store import ResultsStore
     # a process started in the background inherits SIGINT ignored: take Python's own handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
     s = ResultsStore.open(sys.argv[1], kind="bench", key=lambda r: r["t"], settings={},

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from hla_bench import registry
-from hla_bench.engine import runner
-from hla_bench.engine.config import (MixerSpec, SweepConfig, format_seq_len, parse_config,
+from hla_bench.speed import runner
+from hla_bench.speed.sweeps import (MixerSpec, SweepConfig, format_seq_len, parse_config,
                                      parse_mixer_specs, parse_seq_len, parse_seq_lens,
                                      setting_fields)
-from hla_bench.engine.records import FIELDS, KEY, empty_record
-from hla_bench.engine.runner import plan, run_sweeps
-from hla_bench.engine.timing import (MAX_SAMPLES, Sampling, percentile, sample_rounds,
+from hla_bench.speed.records import FIELDS, KEY, empty_record
+from hla_bench.speed.runner import plan, run_sweeps
+from hla_bench.speed.timing import (MAX_SAMPLES, Sampling, percentile, sample_rounds,
                                      summarize_times, time_calls, warm_up)
 
 
@@ -589,7 +589,7 @@ def test_decode_graph_needs_cuda_and_a_flag(fake_mixers):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_replay_runs_the_captured_work_and_refuses_host_syncs():
-    from hla_bench.engine.timing import cuda_graph_replay
+    from hla_bench.speed.timing import cuda_graph_replay
 
     x = torch.zeros(4, device="cuda")
     replay = cuda_graph_replay(lambda: x.add_(1))
@@ -602,7 +602,7 @@ def test_cuda_graph_replay_runs_the_captured_work_and_refuses_host_syncs():
 
 
 def test_cpu_peak_memory_sees_a_large_allocation(fake_mixers):
-    from hla_bench.engine.timing import peak_memory_bytes
+    from hla_bench.speed.timing import peak_memory_bytes
 
     size = 64 * 2 ** 20
     measured = peak_memory_bytes(lambda: torch.ones(size // 4).sum(), "cpu")

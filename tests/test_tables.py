@@ -8,7 +8,8 @@ from click.testing import CliRunner
 from rich.console import Console
 from rich.table import Table
 
-from hla_bench import registry, report, results, tables, verify
+from hla_bench import registry, report, verify
+from hla_bench.results import bench_files as results, tables
 from hla_bench.cli import main
 from test_report import _data, _point
 from test_sweeps import _fast_op, fake_mixers  # noqa: F401  (fixture)
@@ -112,7 +113,7 @@ def test_bench_lines_where_no_table_fits():
 
 
 def test_comparison_keeps_names_whole():
-    from hla_bench import compare
+    from hla_bench.speed import compare
 
     old = _data([_point(LONG, 1024, 4.0), _point("b", 4096, 2.0)])
     new = _data([_point(LONG, 1024, 8.0), _point("b", 4096, 1.0)])

@@ -96,7 +96,7 @@ def test_an_unwritable_yaml_path_is_a_usage_error_before_the_checks(tmp_path, mo
 def test_an_existing_yaml_file_is_replaced_only_with_overwrite_and_never_a_results_file(
         tmp_path, monkeypatch):
     import hla_bench.verify as verify
-    from hla_bench import store
+    from hla_bench.results import store
 
     monkeypatch.setattr(verify, "run_all", lambda **kw: {"passed": True, "checks": []})
     monkeypatch.setattr(verify, "render", lambda result, console: None)

@@ -41,9 +41,9 @@ import numpy as np
 from rich.markup import escape
 from rich.table import Table
 
-from hla_bench.engine.config import format_seq_len
-from hla_bench.plots import plot_path, pyplot_for, seq_len_axis
-from hla_bench.tables import STATUS_LABELS, format_value
+from hla_bench.speed.sweeps import format_seq_len
+from hla_bench.results.plots import plot_path, pyplot_for, seq_len_axis
+from hla_bench.results.tables import STATUS_LABELS, format_value
 
 ALPHA = 0.01
 BOOTSTRAP_DRAWS = 2000
@@ -471,8 +471,8 @@ def write_plots(result: dict[str, Any], out_dir: str | Path, fmt: str = "png") -
     """One figure per mode: the ratio against T, a line per (sweep, mixer) in one colour per
     mixer, with the bootstrap interval as error bars where there are samples; a dashed line
     at 1 (no change)."""
-    from hla_bench import styles
-    from hla_bench.plots import legend_outside, save_figure_tight
+    from hla_bench.results import styles
+    from hla_bench.results.plots import legend_outside, save_figure_tight
 
     plt, out_dir = pyplot_for(out_dir, fmt)
     rows = [row for row in result["rows"] if row["ratio"] is not None]

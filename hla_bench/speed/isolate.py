@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from hla_bench.engine.config import SweepConfig, format_seq_len
-from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
-from hla_bench.engine.runner import Point, plan, run_sweeps
+from hla_bench.speed.sweeps import SweepConfig, format_seq_len
+from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+from hla_bench.speed.runner import Point, plan, run_sweeps
 from hla_bench.processes import exit_with_parent, how_it_ended
 
 # Files with an `oom_kill N` line: the kernel's count of processes its out-of-memory killer
@@ -169,7 +169,7 @@ def run_sweeps_isolated(sweeps: list[SweepConfig], *, previous: list[dict[str, A
                         on_measured: Callable[[dict[str, Any]], None] | None = None,
                         on_point: Callable[[int, int, Point], None] | None = None,
                         ) -> list[dict[str, Any]]:
-    """`hla_bench.engine.runner.run_sweeps` with each (sweep, mixer) point group in a fresh
+    """`hla_bench.speed.runner.run_sweeps` with each (sweep, mixer) point group in a fresh
     process; `on_point(index, total, point)` as each measured record arrives. Returns every
     record of the plan (kept and measured), in plan order."""
     context = multiprocessing.get_context("spawn")

@@ -1,6 +1,6 @@
 """Benchmark results files: schema, environment capture, validated load and save.
 
-A bench results file is YAML, written through `hla_bench.store` (atomic writes, a lock,
+A bench results file is YAML, written through `hla_bench.results.store` (atomic writes, a lock,
 a completion marker):
 
     kind: bench              # report dispatches on it (recall files say `recall`)
@@ -11,7 +11,7 @@ a completion marker):
     environment: {...}       # versions, GPU, host, git commit, memory method
     earlier_runs: [...]      # optional: config and environment of the runs a resume continued
     settings: {sweeps: {NAME: {...}}}   # per sweep, what a resume must match
-    points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields: engine.records.FIELDS
+    points: [{...}, ...]     # one per (sweep, mode, mixer, T); fields: speed.records.FIELDS
     complete: true           # the plan ran to its end
     end_of_results: true     # the completion marker
 
@@ -33,9 +33,10 @@ from typing import Any, Mapping
 
 from hla_bench import __version__
 from hla_bench.processes import cuda_mps_active
-from hla_bench import store
-from hla_bench.engine import records
-from hla_bench.engine.config import SweepConfig
+from hla_bench.results import store
+from hla_bench.results.load import MARKER_KEY, check_structure, load as load_file
+from hla_bench.speed import records
+from hla_bench.speed.sweeps import SweepConfig
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -93,7 +94,7 @@ def capture_environment(device: str) -> dict[str, Any]:
     """What the numbers depend on: hardware, driver and library versions, code version."""
     import torch
 
-    from hla_bench.engine.timing import memory_method, timing_method
+    from hla_bench.speed.timing import memory_method, timing_method
 
     env: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -162,7 +163,7 @@ def make_results(config: Mapping[str, Any], sweeps: list[Mapping[str, Any]],
     """A whole bench results document, in the store's layout."""
     return {"kind": KIND, **make_header(config, sweeps, environment),
             "settings": dict(settings or {}), "points": list(points), "complete": complete,
-            store.MARKER_KEY: True}
+            MARKER_KEY: True}
 
 
 def _check_fields(where: str, data: Any, fields: Mapping[str, tuple[tuple[type, ...], bool]],
@@ -221,9 +222,9 @@ def _check_point(where: str, point: Any) -> None:
 
 def validate(data: Any) -> dict[str, Any]:
     """Check `data` against the bench schema (after the structure every results file has,
-    see `store.check_structure`); ResultsSchemaError names the first bad field."""
+    see `load.check_structure`); ResultsSchemaError names the first bad field."""
     try:
-        store.check_structure(data, KIND)
+        check_structure(data, KIND)
     except ResultsSchemaError:
         raise
     except store.StoreError as error:
@@ -248,7 +249,7 @@ def validate(data: Any) -> dict[str, Any]:
 def load(path: str | Path) -> dict[str, Any]:
     """A validated bench results file; ResultsSchemaError names the file and the problem."""
     try:
-        return store.load_results(path, KIND, validate)
+        return load_file(path, KIND, validate)
     except ResultsSchemaError:
         raise
     except store.StoreError as error:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from hla_bench.engine.config import format_seq_len
+from hla_bench.speed.sweeps import format_seq_len
 from hla_bench.safe_files import (UnsafeNameError, name_problem, path_in, plain_name,
                                   replace_atomically)
 
@@ -283,7 +283,7 @@ def fastest(times: dict[str, dict[int, float]], candidates: list[str]) -> str | 
 def default_baseline(points: list[dict]) -> str | None:
     """The fastest (see `fastest`) linear-attention mixer among `points`, else the fastest
     mixer of any family."""
-    from hla_bench import styles
+    from hla_bench.results import styles
 
     times = _times(points)
     names = {p["mixer"]: p.get("name") for p in points}
@@ -305,7 +305,7 @@ def _ratio_rank(times: dict[str, dict[int, float]], baseline: str | None) -> dic
 
 def _failure_lines(points: list[dict]) -> list[str]:
     """A line per (mixer, status, reason) of the points that did not run."""
-    from hla_bench.tables import STATUS_LABELS
+    from hla_bench.results.tables import STATUS_LABELS
 
     seen: dict[tuple[str, str, str], list[int]] = {}
     for p in points:
@@ -324,7 +324,7 @@ def bench_figure(plt: Any, points: list[dict], labels: list[str], baseline: str 
     p20-p80 band shaded), the time over the baseline's at the same T on a log2 axis, and
     peak memory above the inputs (decode: the state held) with byte ticks; the legend
     right of the panels; the points that did not run and `notes` under them."""
-    from hla_bench import styles
+    from hla_bench.results import styles
 
     names = {p["mixer"]: p.get("name") for p in points}
     decode = points[0]["mode"] == "decode"
@@ -388,7 +388,7 @@ def bench_figure(plt: Any, points: list[dict], labels: list[str], baseline: str 
 
 
 def _family_of(label: str, names: dict[str, str]) -> str:
-    from hla_bench import styles
+    from hla_bench.results import styles
 
     return styles.family(styles.base_name(label, names.get(label)))
 
@@ -408,8 +408,8 @@ def write_bench_plots(data: dict[str, Any], out_dir: str | Path, fmt: str,
     baseline: `baseline` where the group has it, else the fastest linear-attention mixer
     (`default_baseline`). `patterns` (`select`) chooses the mixers drawn, all in one figure
     per group; a group none of whose mixers matches is left out."""
-    from hla_bench import styles
-    from hla_bench.engine.records import iter_groups
+    from hla_bench.results import styles
+    from hla_bench.speed.records import iter_groups
 
     plt, out_dir = pyplot_for(out_dir, fmt)
     written = []

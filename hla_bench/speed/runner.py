@@ -1,7 +1,7 @@
 """The runner: the plan of a sweep's points, the call that times each, and the sweep itself.
 
 A sweep crosses mixers x modes x sequence lengths at fixed heads / head_dim / dtype; each
-point gives one record (`hla_bench.engine.records`). Mixers are reached only through
+point gives one record (`hla_bench.speed.records`). Mixers are reached only through
 `hla_bench.registry`. A failure at one point (out of memory, an exception, a missing
 package, running past the sweep's point_timeout_s) is recorded as that point's status and
 the sweep goes on; once a mixer runs out of memory at some T in a mode, its larger T in
@@ -9,7 +9,7 @@ that mode are recorded as out of memory without being tried.
 
 The mixers of a sweep are timed side by side at each shape: every mixer's call at one
 (mode, T) is built and warmed up, then sampled in interleaved rounds (one sample of each per
-round, `hla_bench.engine.timing`), so a drift of the machine's speed over seconds falls on
+round, `hla_bench.speed.timing`), so a drift of the machine's speed over seconds falls on
 every mixer alike and their ratios are the mixers'. Points that replay CUDA graphs are timed
 one at a time: a graph bakes in the addresses of the workspaces its kernels used, and a
 graph replayed after a library has regrown and freed its workspace for another capture
@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from hla_bench import registry
-from hla_bench.engine.config import MixerSpec, SweepConfig, format_seq_len
-from hla_bench.engine.records import KEPT_STATUSES, empty_record, point_key
-from hla_bench.engine.timing import (ESTIMATE_CALLS, CacheFlusher, PointTimeout, Sampling,
+from hla_bench.speed.sweeps import MixerSpec, SweepConfig, format_seq_len
+from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+from hla_bench.speed.timing import (ESTIMATE_CALLS, CacheFlusher, PointTimeout, Sampling,
                                      cuda_graph_replay, peak_memory_bytes, sample_rounds,
                                      summarize_times, time_limit, warm_up)
 from mixers import dispatch

@@ -4,7 +4,7 @@ A record is a plain mapping (a YAML mapping in the file). FIELDS declares every 
 the types it accepts, whether it may be null, the values it may take, whether it is part of
 the key that identifies a point across runs, whether files written before it existed may
 lack it, and the value a new record takes from its planned point. `empty_record`, `KEY` and
-`point_key`, and the schema `hla_bench.results.validate` checks, all derive from it.
+`point_key`, and the schema `hla_bench.results.bench_files.validate` checks, all derive from it.
 
 Invariant: a record whose status is not `ok` has null time, rate and memory fields (a
 failure leaves the empty record's values, plus its status and reason).
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import yaml
 
-from hla_bench.engine.config import MODES
+from hla_bench.speed.sweeps import MODES
 
 STATUSES = ("ok", "oom", "error", "unavailable", "unsupported", "timeout")
 # Statuses a resumed sweep keeps; an error or a timeout is measured again.
