@@ -31,25 +31,14 @@ path. `impl="auto"` takes "triton" for float32 CUDA rows, "torch" otherwise (flo
 
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path needs no Triton (pyproject installs it on Linux only)
-    triton = None
+from tasks.kernels.common import IMPLS, INTERPRETED, div_rn, interpreted, tl, triton
 
-IMPLS = ("auto", "triton", "torch")
 DTYPES = (torch.float32, torch.float64)
 BLOCK = 1024  # entries of a row per program
-
-
-def interpreted() -> bool:
-    """Whether Triton kernels run under its interpreter (TRITON_INTERPRET=1: on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.no_grad()
@@ -166,7 +155,7 @@ if triton is not None:
         ok = cols < P
         lr = tl.load(LR + n * stride_lr).to(CT)
         decay = tl.load(DECAY + n * stride_decay)
-        step_size = _div(lr, tl.load(C1), CT)
+        step_size = div_rn(lr, tl.load(C1), CT)
         p = tl.load(PARAM + n * stride_p + cols, mask=ok)
         g = tl.load(GRAD + n * stride_g + cols, mask=ok)
         m = tl.load(M + n * stride_m + cols, mask=ok)
@@ -185,13 +174,11 @@ if triton is not None:
             root = tl.sqrt(v)
         else:
             root = tl.sqrt_rn(v)
-        denom = _div(root, tl.load(C2), CT) + tl.full([], EPS, CT)
-        p = p - _div(m, denom, CT) * step_size
+        denom = div_rn(root, tl.load(C2), CT) + tl.full([], EPS, CT)
+        p = p - div_rn(m, denom, CT) * step_size
         tl.store(PARAM + n * stride_p + cols, p, mask=ok)
         tl.store(M + n * stride_m + cols, m, mask=ok)
         tl.store(V + n * stride_v + cols, v, mask=ok)
-
-    INTERPRETED: tl.constexpr = tl.constexpr(interpreted())
 
     @triton.jit
     def _fma(a, b, c, CT: tl.constexpr):
@@ -202,11 +189,3 @@ if triton is not None:
             return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
         else:
             return tl.fma(a, b, c)
-
-    @triton.jit
-    def _div(a, b, CT: tl.constexpr):
-        """a / b rounded to nearest (Triton's float32 `/` is approximate)."""
-        if CT == tl.float64:
-            return a / b
-        else:
-            return tl.div_rn(a, b)

@@ -93,3 +93,12 @@ def check_device(reference: torch.Tensor, **tensors) -> None:
 def accumulator(dtype: torch.dtype) -> torch.dtype:
     """The dtype statistics and sums run in for inputs of `dtype`: float32, or float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@jit
+def div_rn(a, b, CT: tl.constexpr):
+    """a / b rounded to nearest in CT (Triton's float32 `/` is approximate)."""
+    if CT == tl.float64:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
