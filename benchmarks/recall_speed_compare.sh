@@ -3,10 +3,11 @@
 # recall_throughput.py's stacked mode (every group of a cell at once, under CUDA MPS) for each
 # code, then where this checkout's step goes (profile mode, each group alone).
 #
-#   bash benchmarks/recall_speed_compare.sh OUT BASELINE [CELLS]
+#   bash benchmarks/recall_speed_compare.sh OUT BASELINE [CELLS [MIXERS]]
 #
 # BASELINE is a checkout of the earlier code (`git worktree add BASELINE COMMIT`); CELLS as
-# recall_throughput.py's --cells (default 256:128: Zoology's 256/16 setting at d_model 128).
+# recall_throughput.py's --cells (default 256:128: Zoology's 256/16 setting at d_model 128);
+# MIXERS a comma-separated list (default every mixer of zoology-fig2).
 # Writes OUT/baseline-compiled.yaml (the earlier code as its zoology-fig2 config runs it:
 # compiled), OUT/stacked-eager.yaml and OUT/stacked-compiled.yaml (this code, its step eager
 # with the fused kernels, and compiled) and OUT/profile-eager.yaml. Optional packages come
@@ -15,6 +16,7 @@ set -uo pipefail
 out=${1:?usage: recall_speed_compare.sh OUT BASELINE [CELLS]}
 baseline=$(cd "${2:?usage: recall_speed_compare.sh OUT BASELINE [CELLS]}" && pwd)
 cells=${3:-256:128}
+mixers=${4:-sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 NCCL_NVLS_ENABLE=0
@@ -29,11 +31,9 @@ bench() {  # bench CODE_DIR OUTFILE ARGS...
     local code=$1 file=$2
     shift 2
     (cd "$code" && PYTHONPATH="$code$site" python3 benchmarks/recall_throughput.py \
-        --config zoology-fig2 --cells "$cells" --mixers all --steps 150 --out "$file" "$@") \
+        --config zoology-fig2 --cells "$cells" --mixers "$mixers" --steps 150 --out "$file" "$@") \
         2>&1 | grep -v -i warning | tail -4 | cut -c1-400
 }
-mixers=sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd,fla-gla,fla-delta-rule
-# the earlier code's script takes no "all"
 (cd "$baseline" && PYTHONPATH="$baseline$site" python3 benchmarks/recall_throughput.py \
     --config zoology-fig2 --cells "$cells" --mixers "$mixers" --modes stacked --compile \
     --steps 150 --out "$out/baseline-compiled.yaml") 2>&1 | grep -v -i warning | tail -4 | cut -c1-400
