@@ -1,4 +1,5 @@
-"""Adapters for flash-linear-attention (fla) kernels as mixers: the "fla" family's entries.
+"""Adapters for flash-linear-attention (fla) kernels as mixers: the "fla" family's fixed-gate
+entries (fla's own layers, with learned gates, are in mixers/fla_layers.py).
 
 fla's ops take `[B, T, H, D]` inputs (its current layout) and return (o, final_state) with
 a `[B, H, K, V]` state, which we keep as {"S": state}. Gates and betas are bound to fixed
@@ -158,22 +159,25 @@ def fla_mixers() -> list[Mixer]:
         fla_entry("fla-simple-gla",
                   FlaKernel("fla.ops.simple_gla", "chunk_simple_gla",
                             "fused_recurrent_simple_gla", _simple_gate),
-                  "fla simple GLA: linear attention with a fixed per-head decay.", {},
+                  "fla simple GLA, fixed-gate: linear attention with a fixed per-head decay.", {},
                   flops=linear_attn_flops),
         fla_entry("fla-gla",
                   FlaKernel("fla.ops.gla", "chunk_gla", "fused_recurrent_gla", _channel_gate,
                             recurrent_extras=lambda q, o: {"gk": _channel_gate(q, o)["g"]}),
-                  "fla GLA: linear attention with per-channel (here fixed) log gates.", {},
+                  "fla GLA kernel, fixed-gate: a fixed per-head decay on every key channel "
+                  "(learned gates: fla-gla-learned).", {},
                   flops=linear_attn_flops),
         fla_entry("fla-delta-rule",
                   FlaKernel("fla.ops.delta_rule", "chunk_delta_rule",
                             "fused_recurrent_delta_rule", _beta, l2_qk=True, max_key_dim=256),
-                  "fla DeltaNet: delta-rule state update, L2-normalised q/k, fixed beta.",
+                  "fla DeltaNet kernel, fixed-gate: delta rule, L2-normalised q/k, fixed beta "
+                  "(learned beta: fla-deltanet-learned).",
                   {"beta": 1.0}),
         fla_entry("fla-gated-delta-rule",
                   FlaKernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule",
                             "fused_recurrent_gated_delta_rule", _gated_beta, l2_qk=True,
                             max_key_dim=256),
-                  "fla Gated DeltaNet: delta rule with a fixed per-head decay and beta.",
+                  "fla Gated DeltaNet kernel, fixed-gate: fixed per-head decay and beta "
+                  "(learned: fla-gated-deltanet).",
                   {"beta": 1.0}),
     ]
