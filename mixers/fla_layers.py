@@ -225,9 +225,10 @@ def refused_backward(layer: nn.Module, x: torch.Tensor) -> str | None:
     whether fla refuses it or a backend it has takes it; the outcome is kept per class,
     device and dtype. Never while a CUDA graph is being captured (the first eager step has
     probed by then)."""
-    if not _may_refuse_here() or torch.cuda.is_current_stream_capturing():
+    if not _may_refuse_here() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     key = (type(layer).__name__, x.device, dtype)
     if key not in _REFUSALS:
         probe = x[:1].detach().requires_grad_(True)
@@ -241,8 +242,13 @@ def refused_backward(layer: nn.Module, x: torch.Tensor) -> str | None:
     return _REFUSALS[key]
 
 
+def kernels_run_on(x: torch.Tensor) -> bool:
+    """Whether fla's Triton kernels take `x` (a CUDA tensor)."""
+    return x.device.type == "cuda"
+
+
 def _run(module: "FlaLayer", x: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cuda":
+    if not kernels_run_on(x):
         raise NotImplementedError(f"fla's {module.name} runs its Triton kernels on CUDA "
                                   f"tensors only, not {x.device.type}")
     note(layer=f"fla.layers.{module.name}")

@@ -22,6 +22,9 @@ HAND_COUNTS = {
     "fla-gla": (64 * 64, 2 * 64 * 64),
     "fla-delta-rule": (64 * 64, 2 * 64 * 64),
     "fla-gated-delta-rule": (64 * 64, 2 * 64 * 64),
+    "fla-gla-learned": (32 * 64, 2 * 32 * 64),               # fla's keys d_model / 2 wide
+    "fla-deltanet-learned": (64 * 64, 2 * 64 * 64),
+    "fla-gated-deltanet": (64 * 128, 2 * 64 * 128),          # values 2x the head dim
 }
 SHAPES = ((64, 1, 64), (128, 2, 256))
 
