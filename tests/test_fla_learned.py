@@ -112,6 +112,28 @@ def test_missing_fla_gives_the_lazy_import_message(monkeypatch):
             entry.layer(64, 2)
 
 
+def test_the_frontier_config_runs_the_learned_gate_layers_with_valid_options():
+    """zoology-frontier: each learned-gate layer in 2 heads at d_model 64 and 128, next to
+    the fixed-gate entries; every planned (d_model, heads, options) passes the layer's own
+    checks (without fla: the checks run before fla is imported)."""
+    from hla_bench import configs
+    from hla_bench.recall_config import load_config, plan_runs
+
+    specs = plan_runs(load_config(str(configs.find("zoology-frontier")), {}), "cuda")
+    mixers = {spec["mixer"] for spec in specs}
+    assert {"fla-gla", "fla-delta-rule", *NAMES} <= mixers
+    learned = [spec for spec in specs if spec["mixer"] in NAMES]
+    assert len(learned) == 3 * 2 * 4
+    assert {(spec["mixer"], spec["d_model"], spec["n_heads"]) for spec in learned} == {
+        (name, d_model, 2) for name in NAMES for d_model in (64, 128)}
+    for spec in learned:
+        kind = fla_layers.KINDS[spec["mixer"]][0]
+        options = registry.get(spec["mixer"]).resolve_options(spec["mixer_options"])
+        kind.kwargs(spec["d_model"], spec["n_heads"], options)
+    gla = [spec for spec in learned if spec["mixer"] == "fla-gla-learned"]
+    assert all(spec["mixer_options"] == {"use_short_conv": True} for spec in gla)
+
+
 # --- state bytes ----------------------------------------------------------------------------
 
 # Hand counts in float32 elements at (d_model 64, 1 head, 64 tokens) and (d_model 128, 2 heads,
