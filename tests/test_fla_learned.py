@@ -256,9 +256,9 @@ class _RefusedBackward(torch.autograd.Function):
 class _Refusing(nn.Module):
     """A stand-in for an fla layer whose backward fla refuses (fla's layers return a tuple)."""
 
-    def __init__(self):
+    def __init__(self, width=4):
         super().__init__()
-        self.o_proj = nn.Linear(4, 4)
+        self.o_proj = nn.Linear(width, width)
 
     def forward(self, x):
         return self.o_proj(_RefusedBackward.apply(x)), None, None
@@ -288,6 +288,31 @@ def test_no_probe_where_fla_flags_do_not_name_the_refused_case(monkeypatch):
     assert layer(torch.randn(2, 5, 4)).shape == (2, 5, 4)      # its backward would raise
 
 
+def test_a_refused_backward_is_recorded_as_unsupported_by_the_recall_runner(monkeypatch):
+    """The harness's group runner, in process, on a registered stand-in: the run's first
+    step raises fla's refusal, recorded as unsupported with fla's message."""
+    from hla_bench.training import run_group
+    from tasks.train import RunSpec
+
+    monkeypatch.setattr(fla_layers, "_may_refuse_here", lambda: True)
+    monkeypatch.setattr(fla_layers, "kernels_run_on", lambda x: True)
+    monkeypatch.setattr(fla_layers, "_REFUSALS", {})
+    registry.all_mixers()  # the built-ins first, so the stand-in stays a test entry
+    entry = registry.Mixer(
+        name="test-fla-refusing", family="test", description="a refused backward",
+        build_op=lambda **_: None, state_size=lambda d_model, n_heads, seq_len, **_: 0,
+        build_layer=lambda d_model, n_heads, **_: fla_layers.FlaLayer(
+            _Refusing(d_model), "Refusing", probe_backward=True))
+    monkeypatch.setitem(registry._REGISTRY, entry.name, entry)
+    spec = RunSpec(task="mqar", params=dict(vocab_size=64, seq_len=16, num_kv_pairs=2),
+                   mixer=entry.name, d_model=16, lr=1e-3, epochs=1, num_train=32, num_val=8,
+                   num_test=8, batch_size=16, stop_accuracy=1.1).as_dict()
+    (result,) = run_group([spec], lambda event: None, graphs=False)
+    assert result["status"] == "unsupported"
+    assert result["error"] == ("fla refuses Refusing's backward here: Triton >= 3.4.0 and "
+                               "< 3.7.1 on Hopper GPUs: refused here")
+
+
 class _Counting(nn.Module):
     """A stand-in for an fla layer whose backward runs; it counts the rows of each call."""
 
@@ -315,6 +340,47 @@ def test_a_backend_that_takes_the_backward_is_probed_once(monkeypatch):
     assert list(fla_layers._REFUSALS.values()) == [None]
     # the probe's backward added nothing to the weights' gradients
     torch.testing.assert_close(inner.o_proj.weight.grad, plain.o_proj.weight.grad)
+
+
+class _Mixing(nn.Module):
+    """A stand-in for an fla layer with PyTorch ops only (a causal running sum)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.q_proj, self.o_proj = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.o_proj(torch.tanh(self.q_proj(x)).cumsum(1)), None, None
+
+
+@pytest.mark.slow
+def test_under_torch_compile_the_layer_runs_eagerly_inside_the_single_model_step(monkeypatch):
+    """The stacked trainer's single-model path (functional_call) under torch.compile, as
+    `compile: true` configs run it: the same loss and gradients as eagerly; a refused
+    backward is still NotImplementedError."""
+    from tasks.model import TinyLM
+    from tasks.stacked import StackedLM
+
+    monkeypatch.setattr(fla_layers, "_may_refuse_here", lambda: True)
+    monkeypatch.setattr(fla_layers, "kernels_run_on", lambda x: True)
+    monkeypatch.setattr(fla_layers, "_REFUSALS", {})
+    tokens = torch.randint(0, 32, (1, 4, 12), generator=torch.Generator().manual_seed(0))
+    for inner, refused in ((_Mixing, False), (_Refusing, True)):
+        torch.manual_seed(0)
+        model = TinyLM(32, 16, lambda: fla_layers.FlaLayer(inner(16), inner.__name__,
+                                                           probe_backward=True),
+                       n_layers=2, state_mixer="identity", init="zoology")
+        stacked = StackedLM([model])
+        compiled = torch.compile(stacked.losses)
+        if refused:
+            with pytest.raises(NotImplementedError, match="refused here"):
+                compiled(tokens, tokens.clone(), 48)
+            continue
+        stacked.losses(tokens, tokens.clone(), 48).sum().backward()
+        eager = stacked.grad.clone()
+        stacked.zero_grad()
+        compiled(tokens, tokens.clone(), 48).sum().backward()
+        torch.testing.assert_close(stacked.grad, eager, rtol=1e-5, atol=1e-6)
 
 
 # --- CUDA: fla's kernels --------------------------------------------------------------------
