@@ -206,6 +206,10 @@ class FlaLayerKind:
 # --- the layer ------------------------------------------------------------------------------
 
 _REFUSALS: dict[tuple, str | None] = {}
+# Errors of the probe that are no refusal: out of memory, a CUDA fault (the harness has its
+# own handling of each)
+_NOT_REFUSALS = tuple(error for error in (torch.cuda.OutOfMemoryError,
+                                          getattr(torch, "AcceleratorError", None)) if error)
 
 
 def _may_refuse_here() -> bool:
@@ -235,9 +239,11 @@ def refused_backward(layer: nn.Module, x: torch.Tensor) -> str | None:
         try:
             torch.autograd.grad(layer(probe)[0].float().sum(), probe)
             _REFUSALS[key] = None
-        except torch.cuda.OutOfMemoryError:
+        except _NOT_REFUSALS:
             raise
         except RuntimeError as error:
+            if "CUDA error" in str(error):
+                raise
             _REFUSALS[key] = str(error).strip() or type(error).__name__
     return _REFUSALS[key]
 

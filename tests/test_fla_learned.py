@@ -281,6 +281,27 @@ def test_a_refused_backward_is_unsupported_with_flas_message_and_leaves_no_gradi
         "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs: refused here"]
 
 
+class _Faulting(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_cuda_fault_in_the_probe_is_no_refusal(monkeypatch):
+    """The harness handles faults and out of memory itself: they pass through unchanged."""
+    monkeypatch.setattr(fla_layers, "_may_refuse_here", lambda: True)
+    monkeypatch.setattr(fla_layers, "_REFUSALS", {})
+    faulting = _Refusing()
+    faulting.forward = lambda x: (faulting.o_proj(_Faulting.apply(x)), None, None)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        fla_layers.refused_backward(faulting, torch.randn(2, 5, 4))
+    assert fla_layers._REFUSALS == {}
+
+
 def test_no_probe_where_fla_flags_do_not_name_the_refused_case(monkeypatch):
     monkeypatch.setattr(fla_layers, "_may_refuse_here", lambda: False)
     monkeypatch.setattr(fla_layers, "kernels_run_on", lambda x: True)
