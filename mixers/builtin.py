@@ -5,10 +5,10 @@ Families, each declared beside its layer: "hla" (mixers.hla operators; mixers/hl
 Based; mixers/linear.py), "ssm" (Mamba-2 SSD; mixers/mamba2/layer.py), "fla"
 (flash-linear-attention kernels with fixed gates, mixers/fla.py; fla's own layers with
 learned gates, mixers/fla_layers.py).
-Layers: HLA, linear-attn and the fixed-gate fla entries use q/k L2 normalisation and a short causal
-convolution of size 4 (fla's layer default); based keeps the convolution but leaves q, k as
-projected (its Taylor map scales inside); softmax layers use neither (the op scales by
-1/sqrt(D)).
+Layers: HLA, linear-attn and the fixed-gate fla entries use q/k L2 normalisation and a
+short causal convolution of size 4 (fla's layer default); based keeps the convolution but
+leaves q, k as projected (its Taylor map scales inside); softmax layers use neither (the op
+scales by 1/sqrt(D)); fla's own layers do as fla does.
 """
 
 from __future__ import annotations
