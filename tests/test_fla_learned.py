@@ -473,8 +473,9 @@ def test_gradients_flow_to_every_weight_or_fla_refusal_is_unsupported(name):
 @needs_cuda
 @pytest.mark.parametrize("name", NAMES)
 def test_a_recall_run_is_ok_or_unsupported_with_flas_reason(name):
-    """One tiny MQAR run through the harness's group runner: trained (one run a group), or
-    where fla refuses the backward recorded as unsupported with fla's reason."""
+    """One tiny MQAR run through the harness's group runner as zoology-frontier runs it
+    (captured steps, torch.compile): trained (one run a group), or where fla refuses the
+    backward recorded as unsupported with fla's reason."""
     from hla_bench.training import plan_groups, run_group
     from tasks.train import RunSpec
 
@@ -484,7 +485,7 @@ def test_a_recall_run_is_ok_or_unsupported_with_flas_reason(name):
                     state_mixer="identity", positions="none", device="cuda").as_dict()
             for i, lr in enumerate((1e-3, 3e-3))]
     assert [len(group) for group in plan_groups(runs, 4)] == [1, 1]
-    results = run_group(runs[:1], lambda event: None, graphs=False)
+    results = run_group(runs[:1], lambda event: None, graphs=True, compile=True)
     (result,) = results
     if result["status"] == "unsupported":
         assert name == "fla-gated-deltanet", result["error"]
