@@ -60,10 +60,15 @@ def _options_text(row: dict[str, Any]) -> str:
 def mixer_table(rows: list[dict[str, Any]]) -> Table:
     """The mixers as a table: names whole, forms and options wrapped between items."""
     table = Table(title="mixers")
-    for column in ("name", "family", "forms", "options (defaults)", "available"):
+    # each part of a reason on a line of its own, and the column wide enough for the
+    # longest part, so a part is never broken across lines
+    parts = [part for row in rows if not row["available"] for part in row["reason"].split("; ")]
+    for column in ("name", "family", "forms", "options (defaults)"):
         table.add_column(column, no_wrap=column in ("name", "family"))
+    table.add_column("available", min_width=max((len(part) for part in parts), default=0) + 5)
     for row in rows:
-        available = "[green]yes[/green]" if row["available"] else f"[red]no[/red]: {escape(row['reason'])}"
+        available = "[green]yes[/green]" if row["available"] else (
+            "[red]no[/red]: " + ";\n".join(escape(part) for part in row["reason"].split("; ")))
         table.add_row(escape(row["name"]), escape(row["family"]), ", ".join(row["forms"]),
                       escape(_options_text(row)), available)
     return table
@@ -74,9 +79,12 @@ def mixer_lines(rows: list[dict[str, Any]]) -> list[str]:
     mixer, then its forms and its options."""
     lines = ["mixers"]
     for row in rows:
-        available = "available" if row["available"] else f"not available: {row['reason']}"
-        lines += [f"{row['name']} ({row['family']}): {available}",
-                  f"  forms: {', '.join(row['forms'])}", f"  options: {_options_text(row)}"]
+        if row["available"]:
+            lines.append(f"{row['name']} ({row['family']}): available")
+        else:  # each part of the reason on a line of its own
+            lines.append(f"{row['name']} ({row['family']}): not available:")
+            lines += [f"  {part}" for part in row["reason"].split("; ")]
+        lines += [f"  forms: {', '.join(row['forms'])}", f"  options: {_options_text(row)}"]
     return lines
 
 
