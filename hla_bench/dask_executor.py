@@ -1,7 +1,7 @@
 """Dask distributed as the executor of a sweep (`--executor dask`).
 
 The client process plans the work and owns the results file; Dask workers run the tasks:
-a recall group (`hla_bench.training.run_group`) or a bench point group (one mixer's points
+a recall group (`hla_bench.recall.pool.run_group`) or a bench point group (one mixer's points
 of one sweep, measured in a fresh process on its worker). Every finished task comes back to
 the client, which stores its records at once, as the local executor does, so `--resume`
 works across executors.
@@ -159,7 +159,7 @@ def connect(scheduler: str | None, *, gpus: int, workers: int, dashboard: bool =
 
 def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
     """One recall group on a worker (runs stopped by the deadline return None)."""
-    from hla_bench.training import run_group
+    from hla_bench.recall.pool import run_group
 
     if options["deadline"] is not None and time.time() > options["deadline"]:
         return None
@@ -171,10 +171,10 @@ def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[i
                     checkpoint_dir: str | None = None, graphs: bool = True,
                     compile: bool = False,
                     task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
-    """`hla_bench.training.run_groups` on a Dask cluster: every group is one `task`;
+    """`hla_bench.recall.pool.run_groups` on a Dask cluster: every group is one `task`;
     results reach `on_results` as each task finishes. Returns False when the deadline left
     work."""
-    from hla_bench.training import CudaFault, failed_result
+    from hla_bench.recall.pool import CudaFault, failed_result
 
     distributed = _distributed()
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,

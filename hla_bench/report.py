@@ -2,7 +2,7 @@
 of two bench files is `hla_bench.speed.compare`).
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
-`hla_bench.recall_report.render_recall`. Every file given is checked before anything is
+`hla_bench.recall.report.render_recall`. Every file given is checked before anything is
 printed; a file that is not a results file, is cut short or breaks its schema is a usage
 error (exit 2).
 """
@@ -24,7 +24,7 @@ from hla_bench.speed.sweeps import format_seq_len
 from hla_bench.speed.records import iter_groups
 from hla_bench.results.index import load_checked
 from hla_bench.results.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
-from hla_bench.recall_report import RECALL_TABLES, render_recall
+from hla_bench.recall.report import RECALL_TABLES, render_recall
 from hla_bench.results.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
 
 METRICS = {

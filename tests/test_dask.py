@@ -104,7 +104,7 @@ def faults_on_group_0(group, options):
     """Group 0 returns a CUDA fault; every result names the process that computed it."""
     import time
 
-    from hla_bench.training import CudaFault, failed_result
+    from hla_bench.recall.pool import CudaFault, failed_result
 
     time.sleep(0.2)
     if group[0]["run_id"] == 0:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hla_bench.recall_report import validate_recall
+from hla_bench.recall.report import validate_recall
 from hla_bench.results.load import load
 
 ROOT = Path(__file__).resolve().parents[1]

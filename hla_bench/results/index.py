@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hla_bench import recall_report
+from hla_bench.recall import report as recall_report
 from hla_bench.results import store
 from hla_bench.results.load import RECORDS_KEY, file_kind, load
 from hla_bench.results import bench_files as results_io

@@ -4,7 +4,7 @@ Every results file is read here, whatever its kind and whoever reads it (report,
 a resume, bench and recall loads): `load` reads the file, parses it (`parse_results`:
 YAML, `check_structure`, the completion marker) and then runs the caller's check of the
 kind's own schema (bench: `bench_files.validate`; recall:
-`recall_report.validate_recall`). Any problem is a StoreError whose message starts with
+`hla_bench.recall.report.validate_recall`). Any problem is a StoreError whose message starts with
 the path. The layout of a file and the invariants of writing it are in
 `hla_bench.results.store`, which writes what this module reads.
 """

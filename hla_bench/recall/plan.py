@@ -23,9 +23,9 @@ import yaml
 
 import tasks
 from hla_bench import configs, registry
-from hla_bench.training import plan_groups
-from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
-from tasks.train import METRICS, POSITIONS, SCHEDULES, RunSpec, steps_per_epoch
+from hla_bench.recall.pool import plan_groups
+from hla_bench.recall.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
+from hla_bench.recall.train import METRICS, POSITIONS, SCHEDULES, RunSpec, steps_per_epoch
 
 # --- the schema --------------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ TRAIN_FIELDS = {
     "weight_decay": (0.1, _number(0)),
     # an accuracy: 1 never stops early (no accuracy exceeds it); above 1 is a typo (99)
     "stop_accuracy": (0.99, _number(0, 1, open_low=True, open_high=False)),
-    # a run's early stop also stops its group's runs of the same seed (tasks/train.py)
+    # a run's early stop also stops its group's runs of the same seed (hla_bench/recall/train.py)
     "group_stop": (False, _bool),
     "shuffle": (True, _bool),
     "metric": ("micro", _choice(METRICS)),

@@ -102,8 +102,8 @@ def _run_value_problem(run: dict) -> str | None:
 def validate_recall(data: Any) -> None:
     """Raise RecallFileError unless `data` is a whole recall results file: its fields, each
     run's recorded shares in [0, 1] and times, memory and counts finite and >= 0, and no two
-    runs with one key (`recall_config.run_key`: the resume would keep only the second)."""
-    from hla_bench.recall_config import run_key
+    runs with one key (`plan.run_key`: the resume would keep only the second)."""
+    from hla_bench.recall.plan import run_key
 
     if not isinstance(data, dict) or data.get("kind") != "recall":
         raise RecallFileError("not a recall results file (no `kind: recall`)")

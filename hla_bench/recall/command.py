@@ -1,9 +1,10 @@
 """`hla-bench recall`: train and score mixers on synthetic recall tasks.
 
-The sweep's config and its runs come from `hla_bench.recall_config`; runs that differ only
+The sweep's config and its runs come from `hla_bench.recall.plan`; runs that differ only
 in learning rate, weight decay and seed train together as one stacked model
-(`hla_bench.training`, `tasks.train`); finished runs go to a locked results store as each
-group ends, so a killed or cut sweep keeps them and `--resume` goes on from there.
+(`hla_bench.recall.pool`, `hla_bench.recall.train`); finished runs go to a locked results
+store as each group ends, so a killed or cut sweep keeps them and `--resume` goes on from
+there.
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
-from hla_bench.recall_config import (ConfigError, check_given_params, check_layers,
+from hla_bench.recall.plan import (ConfigError, check_given_params, check_layers,
                                      check_mixer_options, load_config, option_conflicts,
                                      plan_rows, plan_runs, run_key, validate_config)
-from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.recall.report import RecallFileError, render_recall, summarize, validate_recall
 from hla_bench.results.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
                              read_resumable)
 from hla_bench.results.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.safe_files import refuse_symlink
-from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
-                                plan_groups, remove_checkpoints, run_groups, seq_len_of,
-                                step_flops)
-from tasks.model import STATE_MIXERS
+from hla_bench.recall.pool import (STOP_GRACE_S, assign_devices, default_workers,
+                                   failed_result, plan_groups, remove_checkpoints, run_groups,
+                                   seq_len_of, step_flops)
+from hla_bench.recall.model import STATE_MIXERS
 
 SCHEMA_VERSION = 2
 
@@ -78,7 +79,7 @@ def open_results(out: str | None, mode: str, config: dict, device: str, workers:
 
 def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> None:
     """ConfigError when the file's runs hold one that the plan repeats under other mixer
-    options (recall_config.option_conflicts): both would count in one cell."""
+    options (plan.option_conflicts): both would count in one cell."""
     conflicts = option_conflicts(records, specs)
     if conflicts:
         raise ConfigError(f"{path} holds {len(conflicts)} run(s) that the plan repeats with "

@@ -3,7 +3,7 @@
 A run is a plain dict (`RunSpec.as_dict()`), so it crosses process boundaries and lands in
 the result YAML unchanged. Runs that differ only in learning rate, weight decay and seed
 form a group (`group_key`); `train_group` trains a group as one stacked model
-(`tasks.stacked`): one launch per op for all of its runs, each run with its own
+(`hla_bench.recall.stacked`): one launch per op for all of its runs, each run with its own
 initialisation (`torch.manual_seed` of its seed before its model is built), its own data
 (its seed's splits) and batch order, its own learning rate and weight decay, and its own
 early stop. A run that stops keeps its slot in the stack, its parameters frozen (its
@@ -57,8 +57,8 @@ import torch.nn.functional as F
 import tasks
 from tasks import IGNORE, Splits
 from tasks.mad import MAD_METRIC_BATCH, macro_accuracy
-from tasks.model import TinyLM, at_least_float32
-from tasks.stacked import FlatAdamW, StackedLM
+from hla_bench.recall.model import TinyLM, at_least_float32
+from hla_bench.recall.stacked import FlatAdamW, StackedLM
 from hla_bench.safe_files import replace_atomically
 
 STOP_ACCURACY = 0.99
@@ -86,7 +86,7 @@ class RunSpec:
     CosineAnnealingLR stepped once per epoch over `epochs`, no warmup) or "constant".
     `shuffle`: a fresh batch order every epoch (False: the same batches in the same order,
     as Zoology's loader). `num_val` validation examples come from the training stream.
-    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model (`tasks.model.TinyLM`),
+    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model (`hla_bench.recall.model.TinyLM`),
     `positions` its position embedding (POSITIONS; the harness's build_model reads it);
     `metric` and `test_at_best_val` are described in this module's docstring.
     `train_mix` / `test_mix`: the training and test mixes (module docstring, "Mixes").
