@@ -24,10 +24,10 @@ from rich.table import Table
 from hla_bench import configs, registry
 from hla_bench.results import bench_files as results_io
 from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
-                                     is_required, load_config,
+                                     is_required, load_config, settings_of,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
-from hla_bench.speed.records import point_key
+from hla_bench.results.records import point_key
 from hla_bench.report import render_bench
 from hla_bench.results.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.results.tables import print_table
@@ -119,7 +119,7 @@ def open_store(out: str | None, mode: str, sweeps: list[SweepConfig], config: di
     new_header = results_io.make_header(config, [s.to_dict() for s in sweeps], environment)
     try:
         return ResultsStore.open(
-            path, kind="bench", key=point_key, settings=results_io.settings_of(sweeps),
+            path, kind="bench", key=point_key, settings=settings_of(sweeps),
             mode=mode, validate=results_io.validate,
             header=lambda previous: (new_header if previous is None
                                      else results_io.resumed_header(previous, new_header)))

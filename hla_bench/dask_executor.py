@@ -243,7 +243,7 @@ def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
     and measured), as run_sweeps does."""
     from hla_bench.speed.sweeps import SweepConfig
     from hla_bench.speed.isolate import group_records, point_groups
-    from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+    from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
     from hla_bench.speed.runner import plan
 
     distributed = _distributed()

@@ -188,7 +188,7 @@ BENCH = ["bench", "--mixers", "hla2,linear-attn,sdpa", "--seq-lens", "64,128", "
 
 
 def points(path):
-    from hla_bench.speed.records import point_key
+    from hla_bench.results.records import point_key
 
     return {point_key(p): p for p in yaml.safe_load(Path(path).read_text())["points"]}
 

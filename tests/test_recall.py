@@ -16,7 +16,8 @@ import tasks
 from hla_bench import configs, registry
 from hla_bench.cli import main
 from hla_bench.recall.plan import ConfigError, load_config, plan_runs, validate_config
-from hla_bench.recall.report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.recall.report import render_recall, summarize
+from hla_bench.results.load import RecallFileError, validate_recall
 from hla_bench.results.store import dump_results
 from hla_bench.recall.pool import build_model, default_workers, run_groups, state_bytes, step_flops
 from mixers.layer import MixerLayer

@@ -25,11 +25,13 @@ from hla_bench.gpu_use import GpuUse
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
 from hla_bench.recall.plan import (ConfigError, check_given_params, check_layers,
-                                     check_mixer_options, load_config, option_conflicts,
-                                     plan_rows, plan_runs, run_key, validate_config)
-from hla_bench.recall.report import RecallFileError, render_recall, summarize, validate_recall
+                                   check_mixer_options, check_recall_file, load_config,
+                                   option_conflicts, plan_rows, plan_runs, run_key,
+                                   validate_config)
+from hla_bench.recall.report import render_recall, summarize
+from hla_bench.results.load import RecallFileError
 from hla_bench.results.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
-                             read_resumable)
+                                     read_resumable)
 from hla_bench.results.tables import print_table
 from hla_bench.task_commands import parse_params
 from hla_bench.safe_files import refuse_symlink
@@ -72,7 +74,7 @@ def open_results(out: str | None, mode: str, config: dict, device: str, workers:
     try:
         return ResultsStore.open(path, kind="recall", key=run_key, mode=mode, header=header,
                                  settings={key: config[key] for key in PROTOCOL_KEYS},
-                                 validate=validate_recall)
+                                 validate=check_recall_file)
     except StoreError as error:
         raise ConfigError(str(error)) from None
 
@@ -92,7 +94,7 @@ def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
     without taking its lock, after the checks a resume makes (ConfigError otherwise)."""
     try:
         data = read_resumable(out, "recall", {key: config[key] for key in PROTOCOL_KEYS},
-                              validate_recall)
+                              check_recall_file)
     except StoreError as error:
         raise ConfigError(str(error)) from None
     check_repeats(out, data["runs"], specs)

@@ -23,6 +23,7 @@ import yaml
 
 import tasks
 from hla_bench import configs, registry
+from hla_bench.results.load import validate_recall
 from hla_bench.recall.pool import plan_groups
 from hla_bench.recall.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
 from hla_bench.recall.train import METRICS, POSITIONS, SCHEDULES, RunSpec, steps_per_epoch
@@ -598,6 +599,12 @@ def run_key(run: dict) -> str:
     spec = {key: run.get(key, _SPEC_DEFAULTS[key]) for key in RunSpec.__dataclass_fields__
             if key not in ("run_id", "device")}
     return yaml.safe_dump(spec, sort_keys=True)
+
+
+def check_recall_file(data: Any) -> None:
+    """The checks of a recall results file (`hla_bench.results.load.validate_recall`) with
+    this wing's run identity (`run_key`): RecallFileError on the first problem."""
+    validate_recall(data, run_key)
 
 
 def plan_rows(specs: list[dict], max_group: int,

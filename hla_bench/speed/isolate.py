@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from hla_bench.speed.sweeps import SweepConfig, format_seq_len
-from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+from hla_bench.results.tables import format_seq_len
+from hla_bench.speed.sweeps import SweepConfig
+from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
 from hla_bench.speed.runner import Point, plan, run_sweeps
 from hla_bench.processes import exit_with_parent, how_it_ended
 

@@ -30,9 +30,10 @@ import yaml
 
 from hla_bench import registry
 from hla_bench.configs import read_yaml
+from hla_bench.results.records import MODES
+from hla_bench.results.tables import format_seq_len
 from hla_bench.safe_files import name_problem
 
-MODES = ("fwd", "fwdbwd", "decode", "prefill")
 DEFAULT_MODES = ("fwd", "fwdbwd", "decode")
 LEVELS = ("op", "layer")
 # Accepted dtype names -> the canonical name (torch's attribute for the dtype).
@@ -101,14 +102,6 @@ def _no_duplicates(values: list, what: str, shown: Callable[[Any], str] = str) -
 def parse_seq_lens(text: str) -> list[int]:
     """Comma-separated sequence lengths, e.g. `1k,4k,16k`."""
     return [parse_seq_len(item) for item in _items(text, "sequence lengths")]
-
-
-def format_seq_len(value: int) -> str:
-    """The inverse of `parse_seq_len` for display: 65536 -> `64k`."""
-    for suffix, size in (("m", 1024 ** 2), ("k", 1024)):
-        if value % size == 0:
-            return f"{value // size}{suffix}"
-    return str(value)
 
 
 def parse_modes(text: str | list[str]) -> list[str]:
@@ -529,3 +522,8 @@ def load_config(path: str | Path) -> tuple[dict[str, Any], list[SweepConfig]]:
     """The raw mapping (kept verbatim in results) and the parsed sweeps."""
     data = read_yaml(path)
     return data, parse_config(data)
+
+
+def settings_of(sweeps: list[SweepConfig]) -> dict[str, Any]:
+    """What a resume must match: each sweep's shape and timing settings, by sweep name."""
+    return {"sweeps": {sweep.name: sweep.settings() for sweep in sweeps}}
