@@ -216,7 +216,7 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
                 progress.update(task, completed=index, total=total, description=escape(point.describe()))
 
             if executor == "dask":
-                from hla_bench.dask_executor import run_sweeps_dask
+                from hla_bench.speed.isolate import run_sweeps_dask
 
                 def on_connected(client) -> None:
                     if dashboard:

@@ -15,6 +15,7 @@ from hla_bench.cli import main
 distributed = pytest.importorskip("distributed")
 
 from hla_bench import dask_executor  # noqa: E402
+from hla_bench.recall import pool  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -80,7 +81,7 @@ def run_stand_in_groups(tmp_path, task, count: int, after=lambda client: None):
     try:
         groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(count)]
         finished = []
-        complete = dask_executor.run_groups_dask(client, groups, lambda ids, event: None,
+        complete = pool.run_groups_dask(client, groups, lambda ids, event: None,
                                                  finished.extend, checkpoint_dir=str(tmp_path),
                                                  task=task)
         seen = after(client)

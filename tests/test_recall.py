@@ -1227,7 +1227,7 @@ def test_a_param_that_is_not_a_value_is_a_usage_error(tmp_path, param, message):
 
 
 def test_a_param_in_exponent_form_is_a_number(tmp_path):
-    from hla_bench.task_commands import parse_params
+    from hla_bench.options import parse_params
 
     assert parse_params(None, None, ["power_a=1e-2", "name=abc"]) == {"power_a": 0.01,
                                                                        "name": "abc"}

@@ -12,7 +12,8 @@ import torch
 
 from hla_bench import registry
 from hla_bench.speed import runner
-from hla_bench.speed.sweeps import (MixerSpec, SweepConfig, parse_config,
+from hla_bench.options import MixerSpec
+from hla_bench.speed.sweeps import (SweepConfig, parse_config,
                                      parse_mixer_specs, parse_seq_len, parse_seq_lens,
                                      setting_fields)
 from hla_bench.results.records import FIELDS, KEY, empty_record

@@ -33,11 +33,11 @@ from hla_bench.results.load import RecallFileError
 from hla_bench.results.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
                                      read_resumable)
 from hla_bench.results.tables import print_table
-from hla_bench.task_commands import parse_params
+from hla_bench.options import parse_params
 from hla_bench.safe_files import refuse_symlink
 from hla_bench.recall.pool import (STOP_GRACE_S, assign_devices, default_workers,
                                    failed_result, plan_groups, remove_checkpoints, run_groups,
-                                   seq_len_of, step_flops)
+                                   run_groups_dask, seq_len_of, step_flops)
 from hla_bench.recall.model import STATE_MIXERS
 
 SCHEMA_VERSION = 2
@@ -245,8 +245,6 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             on_results(results)
 
         if client is not None:
-            from hla_bench.dask_executor import run_groups_dask
-
             return run_groups_dask(client, groups, on_event, on_group, **options)
         return run_groups(groups, workers, on_event, on_group, **options)
 

@@ -370,7 +370,7 @@ def mixer_variant(text: str) -> tuple[str, dict, str]:
     """A `mixers` entry, `NAME[:key=value...][:label=LABEL]` (as `hla-bench bench` writes
     mixer specs): (registry name, its options, its label: LABEL, else the entry as written
     when it has options, else the name). ValueError for a malformed entry."""
-    from hla_bench.speed.sweeps import MixerSpec
+    from hla_bench.options import MixerSpec
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"a mixer is a name or NAME:key=value, got {text!r}")

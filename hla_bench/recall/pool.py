@@ -579,3 +579,53 @@ def assign_devices(specs: list[dict], device: str) -> list[dict]:
         slot = keys.setdefault(group_key(spec), len(keys))
         placed.append({**spec, "device": f"cuda:{slot % count}"})
     return placed
+
+
+# --- on a Dask cluster (`--executor dask`) ------------------------------------------------
+
+def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
+    """One recall group on a worker (runs stopped by the deadline return None)."""
+    if options["deadline"] is not None and time.time() > options["deadline"]:
+        return None
+    return run_group(group, lambda event: None, **options)
+
+
+def run_groups_dask(client, groups: list[list[dict]],
+                    on_event: Callable[[list[int], dict], None],
+                    on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
+                    checkpoint_dir: str | None = None, graphs: bool = True,
+                    compile: bool = False,
+                    task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
+    """`run_groups` on a Dask cluster (`hla_bench.dask_executor`): every group is one `task`;
+    results reach `on_results` as each task finishes. Returns False when the deadline left
+    work."""
+    from hla_bench.dask_executor import load_distributed, restart_worker_of
+
+    distributed = load_distributed()
+    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
+               "compile": compile}
+    futures = {}
+    for group in groups:
+        cuda = str(group[0]["device"]).startswith("cuda")
+        # each worker sees one GPU: its device is cuda:0 whatever the plan said
+        placed = [{**spec, "device": "cuda:0"} if cuda else spec for spec in group]
+        future = client.submit(task, placed, options, pure=False,
+                               resources={"GPU": 1} if cuda else None)
+        futures[future] = group
+        on_event([spec["run_id"] for spec in group], {"event": "submitted"})
+    complete = True
+    for future in distributed.as_completed(list(futures)):
+        group = futures[future]
+        try:
+            results = future.result()
+        except Exception as error:  # noqa: BLE001 - a lost worker (twice) or a dead task
+            results = [failed_result(spec, "crashed", f"{type(error).__name__}: {error}")
+                       for spec in group]
+        if results is None:
+            complete = False
+            continue
+        if isinstance(results, CudaFault):
+            restart_worker_of(client, future)
+        # report the planned device, not the worker's view of it
+        on_results([{**result, "device": spec["device"]} for result, spec in zip(results, group)])
+    return complete

@@ -26,10 +26,9 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from hla_bench import registry
 from hla_bench.configs import read_yaml
+from hla_bench.options import MixerSpec
 from hla_bench.results.records import MODES
 from hla_bench.results.tables import format_seq_len
 from hla_bench.safe_files import name_problem
@@ -123,82 +122,6 @@ def dtype_name(name: str) -> str:
     if name not in DTYPES:
         raise ValueError(f"bad dtype {name!r}: expected auto or one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def parse_value(text: str, where: str) -> Any:
-    """A `key=value` value from the command line, read as YAML (`0.9`, `true`, `[0.9, 0.8]`),
-    where YAML 1.1's strings that are numbers (`1e6`) become numbers; a value that is not
-    YAML is a ValueError naming `where`."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        problem = str(error).splitlines()[0]
-        raise ValueError(f"{where}: {text!r} is not a YAML value ({problem})") from None
-    if isinstance(value, str):
-        try:
-            return float(value) if _FLOAT.match(value) else value
-        except ValueError:
-            return value
-    return value
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
-@dataclass(frozen=True)
-class MixerSpec:
-    """A registered mixer with option overrides, shown under `label`."""
-
-    name: str
-    label: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, text: str) -> "MixerSpec":
-        """`NAME[:key=value...]`; values go through yaml.safe_load; `label=` names the variant."""
-        name, *pairs = text.strip().split(":")
-        if not name:
-            raise ValueError(f"bad mixer spec {text!r}: missing mixer name")
-        options: dict[str, Any] = {}
-        label = None
-        for pair in pairs:
-            key, sep, value = pair.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ValueError(f"bad mixer spec {text!r}: {pair!r} is not key=value")
-            if key in options or (key == "label" and label is not None):
-                raise ValueError(f"bad mixer spec {text!r}: {key} is given twice")
-            if key == "label":
-                label = value.strip()
-                if not label:
-                    raise ValueError(f"bad mixer spec {text!r}: label= is empty")
-            else:
-                options[key] = (parse_value(value, f"bad mixer spec {text!r}")
-                                if value.strip() else "")
-        return cls(name.strip(), label or name.strip(), options)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | str) -> "MixerSpec":
-        """A YAML entry: a spec string or {name, label, options}."""
-        if isinstance(data, str):
-            return cls.parse(data)
-        if not isinstance(data, Mapping) or "name" not in data:
-            raise ValueError(f"bad mixer entry {data!r}: expected a mapping with a 'name'")
-        unknown = sorted(set(data) - {"name", "label", "options"})
-        if unknown:
-            raise ValueError(f"bad mixer entry {data!r}: unknown key {unknown[0]!r}")
-        options = data.get("options") or {}
-        if not isinstance(options, Mapping):
-            raise ValueError(f"mixer {data['name']!r}: options must be a mapping")
-        return cls(str(data["name"]), str(data.get("label") or data["name"]), dict(options))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The YAML entry `from_dict` reads back."""
-        return {"name": self.name, "label": self.label, "options": dict(self.options)}
-
-    def text(self) -> str:
-        """The spec as written on the command line, without its label: `hla2:impl=chunk`."""
-        return ":".join([self.name, *(f"{key}={value}" for key, value in self.options.items())])
 
 
 def parse_mixer_specs(text: str) -> list[MixerSpec]:
