@@ -121,7 +121,7 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
     from hla_bench.recall.pool import build_model
     from hla_bench.recall.train import RunSpec, _GroupTrainer
 
-    from mixers.hla.common import inputs_trusted_finite
+    from mixers.common import inputs_trusted_finite
 
     with inputs_trusted_finite():  # as a sweep's groups train (hla_bench.recall.pool.run_group)
         trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
@@ -148,7 +148,7 @@ def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: in
     from torch.profiler import ProfilerActivity, profile
 
     from hla_bench.recall.pool import build_model, step_flops
-    from mixers.hla.common import inputs_trusted_finite
+    from mixers.common import inputs_trusted_finite
     from hla_bench.recall.train import RunSpec, _GroupTrainer, _Step
 
     with inputs_trusted_finite():

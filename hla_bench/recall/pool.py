@@ -40,7 +40,7 @@ from hla_bench import registry
 from hla_bench.processes import exit_with_parent
 from hla_bench.safe_files import path_in, refuse_symlink
 from mixers import dispatch
-from mixers.hla.common import inputs_trusted_finite
+from mixers.common import inputs_trusted_finite
 from tasks import IGNORE
 from hla_bench.recall.model import TinyLM
 from hla_bench.recall.train import Interrupted, RunSpec, group_key, train_group

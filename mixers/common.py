@@ -22,7 +22,7 @@ out later row still enters a matmul as 0 * NaN = NaN. So the PyTorch forms compu
 finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and set the
 outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the
 Triton kernels of hla2 and of the chain (ahla2, causal hla3) keep the rule inside the
-kernels, with no pass over the inputs (hla2/triton/common.py, mixers/hla/chain). Not held
+kernels, with no pass over the inputs (hla2/triton/common.py, mixers/chain). Not held
 to it:
 PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the backward
 spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged; and

@@ -1,4 +1,4 @@
-"""How a link of a chain launches (mixers/hla/chain): a frozen plan per call."""
+"""How a link of a chain launches (mixers/chain): a frozen plan per call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.tiles import interpreted
+from mixers.tiles import interpreted
 
 MAX_HEAD_DIM = 512  # key and value dims the ops take (blocks of 64, looped or spread; a
 # normalized value width adds its column of ones: 513)
