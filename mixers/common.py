@@ -276,11 +276,10 @@ def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_
 def pytorch_form(T: int, width: int) -> str:
     """The PyTorch form "auto" takes where the Triton kernels do not run: "parallel" (one
     masked T x T block) for sequences of at most twice the key width (the head dim, or a
-    feature map's width), else "chunk". On a 2-core CPU (fwd+bwd in float32,
-    results/cpu-2026-12-05/short-forms.yaml, docs/method.md) the parallel forms of hla2,
-    ahla2, hla3, linear attention and Based were 1.2x to 13x faster than the chunk forms at
-    every measured T <= 2 width, between 1.3x faster and 1.5x slower at T = 4 width, and
-    mostly slower beyond."""
+    feature map's width), else "chunk". The T x T block costs T^2 work where the chunk form
+    builds width x width summaries per chunk, so the parallel form is the faster while T is
+    short against the width; docs/method.md gives the measurements the threshold comes
+    from."""
     return "parallel" if T <= 2 * width else "chunk"
 
 

@@ -403,7 +403,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                 console.print(f"resuming {out}: {len(specs) - len(left)} of the {len(specs)} "
                               f"planned runs finished there; the plan below is the "
                               f"{len(left)} left", soft_wrap=True)
-            with console.status("counting each step shape's FLOPs"):  # ~0.1 s a shape
+            with console.status("counting each step shape's FLOPs"):  # one traced step a shape
                 rows = plan_rows(left, config["max_group"], step_flops)
             print_table(console, plan_table(rows), lambda: plan_lines(rows))
             uncounted = sorted({mixer for row in rows for mixer in row["uncounted"]})
