@@ -23,8 +23,9 @@ from rich.table import Table
 
 from hla_bench import configs, registry
 from hla_bench.results import bench_files as results_io
+from hla_bench.options import is_required, option_flag, with_field_options
 from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
-                                     is_required, load_config, settings_of,
+                                     load_config, settings_of,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
 from hla_bench.results.records import point_key
@@ -304,7 +305,7 @@ def _setting_option(each) -> Callable:
     the setting's kind, its default and help from the setting itself. List kinds are taken
     as comma-separated text and parsed by the config, so one parser serves both."""
     kind, default = each.metadata["kind"], default_text(each)
-    flag = "--" + each.name.replace("_", "-")
+    flag = option_flag(each)
     types = {"count": click.IntRange(min=1, max=MAX_COUNT),
              "count0": click.IntRange(min=0, max=MAX_COUNT),
              "seconds": click.FloatRange(min=0, max=MAX_SECONDS, min_open=True)}
@@ -317,9 +318,7 @@ def _setting_option(each) -> Callable:
 
 def with_setting_options(command: Callable) -> Callable:
     """Every sweep setting the command line takes, as options, in declaration order."""
-    for each in reversed([each for each in setting_fields() if each.metadata["cli"]]):
-        command = _setting_option(each)(command)
-    return command
+    return with_field_options(setting_fields(), _setting_option)(command)
 
 
 @click.command()

@@ -1,9 +1,10 @@
 """Sweep configuration: mixer specs, the sweep settings and config files.
 
 Every setting of a sweep is declared once, as a field of `SweepConfig`, with its default,
-its kind and its help (see `setting`). A config file accepts exactly these keys with these
-defaults; `hla-bench bench` derives its command-line options from the same fields (the kind
-gives the option's type); a resume must match the fields marked `matched`. The kinds:
+its kind and its help (see `setting`, on the mechanism of `hla_bench.options` that recall's
+config shares). A config file accepts exactly these keys with these defaults; `hla-bench
+bench` derives its command-line options from the same fields (the kind gives the option's
+type); a resume must match the fields marked `matched`. The kinds:
 
     mixers    a list of mixer specs (`MixerSpec`), or one comma-separated string of them
     seq_lens  a list of sequence lengths (`1k` = 1024), or one comma-separated string
@@ -22,13 +23,13 @@ parse its input before the heavy imports.
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from dataclasses import MISSING, Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hla_bench import registry
 from hla_bench.configs import read_yaml
-from hla_bench.options import MixerSpec
+from hla_bench.options import MixerSpec, config_field, field_default, is_required
 from hla_bench.results.records import MODES
 from hla_bench.results.tables import format_seq_len
 from hla_bench.safe_files import name_problem
@@ -134,15 +135,13 @@ def parse_mixer_specs(text: str) -> list[MixerSpec]:
 
 def setting(default: Any = MISSING, *, kind: str, help: str, cli: bool = True,
             matched: bool = False) -> Any:
-    """A SweepConfig field: `default` (MISSING: required; a list is copied per config), its
-    `kind` (see the module doc), the `help` shown by `hla-bench bench --help`, whether the
-    command line takes it (`cli`), and whether a resume must match it (`matched`)."""
+    """A SweepConfig field (`hla_bench.options.config_field`): `default` (MISSING:
+    required), its `kind` (see the module doc), the `help` shown by `hla-bench bench
+    --help`, whether the command line takes it (`cli`), and whether a resume must match it
+    (`matched`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown setting kind {kind!r}")
-    metadata = {"kind": kind, "help": help, "cli": cli, "matched": matched}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return config_field(default, help=help, cli=cli, kind=kind, matched=matched)
 
 
 @dataclass
@@ -377,11 +376,6 @@ def setting_fields() -> tuple[Field, ...]:
     return fields(SweepConfig)
 
 
-def is_required(each: Field) -> bool:
-    """A setting without a default: a config must give it."""
-    return each.default is MISSING and each.default_factory is MISSING
-
-
 def _kind_problem(kind: str, value: Any, nullable: bool) -> str | None:
     """What `value` must be for a scalar kind, when it is not that; None when it is (list
     kinds are parsed, and so checked, by __post_init__)."""
@@ -403,7 +397,7 @@ def _kind_problem(kind: str, value: Any, nullable: bool) -> str | None:
 
 def default_text(each: Field) -> str | None:
     """A setting's default as a command line writes it (`1k,4k`); None for no default."""
-    default = each.default_factory() if each.default_factory is not MISSING else each.default
+    default = field_default(each)
     if default is MISSING or default is None:
         return None
     if each.metadata["kind"] == "seq_lens":
