@@ -263,13 +263,33 @@ def _output_format(as_json: bool, as_yaml: bool) -> str:
     return "json" if as_json else "yaml" if as_yaml else "table"
 
 
+def _setting_option(each) -> Callable:
+    """The click option of one sweep setting (see `hla_bench.speed.sweeps`): its type from
+    the setting's kind, its default and help from the setting itself. List kinds are taken
+    as comma-separated text and parsed by the config, so one parser serves both."""
+    kind, default = each.metadata["kind"], default_text(each)
+    flag = option_flag(each)
+    types = {"count": click.IntRange(min=1, max=MAX_COUNT),
+             "count0": click.IntRange(min=0, max=MAX_COUNT),
+             "seconds": click.FloatRange(min=0, max=MAX_SECONDS, min_open=True)}
+    if kind == "flag":
+        return click.option(flag, is_flag=True, default=each.default, help=each.metadata["help"])
+    return click.option(flag, type=types.get(kind, str), required=is_required(each),
+                        default=default, show_default=default is not None,
+                        help=each.metadata["help"])
+
+
+def _setting_named(name: str):
+    return next(each for each in setting_fields() if each.name == name)
+
+
 output_options = [
     click.option("--out", type=click.Path(dir_okay=False),
                  help="Results file (default runs/bench-<UTC time>-<pid>-<random>.yaml). An "
                       "existing file needs --resume or --overwrite."),
     click.option("--json", "as_json", is_flag=True, help="Print the results as JSON, not tables."),
     click.option("--yaml", "as_yaml", is_flag=True, help="Print the results as YAML, not tables."),
-    click.option("--baseline", help="Mixer label whose ratios the tables show."),
+    _setting_option(_setting_named("baseline")),  # the tables' baseline, for `run` too
     click.option("--resume", is_flag=True,
                  help="Continue the --out file: keep every point it holds, measure only the "
                       "missing ones (its settings must match)."),
@@ -298,22 +318,6 @@ def with_output_options(command):
     for option in reversed(output_options):
         command = option(command)
     return command
-
-
-def _setting_option(each) -> Callable:
-    """The click option of one sweep setting (see `hla_bench.speed.sweeps`): its type from
-    the setting's kind, its default and help from the setting itself. List kinds are taken
-    as comma-separated text and parsed by the config, so one parser serves both."""
-    kind, default = each.metadata["kind"], default_text(each)
-    flag = option_flag(each)
-    types = {"count": click.IntRange(min=1, max=MAX_COUNT),
-             "count0": click.IntRange(min=0, max=MAX_COUNT),
-             "seconds": click.FloatRange(min=0, max=MAX_SECONDS, min_open=True)}
-    if kind == "flag":
-        return click.option(flag, is_flag=True, default=each.default, help=each.metadata["help"])
-    return click.option(flag, type=types.get(kind, str), required=is_required(each),
-                        default=default, show_default=default is not None,
-                        help=each.metadata["help"])
 
 
 def with_setting_options(command: Callable) -> Callable:
