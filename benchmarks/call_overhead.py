@@ -29,7 +29,8 @@ import torch
 import yaml
 
 from hla_bench.results.bench_files import git_commit
-from hla_bench.speed.sweeps import MixerSpec, SweepConfig, parse_seq_len
+from hla_bench.options import MixerSpec
+from hla_bench.speed.sweeps import SweepConfig, parse_seq_len
 from hla_bench.speed.runner import Point, build_call, prepare
 from hla_bench.speed.timing import percentile, time_calls
 

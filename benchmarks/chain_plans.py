@@ -1,4 +1,4 @@
-"""One link of the HLA chain (mixers/hla/chain) under several launch plans, beside fla's
+"""One link of the HLA chain (mixers/chain) under several launch plans, beside fla's
 chunked linear attention: which plan the family's ops should take on this GPU.
 
     python benchmarks/chain_plans.py [--head-dims 64,128] [--seq-lens 256,2048,8192,65536]
@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from hla_bench.speed.timing import percentile, spread, time_calls
-from mixers.hla.chain import backward, forward, plan_chain
+from mixers.chain import backward, forward, plan_chain
 
 TOKENS, HEADS = 65536, 16
 

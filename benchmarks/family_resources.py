@@ -26,8 +26,8 @@ import yaml
 from hla2_resources import compile_launch, resource_usage
 from mixers.hla.ahla2 import ahla2, ahla2_step
 from mixers.hla.ahla2.triton import decode as ahla2_decode
-from mixers.hla.chain import launch as chain_launch
-from mixers.hla import chain
+from mixers.chain import launch as chain_launch
+from mixers import chain
 from mixers.hla.hla3 import hla3, hla3_step
 from mixers.hla.hla3.triton import decode as hla3_decode
 

@@ -34,7 +34,7 @@ import torch
 import yaml
 
 from hla_bench import registry, verify
-from mixers.hla.common import check_decay
+from mixers.common import check_decay
 from mixers.hla.hla2 import hla2
 from mixers.hla.hla2.triton import hla2_triton, plan_call
 from mixers.reference import relative_error

@@ -19,8 +19,8 @@ from collections import defaultdict
 
 import yaml
 
-from hla_bench.recall import previous_parts
-from tasks.train import group_key
+from hla_bench.recall.command import previous_parts
+from hla_bench.recall.train import group_key
 
 
 def grid_time(data: dict) -> dict:

@@ -16,7 +16,7 @@ once all have warmed up). Writes one YAML with both rates per cell and their rat
 A cell names its setting by sequence length where that names one (Zoology's panels), else by
 its label (`--config mad --cells "in_context_recall vocab_size=32:128"`).
 
-Mode `groups` trains every group of a cell for real, all at once (hla_bench.training.run_group:
+Mode `groups` trains every group of a cell for real, all at once (hla_bench.recall.pool.run_group:
 evaluation at the config's cadence, no early stop, `--steps` steps rounded up to whole
 epochs): the cell's model-steps a second over the wall time from the first group's start to
 the last one's end, and per group the shares of its wall time in setup (data, models),
@@ -80,8 +80,8 @@ def _together() -> None:
 def _alone(spec: dict, steps: int) -> dict:
     """One run the way a one-run-per-process sweep trains it: TinyLM, fused AdamW, bf16
     autocast, a host loop over batches."""
-    from hla_bench.training import build_model
-    from tasks.train import RunSpec, task_splits
+    from hla_bench.recall.pool import build_model
+    from hla_bench.recall.train import RunSpec, task_splits
     import tasks
 
     run = RunSpec(**spec)
@@ -116,14 +116,14 @@ def _alone(spec: dict, steps: int) -> dict:
 
 
 def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
-    """One group the way `tasks.train` trains it (stacked, CUDA graph, compiled with
+    """One group the way `hla_bench.recall.train` trains it (stacked, CUDA graph, compiled with
     `compile`)."""
-    from hla_bench.training import build_model
-    from tasks.train import RunSpec, _GroupTrainer
+    from hla_bench.recall.pool import build_model
+    from hla_bench.recall.train import RunSpec, _GroupTrainer
 
-    from mixers.hla.common import inputs_trusted_finite
+    from mixers.common import inputs_trusted_finite
 
-    with inputs_trusted_finite():  # as a sweep's groups train (hla_bench.training.run_group)
+    with inputs_trusted_finite():  # as a sweep's groups train (hla_bench.recall.pool.run_group)
         trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
                                 progress=None, compile=compile)
         started = time.perf_counter()
@@ -141,15 +141,15 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
 def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: int = 16) -> dict:
     """Where one stacked step's GPU time goes, the group alone on the GPU: the wall time of
     a replayed graph step, the time its matmul FLOPs take at `gemm` TFLOP/s
-    (hla_bench.training.step_flops per run), then torch.profiler over `steps` steps of the
+    (hla_bench.recall.pool.step_flops per run), then torch.profiler over `steps` steps of the
     same trainer without the graph (the graph replays the same kernels): its `rows`
     costliest kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from hla_bench.training import build_model, step_flops
-    from mixers.hla.common import inputs_trusted_finite
-    from tasks.train import RunSpec, _GroupTrainer, _Step
+    from hla_bench.recall.pool import build_model, step_flops
+    from mixers.common import inputs_trusted_finite
+    from hla_bench.recall.train import RunSpec, _GroupTrainer, _Step
 
     with inputs_trusted_finite():
         trainer = _GroupTrainer([RunSpec(**s) for s in group], build_model, graphs=True,
@@ -186,7 +186,7 @@ def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: in
 
 def _group(group: list[dict], compile: bool) -> dict:
     """One group trained as a sweep trains it (run_group), timed from its worker's start."""
-    from hla_bench.training import run_group
+    from hla_bench.recall.pool import run_group
 
     start = time.time()
     results = run_group(group, lambda event: None, compile=compile)
@@ -211,8 +211,8 @@ def _group(group: list[dict], compile: bool) -> dict:
 def _trained(chosen: list[dict], max_group: int, steps: int, compile: bool) -> dict:
     """Mode groups: the cell's groups trained at once for about `steps` steps each (whole
     epochs of the config's data, no early stop)."""
-    from hla_bench.training import plan_groups
-    from tasks.train import RunSpec
+    from hla_bench.recall.pool import plan_groups
+    from hla_bench.recall.train import RunSpec
 
     runs = []
     for spec in chosen:
@@ -260,7 +260,7 @@ def cell_runs(specs: list[dict], cell: str) -> list[dict]:
     which must name one setting of the config (Zoology's panels differ in it), or a
     setting's label as the results name it (`in_context_recall vocab_size=32`: a MAD
     config has many settings of one length)."""
-    from hla_bench.training import seq_len_of
+    from hla_bench.recall.pool import seq_len_of
 
     key, sep, width = cell.rpartition(":")
     if not (sep and key.strip() and width.strip().isdigit()):
@@ -334,9 +334,9 @@ def main() -> None:
 
     from hla_bench import configs, registry
     from hla_bench.processes import cuda_mps_active
-    from hla_bench.recall_config import (ConfigError, check_layers, check_mixer_options,
-                                         load_config, plan_runs)
-    from hla_bench.training import plan_groups, seq_len_of
+    from hla_bench.recall.plan import (ConfigError, check_layers, check_mixer_options,
+                                       load_config, plan_runs)
+    from hla_bench.recall.pool import plan_groups, seq_len_of
 
     config = load_config(str(configs.find(args.config)), {})
     if args.mixers != "all":

@@ -23,11 +23,12 @@ from rich.table import Table
 
 from hla_bench import configs, registry
 from hla_bench.results import bench_files as results_io
+from hla_bench.options import is_required, option_flag, with_field_options
 from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
-                                     is_required, load_config,
+                                     load_config, settings_of,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
-from hla_bench.speed.records import point_key
+from hla_bench.results.records import point_key
 from hla_bench.report import render_bench
 from hla_bench.results.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.results.tables import print_table
@@ -127,7 +128,7 @@ def open_store(out: str | None, mode: str, sweeps: list[SweepConfig], config: di
     new_header = results_io.make_header(config, [s.to_dict() for s in sweeps], environment)
     try:
         return ResultsStore.open(
-            path, kind="bench", key=point_key, settings=results_io.settings_of(sweeps),
+            path, kind="bench", key=point_key, settings=settings_of(sweeps),
             mode=mode, validate=results_io.validate,
             header=lambda previous: (new_header if previous is None
                                      else results_io.resumed_header(previous, new_header)))
@@ -224,7 +225,7 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
                 progress.update(task, completed=index, total=total, description=escape(point.describe()))
 
             if executor == "dask":
-                from hla_bench.dask_executor import run_sweeps_dask
+                from hla_bench.speed.isolate import run_sweeps_dask
 
                 def on_connected(client) -> None:
                     if dashboard:
@@ -270,13 +271,33 @@ def _output_format(as_json: bool, as_yaml: bool) -> str:
     return "json" if as_json else "yaml" if as_yaml else "table"
 
 
+def _setting_option(each) -> Callable:
+    """The click option of one sweep setting (see `hla_bench.speed.sweeps`): its type from
+    the setting's kind, its default and help from the setting itself. List kinds are taken
+    as comma-separated text and parsed by the config, so one parser serves both."""
+    kind, default = each.metadata["kind"], default_text(each)
+    flag = option_flag(each)
+    types = {"count": click.IntRange(min=1, max=MAX_COUNT),
+             "count0": click.IntRange(min=0, max=MAX_COUNT),
+             "seconds": click.FloatRange(min=0, max=MAX_SECONDS, min_open=True)}
+    if kind == "flag":
+        return click.option(flag, is_flag=True, default=each.default, help=each.metadata["help"])
+    return click.option(flag, type=types.get(kind, str), required=is_required(each),
+                        default=default, show_default=default is not None,
+                        help=each.metadata["help"])
+
+
+def _setting_named(name: str):
+    return next(each for each in setting_fields() if each.name == name)
+
+
 output_options = [
     click.option("--out", type=click.Path(dir_okay=False),
                  help="Results file (default runs/bench-<UTC time>-<pid>-<random>.yaml). An "
                       "existing file needs --resume or --overwrite."),
     click.option("--json", "as_json", is_flag=True, help="Print the results as JSON, not tables."),
     click.option("--yaml", "as_yaml", is_flag=True, help="Print the results as YAML, not tables."),
-    click.option("--baseline", help="Mixer label whose ratios the tables show."),
+    _setting_option(_setting_named("baseline")),  # the tables' baseline, for `run` too
     click.option("--resume", is_flag=True,
                  help="Continue the --out file: keep every point it holds, measure only the "
                       "missing ones (its settings must match)."),
@@ -307,27 +328,9 @@ def with_output_options(command):
     return command
 
 
-def _setting_option(each) -> Callable:
-    """The click option of one sweep setting (see `hla_bench.speed.sweeps`): its type from
-    the setting's kind, its default and help from the setting itself. List kinds are taken
-    as comma-separated text and parsed by the config, so one parser serves both."""
-    kind, default = each.metadata["kind"], default_text(each)
-    flag = "--" + each.name.replace("_", "-")
-    types = {"count": click.IntRange(min=1, max=MAX_COUNT),
-             "count0": click.IntRange(min=0, max=MAX_COUNT),
-             "seconds": click.FloatRange(min=0, max=MAX_SECONDS, min_open=True)}
-    if kind == "flag":
-        return click.option(flag, is_flag=True, default=each.default, help=each.metadata["help"])
-    return click.option(flag, type=types.get(kind, str), required=is_required(each),
-                        default=default, show_default=default is not None,
-                        help=each.metadata["help"])
-
-
 def with_setting_options(command: Callable) -> Callable:
     """Every sweep setting the command line takes, as options, in declaration order."""
-    for each in reversed([each for each in setting_fields() if each.metadata["cli"]]):
-        command = _setting_option(each)(command)
-    return command
+    return with_field_options(setting_fields(), _setting_option)(command)
 
 
 @click.command()

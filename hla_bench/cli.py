@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("hla_bench.report", "Re-render results FILE(s): tables, comparisons (--compare) "
                                    "and plots (--plots)."),
     "verify": ("hla_bench.verify", "Check every HLA form against the explicit float64 sums."),
-    "recall": ("hla_bench.recall", "Train tiny LMs per mixer on synthetic recall tasks."),
+    "recall": ("hla_bench.recall.command", "Train tiny LMs per mixer on synthetic recall tasks."),
     "tasks": ("hla_bench.task_commands", "The synthetic tasks: list them, show an example."),
 }
 

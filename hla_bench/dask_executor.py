@@ -1,10 +1,12 @@
 """Dask distributed as the executor of a sweep (`--executor dask`).
 
 The client process plans the work and owns the results file; Dask workers run the tasks:
-a recall group (`hla_bench.training.run_group`) or a bench point group (one mixer's points
-of one sweep, measured in a fresh process on its worker). Every finished task comes back to
-the client, which stores its records at once, as the local executor does, so `--resume`
-works across executors.
+a recall group (`hla_bench.recall.pool.run_groups_dask`) or a bench point group (one
+mixer's points of one sweep, measured in a fresh process on its worker:
+`hla_bench.speed.isolate.run_sweeps_dask`). Every finished task comes back to the client,
+which stores its records at once, as the local executor does, so `--resume` works across
+executors. This module is what both wings share: the cluster (`connect`), its checks and
+its description; it imports neither wing.
 
 A local cluster listens on the loopback interface only, without a dashboard unless asked
 for (`connect`); its processes end with the command: each worker exits when the command's
@@ -25,8 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
-import time
-from typing import Any, Callable
+from typing import Any
 
 INSTALL_HINT = 'pip install "hla-bench[dask]"'
 # How often a task may lose its worker before it is given up (Dask's allowed-failures):
@@ -47,7 +48,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _distributed():
+def load_distributed():
     try:
         import distributed
     except ImportError:
@@ -64,7 +65,7 @@ def scheduler_problem(address: str, timeout: float = 5.0) -> str | None:
     """Why `--scheduler ADDRESS` cannot serve a sweep, found before any work starts: an
     address Dask cannot parse, or (for tcp and tls) nothing accepting a connection there
     within `timeout` seconds. None when it looks usable (other schemes are left to Dask)."""
-    _distributed()
+    load_distributed()
     from distributed.comm.addressing import parse_address, parse_host_port
 
     try:
@@ -99,7 +100,7 @@ def worker_specs(gpus: int, workers: int, threads: int = 1) -> dict[str, dict]:
     and holds the resource GPU=1, so each runs one GPU task at a time and workers of one GPU
     share it (side by side under CUDA MPS). Without, they are CPU workers of `threads`
     OpenMP threads each."""
-    distributed = _distributed()
+    distributed = load_distributed()
     count = max(1, workers)
     if gpus:
         return {f"gpu-{k % gpus}" + (f"-{k // gpus}" if count > gpus else ""): {
@@ -115,7 +116,7 @@ def worker_specs(gpus: int, workers: int, threads: int = 1) -> dict[str, dict]:
 def scheduler_spec(dashboard: bool = False) -> dict[str, Any]:
     """The local cluster's scheduler: on the loopback interface, with the dashboard (on the
     loopback interface too) only when asked for."""
-    distributed = _distributed()
+    distributed = load_distributed()
     return {"cls": distributed.Scheduler, "options": {
         "host": LOOPBACK, "dashboard": dashboard,
         "dashboard_address": DASHBOARD_ADDRESS if dashboard else f"{LOOPBACK}:0"}}
@@ -126,7 +127,7 @@ def connect(scheduler: str | None, *, gpus: int, workers: int, dashboard: bool =
     workers over `gpus` GPUs, or on the CPU without (see `worker_specs`), listening on the
     loopback interface only, with a dashboard when `dashboard`; close it with `.close()` (a
     local cluster is closed with it). What a `scheduler` exposes is its own configuration."""
-    distributed = _distributed()
+    distributed = load_distributed()
     import dask
 
     # A worker holds one task at a time (saturation 1.0): a dying worker then counts
@@ -157,56 +158,7 @@ def connect(scheduler: str | None, *, gpus: int, workers: int, dashboard: bool =
     return client
 
 
-def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
-    """One recall group on a worker (runs stopped by the deadline return None)."""
-    from hla_bench.training import run_group
-
-    if options["deadline"] is not None and time.time() > options["deadline"]:
-        return None
-    return run_group(group, lambda event: None, **options)
-
-
-def run_groups_dask(client, groups: list[list[dict]], on_event: Callable[[list[int], dict], None],
-                    on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
-                    checkpoint_dir: str | None = None, graphs: bool = True,
-                    compile: bool = False,
-                    task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
-    """`hla_bench.training.run_groups` on a Dask cluster: every group is one `task`;
-    results reach `on_results` as each task finishes. Returns False when the deadline left
-    work."""
-    from hla_bench.training import CudaFault, failed_result
-
-    distributed = _distributed()
-    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
-               "compile": compile}
-    futures = {}
-    for group in groups:
-        cuda = str(group[0]["device"]).startswith("cuda")
-        # each worker sees one GPU: its device is cuda:0 whatever the plan said
-        placed = [{**spec, "device": "cuda:0"} if cuda else spec for spec in group]
-        future = client.submit(task, placed, options, pure=False,
-                               resources={"GPU": 1} if cuda else None)
-        futures[future] = group
-        on_event([spec["run_id"] for spec in group], {"event": "submitted"})
-    complete = True
-    for future in distributed.as_completed(list(futures)):
-        group = futures[future]
-        try:
-            results = future.result()
-        except Exception as error:  # noqa: BLE001 - a lost worker (twice) or a dead task
-            results = [failed_result(spec, "crashed", f"{type(error).__name__}: {error}")
-                       for spec in group]
-        if results is None:
-            complete = False
-            continue
-        if isinstance(results, CudaFault):
-            _restart_worker_of(client, future)
-        # report the planned device, not the worker's view of it
-        on_results([{**result, "device": spec["device"]} for result, spec in zip(results, group)])
-    return complete
-
-
-def _restart_worker_of(client, future) -> None:
+def restart_worker_of(client, future) -> None:
     """Restart the worker that computed `future`: it returned a CUDA fault, after which its
     process cannot use the GPU (a task given to it meanwhile is run again elsewhere)."""
     try:
@@ -215,76 +167,6 @@ def _restart_worker_of(client, future) -> None:
             client.restart_workers(list(holders), raise_for_error=False)
     except Exception:  # noqa: BLE001 - a worker already gone needs no restart
         pass
-
-
-def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
-    """A bench point group on a worker, measured in a fresh child process
-    (`hla_bench.speed.isolate`): a fault there (an illegal address, a hung kernel, a
-    poisoned CUDA context, a kill for memory) stays out of the worker and of the other
-    mixers' points, and the child dies with its worker. The points it measured before a
-    crash come back with the ones the crash cost (errors, or `oom` for a memory kill)."""
-    from hla_bench.speed.sweeps import SweepConfig
-    from hla_bench.speed.isolate import run_sweeps_isolated
-
-    measured: list[dict] = []
-    run_sweeps_isolated([SweepConfig.from_dict(sweep)], previous=previous,
-                        on_measured=measured.append)
-    return measured
-
-
-def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
-                    on_measured: Callable[[dict], None], dashboard: bool = False,
-                    on_connected: Callable[[Any], Any] | None = None) -> list[dict]:
-    """`hla_bench.speed.runner.run_sweeps` on a Dask cluster: each (sweep, mixer) point
-    group is one task; its measured points reach `on_measured` as the task finishes. A task
-    whose worker died twice is recorded as an error point per planned point. A local
-    cluster (no `scheduler`) serves a dashboard when `dashboard` (see `connect`);
-    `on_connected(client)` is called once connected. Returns every record of the plan (kept
-    and measured), as run_sweeps does."""
-    from hla_bench.speed.sweeps import SweepConfig
-    from hla_bench.speed.isolate import group_records, point_groups
-    from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
-    from hla_bench.speed.runner import plan
-
-    distributed = _distributed()
-    groups = point_groups(sweeps)
-    cuda = any(str(sweep.resolved_device()).startswith("cuda") for sweep in sweeps)
-    # timings do not share a GPU: one worker per GPU
-    gpus = cuda_device_count() if cuda else 0
-    client = connect(scheduler, gpus=gpus,
-                     workers=gpus or min(len(groups), max(1, (os.cpu_count() or 2) // 2)),
-                     dashboard=dashboard)
-    if on_connected is not None:
-        on_connected(client)
-    kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
-    records: dict = {}
-    try:
-        futures = {}
-        for group in groups:
-            on_gpu = str(SweepConfig.from_dict(group).resolved_device()).startswith("cuda")
-            futures[client.submit(_bench_task, group, group_records(group, previous), pure=False,
-                                  resources={"GPU": 1} if on_gpu else None)] = group
-        for future in distributed.as_completed(list(futures)):
-            group = futures[future]
-            try:
-                measured = future.result()
-            except Exception as error:  # noqa: BLE001 - its worker died twice
-                reason = f"{type(error).__name__}: {error}"
-                measured = []
-                for point in plan([SweepConfig.from_dict(group)]):
-                    record = empty_record(point)
-                    if point_key(record) not in kept:
-                        measured.append({**record, "status": "error", "reason": reason})
-            for record in measured:
-                records[point_key(record)] = record
-                on_measured(record)
-    finally:
-        client.close()
-    planned = []
-    for point in plan(list(sweeps)):
-        key = point_key(empty_record(point))
-        planned.append(records.get(key) or kept.get(key) or empty_record(point))
-    return planned
 
 
 def cuda_device_count() -> int:

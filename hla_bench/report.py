@@ -2,7 +2,7 @@
 of two bench files is `hla_bench.speed.compare`).
 
 Files are dispatched on their top-level `kind`: `bench` is rendered here, `recall` by
-`hla_bench.recall_report.render_recall`. Every file given is checked before anything is
+`hla_bench.recall.report.render_recall`. Every file given is checked before anything is
 printed; a file that is not a results file, is cut short or breaks its schema is a usage
 error (exit 2).
 """
@@ -20,12 +20,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from hla_bench.results import store
-from hla_bench.speed.sweeps import format_seq_len
-from hla_bench.speed.records import iter_groups
+from hla_bench.results.records import iter_groups
 from hla_bench.results.index import load_checked
 from hla_bench.results.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
-from hla_bench.recall_report import RECALL_TABLES, render_recall
-from hla_bench.results.tables import STATUS_LABELS, fit, format_value, pack, print_table, wrap
+from hla_bench.recall.report import RECALL_TABLES, render_recall
+from hla_bench.results.tables import (STATUS_LABELS, fit, format_seq_len, format_value, pack,
+                                     print_table, wrap)
 
 METRICS = {
     # metric -> (point field, column unit, higher is better)
@@ -301,11 +301,19 @@ def write_plots(data: dict[str, Any], out_dir: str | Path, fmt: str = "png",
     return write_bench_plots(data, out_dir, fmt, _group_title, _batch_label, baseline, mixers)
 
 
+def recall_run_key(run: dict) -> str:
+    """What identifies a recall run (`hla_bench.recall.plan.run_key`, imported only once a
+    recall file is checked: the recall wing imports torch)."""
+    from hla_bench.recall.plan import run_key
+
+    return run_key(run)
+
+
 def load_any(path: str) -> tuple[str, str, dict[str, Any]]:
     """(path, kind, data) of a results file of any kind (`load_checked`); any problem is a
     usage error naming the file."""
     try:
-        data = load_checked(path)
+        data = load_checked(path, recall_run_key)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     return path, data["kind"], data
@@ -584,7 +592,7 @@ def write_folder_index(folder: str, console: Console) -> None:
     from hla_bench.results import index
 
     try:
-        path, count = index.write_index(folder)
+        path, count = index.write_index(folder, recall_run_key)
     except index.IndexWriteError as error:
         raise click.UsageError(str(error)) from None
     except OSError as error:

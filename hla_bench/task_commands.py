@@ -10,29 +10,11 @@ from rich.table import Table
 from rich.text import Text
 
 import tasks
-from hla_bench.speed.sweeps import parse_value
+from hla_bench.options import parse_params
 from hla_bench.results.tables import print_table
 
 ROLE_STYLES = {"key": "bold cyan", "value": "bold green", "query": "bold magenta",
                "filler": "dim", "noise": "yellow", "special": "bold red"}
-
-
-def parse_params(ctx, param, values) -> dict:
-    """`--param KEY=VALUE` items as task parameters (VALUE read as YAML, dashes in KEY as
-    underscores)."""
-    params = {}
-    for item in values or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}")
-        key = key.replace("-", "_")
-        if key in params:
-            raise click.BadParameter(f"{key} is given twice")
-        try:
-            params[key] = parse_value(value, key)
-        except ValueError as error:
-            raise click.BadParameter(str(error)) from None
-    return params
 
 
 @click.group("tasks")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mixers import dispatch
-from mixers.hla.common import FiniteInputs, check_choice, check_flag, check_qkv
+from mixers.common import FiniteInputs, check_choice, check_flag, check_qkv
 
 SDPA_BACKENDS = ("auto", "math", "efficient", "flash", "cudnn")
 # Backends with no CPU kernel in PyTorch; "flash" has one, "math" runs everywhere.
@@ -126,7 +126,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     With `initial_state` (a KV cache) the new tokens also attend to the cached ones. The
     returned cache has room for `cache_reserve` more tokens. `dropout_p` drops attention
     weights (training only: the layer passes it while training).
-    Non-finite inputs follow the rule of mixers/hla/common.py: PyTorch's kernels alone would
+    Non-finite inputs follow the rule of mixers/common.py: PyTorch's kernels alone would
     let a masked-out later value enter P V as 0 * NaN and spread NaN into earlier gradients,
     so the new tokens' q, k, v go in with non-finite entries read as 0 and the outputs from
     a (batch row, head)'s first non-finite token on are NaN. The returned cache holds the

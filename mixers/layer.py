@@ -73,7 +73,7 @@ class MixerLayer(nn.Module):
     its own kernels out of the trace); False runs it through `opaque`.
 
     The q/k/v projection's output is laid out [q of every head, k of every head, v of every
-    head]; `tasks.stacked` relies on that layout and on the attribute names.
+    head]; `hla_bench.recall.stacked` relies on that layout and on the attribute names.
     """
 
     TRACEABLE_STACKED = True  # forward_stacked traces its op only when traceable_op

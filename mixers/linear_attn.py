@@ -1,5 +1,5 @@
 """Causal linear attention (Katharopoulos et al. 2020): chunked or parallel PyTorch, or on
-CUDA one link of the HLA chain's Triton kernels (mixers/hla/chain) on phi's features.
+CUDA one link of the HLA chain's Triton kernels (mixers/chain) on phi's features.
 
 o_t = phi(q_t)^T S_t with S_t = sum_{i<=t} phi(k_i) v_i^T; normalized, the output is divided
 by phi(q_t)^T z_t + eps with z_t = sum_{i<=t} phi(k_i). q and k are not scaled outside the
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mixers.dispatch import opaque
-from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
+from mixers.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
                                check_flag, check_qkv, exclusive_cumsum, kernel_read_out,
                                pad_to_multiple, poison, pytorch_form, resolve_impl)
 
@@ -97,10 +97,10 @@ def features_of(phi, q, k, v, dtype):
 
 
 def triton_unsupported(q: torch.Tensor, v: torch.Tensor, features: int) -> str | None:
-    """Why the Triton link (mixers/hla/chain) cannot run these inputs, or None."""
+    """Why the Triton link (mixers/chain) cannot run these inputs, or None."""
     if q.dtype not in TRITON_DTYPES or v.dtype != q.dtype:
         return f"dtypes {q.dtype}, {v.dtype} (supported: one of {TRITON_DTYPES} for all)"
-    from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
+    from mixers.chain.plan import MAX_HEAD_DIM, device_reason
 
     if features > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"feature width {features} or value dim {v.shape[-1]} above {MAX_HEAD_DIM}"
@@ -112,9 +112,9 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 impl: str = "auto", chunk_size: int = 64, initial_state: dict | None = None,
                 output_final_state: bool = False):
     """Causal linear attention on `[B, T, H, D]` inputs; returns (o, state | None).
-    impl: "chunk" or "parallel" (PyTorch), "triton" (the chain's link, mixers/hla/chain, on
+    impl: "chunk" or "parallel" (PyTorch), "triton" (the chain's link, mixers/chain, on
     the features) or "auto" (Triton on CUDA where it takes the inputs, else "parallel" up to
-    T = 2 F, F phi's width, and "chunk" beyond: mixers.hla.common.pytorch_form)."""
+    T = 2 F, F phi's width, and "chunk" beyond: mixers.common.pytorch_form)."""
     B, T, H, D, Dv = check_qkv(q, k, v)
     check_choice("feature_map", feature_map, tuple(FEATURE_MAPS))
     check_choice("impl", impl, IMPLS)
@@ -141,7 +141,7 @@ def linear_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if impl == "parallel":
         return _parallel(q, k, v, state, feature_map, normalize, eps, dtype, out_dtype,
                          output_final_state, zero_start=initial_state is None)
-    # The non-finite rule (mixers/hla/common.py) on the features. The feature map runs in the
+    # The non-finite rule (mixers/common.py) on the features. The feature map runs in the
     # compute dtype and before the zero padding, so padded tokens add nothing (taylor maps a
     # zero key to [1, 0, 0], which would enter z).
     guard = FiniteInputs(*features_of(phi, q, k, v, dtype))
@@ -170,11 +170,11 @@ def _triton(inputs, state, normalize, eps, chunk_size, input_dtype, out_dtype,
     """linear_attn through the chain's link: the features and values (as given: 16-bit
     inputs of the identity map, else the compute dtype) with a column of ones for the
     denominator when normalized; z is the state's ones column. The kernels keep the
-    non-finite rule (mixers/hla/chain); the state never reads q, so a final state asked for
+    non-finite rule (mixers/chain); the state never reads q, so a final state asked for
     is set to NaN here for a (batch, head) with a non-finite query, as the rule asks.
     `zero_start`: the state is zeros, which the link then takes as None (a link of one
     chunk without a final state keeps no state)."""
-    from mixers.hla.chain.link import linear_attention_packed
+    from mixers.chain.link import linear_attention_packed
 
     S0 = state["S"]
     if normalize:

@@ -20,7 +20,8 @@ lists MAD-lab's protocol and every remaining difference. Choices this module mak
   on a probe the generator never placed earlier (see `docs/mad-protocol.md`).
 - Compression is an auto-encoder: the model reads the whole sequence causally, and every
   token, noise included, is reconstructed from the last position's state (`readout="last"`,
-  see `tasks.model.LastStateDecoder`), as MAD-lab's generator returns the inputs as targets.
+  see `hla_bench.recall.model.LastStateDecoder`), as MAD-lab's generator returns the inputs
+  as targets.
 - Memorization keeps its key-value map fixed by `kv_map_seed` across splits (the map is what
   is memorised; MAD-lab's map for the same seed); its test set is fresh sequences over it.
 """

@@ -1,11 +1,11 @@
-"""Stand-ins for hla_bench.training._worker in the spawned processes of a recall pool (a
+"""Stand-ins for hla_bench.recall.pool._worker in the spawned processes of a recall pool (a
 module of their own: the pool pickles its function by name)."""
 
 import os
 import time
 from pathlib import Path
 
-from hla_bench.training import RETRY_WITH_FEWER
+from hla_bench.recall.pool import RETRY_WITH_FEWER
 
 # memory_bound's groups run for RUN_CHECKS x 50 ms: long against the spread of the pool's
 # worker start-up (each spawned process imports torch), so groups started together overlap
@@ -17,7 +17,7 @@ def memory_bound(group: list[dict], options: dict):
     run, whichever started first; it then answers as run_group does: RETRY_WITH_FEWER when
     told that others may run beside it, else its runs are out of memory. Running groups
     mark themselves in the directory `group[0]["marks"]`."""
-    from hla_bench.training import failed_result
+    from hla_bench.recall.pool import failed_result
 
     marks = Path(group[0]["marks"])
     mark = marks / str(os.getpid())
@@ -39,7 +39,7 @@ def memory_bound(group: list[dict], options: dict):
 def cuda_fault(group: list[dict], options: dict):
     """A "bad" group's kernels fault: beside other groups it cannot tell whose fault it was,
     alone it is its own. Every result says which process ran it and when it started."""
-    from hla_bench.training import RETRY_ALONE, CudaFault, failed_result
+    from hla_bench.recall.pool import RETRY_ALONE, CudaFault, failed_result
 
     started = time.time()
     time.sleep(0.3)

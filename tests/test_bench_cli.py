@@ -13,7 +13,7 @@ from hla_bench import bench, configs, registry
 from hla_bench.results import bench_files as results
 from hla_bench.speed import runner as engine_runner
 from hla_bench.speed.sweeps import load_config
-from hla_bench.speed.records import point_key
+from hla_bench.results.records import point_key
 from hla_bench.cli import main
 from test_sweeps import fake_mixers  # noqa: F401  (fixture)
 

@@ -1,4 +1,4 @@
-"""The non-finite rule (mixers/hla/common.py): a NaN or inf in q, k or v at token t of batch
+"""The non-finite rule (mixers/common.py): a NaN or inf in q, k or v at token t of batch
 row b and head h changes only the outputs of (b, h) at and after t, in every operator and
 form; with a zero upstream gradient at the outputs it made non-finite, the gradients of the
 inputs before t are those without it.
@@ -243,7 +243,7 @@ def test_non_finite_input_changes_only_later_outputs(name, which, value):
 
 
 # (form, value): NaN everywhere; inf for the PyTorch forms and for forms of hla2's kernels
-# (the kernels test NaN and inf alike, with the helpers of mixers/hla/tiles.py that hla2's
+# (the kernels test NaN and inf alike, with the helpers of mixers/tiles.py that hla2's
 # and the chain's kernels share; the interpreter's backward is slow).
 INF_KERNEL_FORMS = ("hla2-triton", "hla2-triton-paper-decay")
 BACKWARD_CASES = [(name, value) for name in FORMS

@@ -1,4 +1,4 @@
-"""One link of the family's Triton chain (mixers/hla/chain: causal linear attention with a
+"""One link of the family's Triton chain (mixers/chain: causal linear attention with a
 per-head decay, start and final states) under the interpreter, against the float64 token
 by token sum of its definition: outputs, final state, and the gradients of q, k, v and the
 start state, at head dims that span several blocks and a partial last chunk."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grids import parametrize
-from mixers.hla.chain import backward, forward, plan_chain
+from mixers.chain import backward, forward, plan_chain
 from mixers.reference import relative_error
 
 B, H = 2, 2
@@ -168,7 +168,7 @@ def test_the_link_takes_16_bit_inputs_as_they_are(monkeypatch):
     and the link's kernel writes the outputs in bf16 (no float32 buffer to cast): outputs
     and gradients come back in bf16, within bf16 rounding of the float64 chunk form on the
     same rounded inputs; the state (float32) closer still."""
-    from mixers.hla.chain import link
+    from mixers.chain import link
     from mixers.linear_attn import linear_attn
 
     received, apply = [], link._Link.apply

@@ -15,6 +15,7 @@ from hla_bench.cli import main
 distributed = pytest.importorskip("distributed")
 
 from hla_bench import dask_executor  # noqa: E402
+from hla_bench.recall import pool  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
 
@@ -80,7 +81,7 @@ def run_stand_in_groups(tmp_path, task, count: int, after=lambda client: None):
     try:
         groups = [[{"run_id": i, "device": "cpu", "mixer": "m"}] for i in range(count)]
         finished = []
-        complete = dask_executor.run_groups_dask(client, groups, lambda ids, event: None,
+        complete = pool.run_groups_dask(client, groups, lambda ids, event: None,
                                                  finished.extend, checkpoint_dir=str(tmp_path),
                                                  task=task)
         seen = after(client)
@@ -104,7 +105,7 @@ def faults_on_group_0(group, options):
     """Group 0 returns a CUDA fault; every result names the process that computed it."""
     import time
 
-    from hla_bench.training import CudaFault, failed_result
+    from hla_bench.recall.pool import CudaFault, failed_result
 
     time.sleep(0.2)
     if group[0]["run_id"] == 0:
@@ -188,7 +189,7 @@ BENCH = ["bench", "--mixers", "hla2,linear-attn,sdpa", "--seq-lens", "64,128", "
 
 
 def points(path):
-    from hla_bench.speed.records import point_key
+    from hla_bench.results.records import point_key
 
     return {point_key(p): p for p in yaml.safe_load(Path(path).read_text())["points"]}
 

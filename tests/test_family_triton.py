@@ -80,7 +80,7 @@ def test_gradients_match_the_chunk_form(name, D, normalize, fused, monkeypatch):
     `fused`: dq, dk and dv in one launch (grad_fused.py), where hla3's first link adds its
     value gradient into the buffer of its key gradient."""
     if fused:
-        from mixers.hla import chain
+        from mixers import chain
 
         plan_chain = chain.plan_chain
         monkeypatch.setattr(chain, "plan_chain", lambda *args: dataclasses.replace(
@@ -158,7 +158,7 @@ def test_unnormalized_16_bit_outputs_come_from_the_last_link_as_they_are(name, m
     """Not normalized, the last link's kernel writes bf16 outputs itself (the links before
     it keep float32 intermediates): nothing is cast after it, and the outputs stay within
     bf16 rounding of float64 on the same rounded inputs."""
-    from mixers.hla import chain
+    from mixers import chain
 
     written, forward = [], chain.forward
     monkeypatch.setattr(chain, "forward", lambda *args, **kwargs: (

@@ -11,10 +11,11 @@ import matplotlib.colors  # noqa: E402
 import pytest  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
-from hla_bench import recall_report, report  # noqa: E402
+from hla_bench import report  # noqa: E402
+from hla_bench.recall import report as recall_report  # noqa: E402
 from hla_bench.speed import compare
 from hla_bench.results import plots, bench_files as results, styles  # noqa: E402
-from hla_bench.recall_report import summarize  # noqa: E402
+from hla_bench.recall.report import summarize  # noqa: E402
 
 BENCH_MIXERS = [  # (label, mixer name, time factor)
     ("hla2-triton", "hla2", 1.3), ("hla2-chunk", "hla2", 14), ("ahla2-triton", "ahla2", 4),

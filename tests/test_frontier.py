@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import tasks
-from hla_bench.recall_config import ConfigError, plan_runs, validate_config
-from hla_bench.training import run_group
+from hla_bench.recall.plan import ConfigError, plan_runs, validate_config
+from hla_bench.recall.pool import run_group
 from tasks import IGNORE
-from tasks.train import RunSpec, _GroupTrainer, interleave, steps_per_epoch
+from hla_bench.recall.train import RunSpec, _GroupTrainer, interleave, steps_per_epoch
 
 MIX_PARAMS = dict(vocab_size=128, seq_len=16, num_kv_pairs=2)
 TRAIN_MIX = [{"seq_len": 16, "num_kv_pairs": 2, "count": 40},
@@ -145,7 +145,7 @@ def test_a_bad_mix_is_a_config_error_naming_it(setting, message):
 
 
 def test_mixers_take_specs_with_options_each_a_variant_of_its_own():
-    from hla_bench.recall_report import summarize
+    from hla_bench.recall.report import summarize
 
     config = validate_config({
         "mixers": ["sdpa", "sdpa:window=16", "sdpa:window=32:label=swa-32", "based:feature_dim=8"],
@@ -172,7 +172,7 @@ def test_mixers_take_specs_with_options_each_a_variant_of_its_own():
 
 def test_the_frontier_and_mad_budget_configs_plan_what_their_headers_state():
     from hla_bench import configs
-    from hla_bench.recall_config import check_layers, load_config, plan_rows
+    from hla_bench.recall.plan import check_layers, load_config, plan_rows
 
     frontier = load_config(str(configs.find("zoology-frontier")), {})
     specs = plan_runs(frontier, "cuda")

@@ -249,7 +249,7 @@ def test_verify_overwrite_never_replaces_a_file_that_is_not_a_verify_output(tmp_
 
 
 class _PastEveryDeadline:
-    """tasks.train's clock, read a day late: a group stops (and checkpoints) at its first
+    """hla_bench.recall.train's clock, read a day late: a group stops (and checkpoints) at its first
     step, whatever the machine's speed, while the sweep around it starts it in time."""
 
     perf_counter = staticmethod(time.perf_counter)
@@ -260,10 +260,10 @@ class _PastEveryDeadline:
 def cut_recall(tmp_path, monkeypatch):
     """A recall run stopped at its time limit after its group's first step (one worker:
     in this process): (its results file, its checkpoint)."""
-    import tasks.train
+    import hla_bench.recall.train
 
     with monkeypatch.context() as patched:
-        patched.setattr(tasks.train, "time", _PastEveryDeadline)
+        patched.setattr(hla_bench.recall.train, "time", _PastEveryDeadline)
         stopped = invoke(recall_args(tmp_path, "--time-limit", "600", "--epochs", "3"))
     assert stopped.exit_code == 0 and "stopped at --time-limit" in stopped.output, \
         stopped.output

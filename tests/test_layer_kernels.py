@@ -1,6 +1,6 @@
-"""The stacked layer's fused kernels (tasks/kernels): conv_split_norm against today's code
-path (stacked_causal_conv, split, reshape, F.normalize) and adamw_step_ against FlatAdamW
-and torch.optim.AdamW.
+"""The stacked layer's fused kernels (hla_bench/recall/kernels): conv_split_norm against
+today's code path (stacked_causal_conv, split, reshape, F.normalize) and adamw_step_ against
+FlatAdamW and torch.optim.AdamW.
 
 The PyTorch paths in float64 on the CPU: equal to the code they replace (bit for bit), and
 gradcheck (conv_split_norm). The Triton paths (the interpreter on the CPU,
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from grids import parametrize
 from mixers.short_conv import stacked_causal_conv
 from mixers.reference import relative_error
-from tasks.kernels.adamw import adamw_step_
+from hla_bench.recall.kernels.adamw import adamw_step_
 from mixers.short_conv import conv_split_norm
-from tasks.stacked import FlatAdamW, StackedLM
+from hla_bench.recall.stacked import FlatAdamW, StackedLM
 
 RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1")

@@ -1,4 +1,4 @@
-"""The API rule every operator follows (mixers/hla/common.py): flags are bools, chunk_size is
+"""The API rule every operator follows (mixers/common.py): flags are bools, chunk_size is
 a positive int, eps a positive finite number, T = 0 gives an empty output and the initial
 (or zero) state, and an empty batch or zero heads is refused; each violation is a
 ValueError that names the argument."""
@@ -184,7 +184,7 @@ def test_trusted_finite_inputs_change_no_value_and_skip_the_rule(name):
     """Within inputs_trusted_finite the PyTorch forms give the same outputs and gradients on
     finite inputs, bit for bit, and no longer poison a non-finite token's later outputs
     (the rule's passes are skipped: its NaN spreads as the arithmetic spreads it)."""
-    from mixers.hla.common import inputs_trusted_finite
+    from mixers.common import inputs_trusted_finite
 
     op = {"hla2-chunk": _with(hla2, impl="chunk"), "sdpa": sdpa_attention,
           "linear-parallel": _with(linear_attn, impl="parallel")}[name]

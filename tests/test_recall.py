@@ -15,14 +15,15 @@ from rich.console import Console
 import tasks
 from hla_bench import configs, registry
 from hla_bench.cli import main
-from hla_bench.recall_config import ConfigError, load_config, plan_runs, validate_config
-from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.recall.plan import ConfigError, load_config, plan_runs, validate_config
+from hla_bench.recall.report import render_recall, summarize
+from hla_bench.results.load import RecallFileError, validate_recall
 from hla_bench.results.store import dump_results
-from hla_bench.training import build_model, default_workers, run_groups, state_bytes, step_flops
+from hla_bench.recall.pool import build_model, default_workers, run_groups, state_bytes, step_flops
 from mixers.layer import MixerLayer
 from tasks import IGNORE
-from tasks.model import TinyLM, labelled_rows
-from tasks.train import RunSpec, in_context_hits, lr_factors, train_group, warmup_cosine
+from hla_bench.recall.model import TinyLM, labelled_rows
+from hla_bench.recall.train import RunSpec, in_context_hits, lr_factors, train_group, warmup_cosine
 
 
 def softmax_op(**_):
@@ -133,7 +134,7 @@ def test_zoology_init_scales_the_output_projections():
 
 
 def test_mad_lab_backbone_rms_norms_untied_head_and_swiglu_width():
-    from tasks.model import mad_swiglu_hidden
+    from hla_bench.recall.model import mad_swiglu_hidden
 
     torch.manual_seed(0)
     model = TinyLM(32, 128, lambda: MixerLayer(128, 1, softmax_op(), qk_norm="none"),
@@ -167,7 +168,7 @@ def test_mad_lab_backbone_rms_norms_untied_head_and_swiglu_width():
 
 
 def test_mad_lab_decoder_reads_the_raw_last_state_and_norms_before_the_head():
-    from tasks.model import fairseq_positions
+    from hla_bench.recall.model import fairseq_positions
 
     codes = fairseq_positions(5, 8)  # sines of the 4 frequencies 10000^(-i/3), then cosines
     freq = torch.tensor([10_000.0 ** (-i / 3) for i in range(4)])
@@ -279,9 +280,9 @@ def test_out_of_memory_beside_other_groups_waits_for_them_instead_of_failing(
     fewer groups at once, down to one: every group finishes, the big ones alone. This holds
     for a group that started first, with the others started beside it afterwards."""
     import pool_workers
-    from hla_bench import training
+    from hla_bench.recall import pool
 
-    monkeypatch.setattr(training, "_worker", pool_workers.memory_bound)
+    monkeypatch.setattr(pool, "_worker", pool_workers.memory_bound)
     groups = [[{**tiny_spec(mixer=mixer, run_id=i), "marks": str(tmp_path)}]
               for i, mixer in enumerate(order)]
     finished, retries = [], []
@@ -300,9 +301,9 @@ def test_groups_after_one_that_needed_the_gpu_alone_run_side_by_side_again(monke
     once the big group has run alone, the small groups queued behind it run three at once
     again (they see each other), and the sweep says so with an "at_once" event."""
     import pool_workers
-    from hla_bench import training
+    from hla_bench.recall import pool
 
-    monkeypatch.setattr(training, "_worker", pool_workers.memory_bound)
+    monkeypatch.setattr(pool, "_worker", pool_workers.memory_bound)
     order = ["big", "small", "small", "small", "small", "small"]
     groups = [[{**tiny_spec(mixer=mixer, run_id=i), "marks": str(tmp_path)}]
               for i, mixer in enumerate(order)]
@@ -324,7 +325,7 @@ def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
     """run_group: out of memory with other groups running returns RETRY_WITH_FEWER and
     trains nothing more; alone, the group splits in halves down to single runs, which are
     recorded as oom (cuBLAS's failed allocation counts as out of memory)."""
-    from hla_bench import training
+    from hla_bench.recall import pool
 
     calls = []
 
@@ -332,12 +333,12 @@ def test_out_of_memory_alone_splits_the_group_and_records_oom(monkeypatch):
         calls.append(len(group))
         raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
 
-    monkeypatch.setattr(training, "train_group", no_memory)
+    monkeypatch.setattr(pool, "train_group", no_memory)
     group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 3e-3, 1e-2))]
-    assert training.run_group(group, lambda event: None, shared=True) == training.RETRY_WITH_FEWER
+    assert pool.run_group(group, lambda event: None, shared=True) == pool.RETRY_WITH_FEWER
     assert calls == [3]
     calls.clear()
-    results = training.run_group(group, lambda event: None)
+    results = pool.run_group(group, lambda event: None)
     assert calls == [3, 1, 2, 1, 1]
     assert [r["status"] for r in results] == ["oom"] * 3
     assert [r["run_id"] for r in results] == [0, 1, 2]
@@ -353,8 +354,8 @@ def test_a_group_out_of_memory_frees_its_model_before_anything_else_runs(monkeyp
     import gc
     import weakref
 
-    from hla_bench import training
-    from tasks import train as train_module
+    from hla_bench.recall import pool
+    from hla_bench.recall import train as train_module
 
     models, seen_alive = [], []
     init, step = train_module._GroupTrainer.__init__, train_module._Step.run
@@ -374,12 +375,12 @@ def test_a_group_out_of_memory_frees_its_model_before_anything_else_runs(monkeyp
     group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 3e-3))]
     gc.disable()
     try:
-        results = training.run_group(group, lambda event: None, shared=shared)
+        results = pool.run_group(group, lambda event: None, shared=shared)
         alive_after = [model() is not None for model in models]
     finally:
         gc.enable()
     if shared:
-        assert results == training.RETRY_WITH_FEWER and len(models) == 1
+        assert results == pool.RETRY_WITH_FEWER and len(models) == 1
     else:
         assert [r["status"] for r in results] == ["ok", "ok"] and len(models) == 3
     assert seen_alive == [[], [False], [False, False]][:len(models)]
@@ -390,17 +391,17 @@ def test_a_shape_the_mixer_refuses_is_recorded_unsupported_and_kept_on_resume(mo
     """run_group: NotImplementedError (a mixer refusing a shape, as fla's delta rule a key
     head dim over 256) is recorded as unsupported with the mixer's words; a resume keeps
     such runs and ok ones, and trains again those that failed otherwise."""
-    from hla_bench import training
-    from hla_bench.recall import kept_keys
-    from hla_bench.recall_config import run_key
+    from hla_bench.recall import pool
+    from hla_bench.recall.command import kept_keys
+    from hla_bench.recall.plan import run_key
 
     def refuse(group, *args, **kwargs):
         raise NotImplementedError("fla.ops.delta_rule's chunk kernels take key head dims "
                                   "up to 256, not 512")
 
-    monkeypatch.setattr(training, "train_group", refuse)
+    monkeypatch.setattr(pool, "train_group", refuse)
     group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 1e-2))]
-    results = training.run_group(group, lambda event: None, shared=True)
+    results = pool.run_group(group, lambda event: None, shared=True)
     assert [r["status"] for r in results] == ["unsupported"] * 2
     assert results[0]["error"].endswith("up to 256, not 512")
     records = [{**tiny_spec(lr=lr), "status": status}
@@ -414,9 +415,9 @@ def test_a_cuda_fault_reruns_its_group_alone_and_retires_the_worker_that_faulted
     once alone, is recorded on its runs, and no group starts afterwards in the process that
     faulted (its CUDA context is broken). Every other group finishes."""
     import pool_workers
-    from hla_bench import training
+    from hla_bench.recall import pool
 
-    monkeypatch.setattr(training, "_worker", pool_workers.cuda_fault)
+    monkeypatch.setattr(pool, "_worker", pool_workers.cuda_fault)
     groups = [[tiny_spec(mixer=mixer, run_id=i)]
               for i, mixer in enumerate(["good", "bad", "good", "good", "good"])]
     finished, retries = [], []
@@ -436,7 +437,7 @@ def test_run_group_tells_a_cuda_fault_beside_others_from_its_own(monkeypatch):
     """run_group: a CUDA error other than out of memory returns RETRY_ALONE when other groups
     may have run beside it, else the failed runs as a CudaFault; releasing memory after it,
     which fails too on a broken context, does not hide the result."""
-    from hla_bench import training
+    from hla_bench.recall import pool
 
     def fault(group, *args, **kwargs):
         raise RuntimeError("CUDA error: device-side assert triggered")
@@ -444,29 +445,29 @@ def test_run_group_tells_a_cuda_fault_beside_others_from_its_own(monkeypatch):
     def broken_context():
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    monkeypatch.setattr(training, "train_group", fault)
+    monkeypatch.setattr(pool, "train_group", fault)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", broken_context)
     group = [tiny_spec(run_id=i, lr=lr) for i, lr in enumerate((1e-3, 3e-3))]
-    assert training.run_group(group, lambda event: None, isolated=False) == training.RETRY_ALONE
-    results = training.run_group(group, lambda event: None)
-    assert isinstance(results, training.CudaFault)
+    assert pool.run_group(group, lambda event: None, isolated=False) == pool.RETRY_ALONE
+    results = pool.run_group(group, lambda event: None)
+    assert isinstance(results, pool.CudaFault)
     assert [r["status"] for r in results] == ["error"] * 2
     assert all("device-side assert" in r["error"] for r in results)
-    assert not training.is_cuda_fault(RuntimeError("CUDA out of memory. Tried to allocate"))
+    assert not pool.is_cuda_fault(RuntimeError("CUDA out of memory. Tried to allocate"))
 
 
 def test_a_cuda_fault_in_the_sweeps_own_process_ends_the_sweep(monkeypatch):
     """With one worker (this process) a CUDA fault is recorded and the sweep stops there,
     incomplete: the process cannot use the GPU again; --resume goes on in a fresh one."""
-    from hla_bench import training
+    from hla_bench.recall import pool
 
     def fault(group, progress, **options):
         if group[0]["mixer"] == "bad":
-            return training.CudaFault([training.failed_result(group[0], "error", "CUDA error")])
+            return pool.CudaFault([pool.failed_result(group[0], "error", "CUDA error")])
         return [{**group[0], "status": "ok"}]
 
-    monkeypatch.setattr(training, "run_group", fault)
+    monkeypatch.setattr(pool, "run_group", fault)
     groups = [[tiny_spec(mixer=mixer, run_id=i)] for i, mixer in enumerate(["good", "bad", "good"])]
     finished = []
     assert not run_groups(groups, 1, lambda ids, event: None, finished.extend)
@@ -478,9 +479,9 @@ def test_a_worker_that_does_not_stop_at_the_deadline_is_killed_after_the_grace(m
     sequences, which looks at no clock) loses its process; the sweep reports itself
     incomplete, records no failure, and returns within seconds, not when the group would
     have reached its first step."""
-    from hla_bench import training
+    from hla_bench.recall import pool
 
-    monkeypatch.setattr(training, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(pool, "STOP_GRACE_S", 1.0)
     groups = [[tiny_spec(mixer="linear-attn", run_id=i, num_train=3_000_000)] for i in range(2)]
     finished = []
     started = time.time()
@@ -545,7 +546,7 @@ def test_summary_picks_over_lr_and_weight_decay_and_offers_mad_labs_test_pick():
 def test_failed_runs_are_listed_once_per_cell_and_reason_with_their_learning_rates():
     """Runs that failed alike (status, mixer, width, seed, setting, message) share a line
     naming their learning rates; an out-of-memory message keeps its first two sentences."""
-    from hla_bench.recall_report import failure_lines
+    from hla_bench.recall.report import failure_lines
 
     oom = ("CUDA out of memory. Tried to allocate 196.00 MiB. GPU 0 has a total capacity of "
            "79.18 GiB of which 34.31 MiB is free.")
@@ -570,8 +571,8 @@ def test_each_run_records_what_its_mixers_dispatch_ran(mixer, d_model, seq_len, 
     """`mixer_path`: the notes of the mixer's dispatch (impl="auto" without CUDA takes the
     parallel form up to T = 2 D, the chunk form beyond) and the versions of the packages
     that ran; the report lists them per mixer with the widths they cover."""
-    from hla_bench.recall_report import path_lines
-    from hla_bench.training import run_group
+    from hla_bench.recall.report import path_lines
+    from hla_bench.recall.pool import run_group
 
     params = dict(TINY["params"], seq_len=seq_len, vocab_size=32)
     results = run_group([tiny_spec(mixer=mixer, d_model=d_model, params=params, run_id=i, lr=lr)
@@ -621,7 +622,7 @@ def mad_run(task, setting, mixer="hla2", val=0.5, test=0.6, at_best=None, **fiel
 
 
 def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings():
-    from hla_bench.recall_report import mad_markdown, mad_scores, mad_table
+    from hla_bench.recall.report import mad_markdown, mad_scores, mad_table
 
     runs = [mad_run("in_context_recall", "icr", test=0.9, at_best=0.95),
             mad_run("in_context_recall", "icr", val=0.9, test=0.8, at_best=0.7, lr=3e-3),
@@ -660,7 +661,7 @@ def test_recall_plots_wrap_their_panels_and_name_every_mixer_in_one_legend(tmp_p
     """Five settings and the overall take two rows of four panels (two left blank); a mixer
     run in the first setting only still has its entry in the one legend, the figure's,
     outside the panels."""
-    from hla_bench import recall_report
+    from hla_bench.recall import report as recall_report
     from hla_bench.results import plots
 
     figures = []
@@ -684,7 +685,7 @@ def test_mad_score_view_adds_the_mean_over_the_six_tasks_once_every_task_is_scor
     mean of its six scores, and for a published row MAD-lab's own mean; with one task
     missing, no mean."""
     from tasks.mad import MAD_TASKS
-    from hla_bench.recall_report import load_mad_reference, mad_markdown, mad_scores
+    from hla_bench.recall.report import load_mad_reference, mad_markdown, mad_scores
 
     reference = load_mad_reference()
     tests = dict(zip(MAD_TASKS, (0.9, 0.6, 0.3, 0.8, 0.5, 0.7)))
@@ -711,7 +712,7 @@ def zoology_run(seq_len=64, kv=4, mixer="sdpa", d_model=64, **fields):
 
 
 def test_zoology_view_puts_each_mixers_test_pick_beside_figure_2_at_its_panel_only():
-    from hla_bench.recall_report import ZOOLOGY_REFERENCE, load_reference, zoology_markdown, zoology_rows
+    from hla_bench.recall.report import ZOOLOGY_REFERENCE, load_reference, zoology_markdown, zoology_rows
 
     reference = load_reference(ZOOLOGY_REFERENCE)
     runs = [zoology_run(val_accuracy=0.9, test_accuracy=0.97),
@@ -835,8 +836,8 @@ def test_config_validation_names_the_problem(changes, message):
 def test_configs_in_the_repository_are_valid():
     from pathlib import Path
 
-    from hla_bench.recall_config import plan_runs
-    from hla_bench.training import plan_groups
+    from hla_bench.recall.plan import plan_runs
+    from hla_bench.recall.pool import plan_groups
 
     checked = []
     for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
@@ -854,8 +855,8 @@ def test_configs_in_the_repository_are_valid():
 
 
 def test_weight_decay_grid_plans_every_lr_wd_and_seed_in_one_group_per_cell(tmp_path):
-    from hla_bench.recall_config import plan_runs
-    from hla_bench.training import plan_groups
+    from hla_bench.recall.plan import plan_runs
+    from hla_bench.recall.pool import plan_groups
 
     config = validate_config({
         "mixers": ["hla2", "linear-attn"], "d_model": [32], "lrs": [1e-3, 3e-3],
@@ -883,7 +884,7 @@ def test_weight_decay_grid_plans_every_lr_wd_and_seed_in_one_group_per_cell(tmp_
 
 
 def test_settings_are_told_apart_by_their_overrides_or_named():
-    from hla_bench.recall_config import plan_runs, setting_label
+    from hla_bench.recall.plan import plan_runs, setting_label
 
     config = validate_config({
         "mixers": ["hla2"], "lrs": [1e-3],
@@ -897,13 +898,13 @@ def test_settings_are_told_apart_by_their_overrides_or_named():
                       "in_context_recall vocab_size=32 n_layers=4", "icr-800"]
     assert setting_label("mqar", {"seq_len": 8}) == "mqar seq_len=8"  # no overrides: as before
     # task parameters never share a name with a train or model key, so labels stay unambiguous
-    from hla_bench.recall_config import MODEL_FIELDS, TRAIN_FIELDS
+    from hla_bench.recall.plan import MODEL_FIELDS, TRAIN_FIELDS
     for task in tasks.all_tasks():
         assert not set(task.params) & (set(MODEL_FIELDS) | set(TRAIN_FIELDS)), task.name
 
 
 def test_mixer_model_overrides_the_model_of_one_mixer(tmp_path):
-    from hla_bench.recall_config import plan_runs
+    from hla_bench.recall.plan import plan_runs
 
     config = validate_config({
         "mixers": ["hla2", "mamba2-ssd"], "lrs": [1e-3],
@@ -927,7 +928,7 @@ def test_mixer_model_overrides_the_model_of_one_mixer(tmp_path):
 
 
 def test_run_key_reads_a_field_a_stored_run_lacks_as_its_default():
-    from hla_bench.recall_config import run_key
+    from hla_bench.recall.plan import run_key
 
     spec = tiny_spec()
     stored = {k: v for k, v in spec.items() if k not in ("norm", "head", "metric", "decoder",
@@ -1147,7 +1148,7 @@ def test_a_width_its_heads_do_not_divide_stops_the_sweep_before_any_run(tmp_path
 @pytest.mark.slow
 def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_path,
                                                                           monkeypatch):
-    from hla_bench import recall as recall_command
+    from hla_bench.recall import command as recall_command
 
     original = recall_command.run_groups
 
@@ -1179,7 +1180,7 @@ def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_pat
 @pytest.mark.parametrize("flag, widths", [([], [16, 32, 64]), (["--largest-first"], [64, 32, 16])])
 def test_groups_start_cheapest_first_or_with_largest_first_costliest_first(tmp_path, monkeypatch,
                                                                            flag, widths):
-    from hla_bench import recall as recall_command
+    from hla_bench.recall import command as recall_command
 
     started = []
 
@@ -1193,7 +1194,7 @@ def test_groups_start_cheapest_first_or_with_largest_first_costliest_first(tmp_p
 
 
 def test_order_groups_by_width_times_length_keeps_the_plan_order_of_a_size():
-    from hla_bench.recall import order_groups
+    from hla_bench.recall.command import order_groups
 
     def group(d_model, seq_len, tag):
         return [{"d_model": d_model, "task": "mqar", "tag": tag,
@@ -1226,7 +1227,7 @@ def test_a_param_that_is_not_a_value_is_a_usage_error(tmp_path, param, message):
 
 
 def test_a_param_in_exponent_form_is_a_number(tmp_path):
-    from hla_bench.task_commands import parse_params
+    from hla_bench.options import parse_params
 
     assert parse_params(None, None, ["power_a=1e-2", "name=abc"]) == {"power_a": 0.01,
                                                                        "name": "abc"}
@@ -1379,7 +1380,7 @@ def test_a_layer_that_does_not_implement_a_shape_is_left_to_the_sweep_to_record(
     rule a key head dim over 256) is no config error: the sweep records its runs as
     unsupported. A ValueError stays one."""
     from hla_bench import registry
-    from hla_bench.recall_config import ConfigError, check_layers
+    from hla_bench.recall.plan import ConfigError, check_layers
 
     class Refusing:
         def __init__(self, error):
@@ -1422,19 +1423,19 @@ def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_the
 
 def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step_and_else_none(
         monkeypatch):
-    from hla_bench import training
+    from hla_bench.recall import pool
 
     spec = tiny_spec(mixer="linear-attn", batch_size=3)
     on_meta = step_flops(spec)
-    counted = training._counted_step
+    counted = pool._counted_step
 
     def meta_refused(spec, inputs, labels, count, device):
         if device == "meta":
             raise NotImplementedError("an op without a meta kernel")
         return counted(spec, inputs, labels, count, device)
 
-    monkeypatch.setattr(training, "_counted_step", meta_refused)
-    monkeypatch.setattr(training, "_STEP_FLOPS", {})
+    monkeypatch.setattr(pool, "_counted_step", meta_refused)
+    monkeypatch.setattr(pool, "_STEP_FLOPS", {})
     assert step_flops(spec) == on_meta > 0
     on_cuda_only = tiny_spec(mixer="linear-attn", mixer_options={"impl": "triton"})
     assert step_flops(on_cuda_only) is None or torch.cuda.is_available()
@@ -1473,7 +1474,7 @@ def test_checking_a_plan_leaves_no_meta_tensor_in_any_cache():
     a cache filled there (Mamba-2's dt and A) would hand meta tensors to every later layer
     of that shape."""
     from hla_bench import registry
-    from hla_bench.recall_config import check_layers, load_config, plan_runs
+    from hla_bench.recall.plan import check_layers, load_config, plan_runs
 
     config = load_config(None, {"mixers": ["mamba2-ssd", "sdpa"], "d_model": [48],
                                 "device": "cpu"})

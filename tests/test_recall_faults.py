@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hla_bench.recall_report import validate_recall
+from hla_bench.recall.plan import check_recall_file
 from hla_bench.results.load import load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_killed_sweeps_leave_a_resumable_file_and_resume_trains_only_the_missing
         process.wait()
         if not out.exists():
             continue
-        data = load(out, "recall", validate=validate_recall)
+        data = load(out, "recall", validate=check_recall_file)
         finished = {(r["mixer"], r["lr"], r["seed"]): r["curve"] for r in data["runs"]
                     if r["status"] == "ok"}
         resumed = subprocess.run([sys.executable, "-m", "hla_bench", *SWEEP, "--workers", "1",

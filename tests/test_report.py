@@ -203,15 +203,15 @@ def test_report_marks_an_incomplete_file(synthetic, tmp_path):
 
 
 def test_report_calls_the_recall_validation_when_it_exists(tmp_path, monkeypatch):
-    from hla_bench import recall_report
+    from hla_bench.results import index
 
     path = tmp_path / "recall.yaml"
     path.write_text("kind: recall\nschema_version: 1\nruns: [{status: ok}]\n")
 
-    def validate_recall(data):
+    def validate_recall(data, run_key=None):
         raise ValueError("runs[0].setting: missing field")
 
-    monkeypatch.setattr(recall_report, "validate_recall", validate_recall, raising=False)
+    monkeypatch.setattr(index, "validate_recall", validate_recall)
     result = CliRunner().invoke(report.report, [str(path)])
     assert result.exit_code == 2 and f"{path}: runs[0].setting: missing field" in \
         " ".join(result.output.split())
@@ -375,7 +375,7 @@ def _mix_run(mixer, d_model, state, lr, val, test, slices=2):
 def test_the_frontier_table_gives_each_mixers_best_accuracy_at_each_state_and_its_front():
     from rich.console import Console
 
-    from hla_bench.recall_report import frontier_rows, render_recall, summarize
+    from hla_bench.recall.report import frontier_rows, render_recall, summarize
 
     runs = [_mix_run("hla2", 64, 4096, 1e-3, 0.9, 0.80),
             _mix_run("hla2", 64, 4096, 1e-2, 0.5, 0.95),

@@ -9,11 +9,11 @@ import torch
 from grids import parametrize
 import tasks
 from hla_bench import registry
-from hla_bench.training import build_model, stackable
+from hla_bench.recall.pool import build_model, stackable
 from tasks import IGNORE
-from tasks.stacked import FlatAdamW, StackedLM, labelled_rows
-from tasks.train import (TIMING_FIELDS, RunSpec, _GroupTrainer, lr_factors, task_splits,
-                         train_group)
+from hla_bench.recall.stacked import FlatAdamW, StackedLM, labelled_rows
+from hla_bench.recall.train import (TIMING_FIELDS, RunSpec, _GroupTrainer, lr_factors,
+                                    task_splits, train_group)
 
 TINY = dict(task="mqar", params=dict(vocab_size=64, seq_len=32, num_kv_pairs=4))
 MIXERS = ["sdpa", "linear-attn", "based", "hla2", "ahla2", "hla3", "mamba2-ssd"]
@@ -158,7 +158,7 @@ def test_a_step_captured_once_trains_as_each_run_alone_across_shuffled_epochs(mo
     every epoch, training still equals each run alone (the order is rewritten in place)."""
     import types
 
-    import tasks.train as train
+    import hla_bench.recall.train as train
 
     def frozen_call(step):
         if step.eager_steps < step.WARM_STEPS:
@@ -326,7 +326,7 @@ def test_group_stop_ends_a_seeds_other_runs_at_the_evaluation_where_one_stops_ea
 
 @pytest.mark.slow
 def test_checkpoint_resume_continues_where_the_deadline_stopped(tmp_path):
-    from tasks.train import Interrupted
+    from hla_bench.recall.train import Interrupted
 
     runs = group("hla2", lrs=(1e-3, 3e-3), seeds=(0, 1), eval_every=2)
     straight = train_group(runs, build64, graphs=False)
@@ -346,8 +346,8 @@ def test_a_deadline_between_evaluations_stops_at_the_next_step_and_resumes_exact
     evaluation) and its resumed curves and parameters equal an uncut run's."""
     import time as real_time
 
-    import tasks.train as train
-    from tasks.train import Interrupted
+    import hla_bench.recall.train as train
+    from hla_bench.recall.train import Interrupted
 
     runs = group("linear-attn", lrs=(1e-3, 3e-3), seeds=(0, 1), num_train=120, epochs=2,
                  eval_every=0)          # 3 steps an epoch, one evaluation per epoch
@@ -441,7 +441,7 @@ def test_flat_adamw_weight_decay_per_row_is_torch_adamw_per_row():
 
 @pytest.mark.slow
 def test_runs_differing_in_weight_decay_train_as_one_group_equal_to_each_alone():
-    from hla_bench.training import plan_groups
+    from hla_bench.recall.pool import plan_groups
 
     runs = [spec(mixer="hla2", lr=lr, weight_decay=wd, seed=seed, run_id=i, epochs=3)
             for i, (lr, wd, seed) in enumerate([(1e-2, 0.0, 0), (1e-2, 0.5, 0), (3e-3, 0.5, 1)])]
@@ -565,7 +565,7 @@ def test_mad_macro_metric_is_mad_accuracy_per_batch_of_128_averaged_by_examples(
 
 @pytest.mark.slow
 def test_test_accuracy_at_the_lowest_validation_loss_changes_nothing_else(tmp_path):
-    from tasks.train import Interrupted
+    from hla_bench.recall.train import Interrupted
 
     # few examples, many epochs: validation loss turns up before the end
     fields = dict(lrs=(3e-2, 1e-2), seeds=(0, 1), num_train=32, num_val=64, num_test=64,
@@ -607,7 +607,7 @@ def test_scores_do_not_depend_on_how_many_examples_one_evaluation_forward_holds(
     """300 test examples in one forward, and in forwards of the training batch (micro) or
     of one metric batch of 128 (mad-macro, 128 + 128 + 44): the same scores, and each
     evaluation reads the device once."""
-    import tasks.train as train
+    import hla_bench.recall.train as train
 
     runs = group("linear-attn", lrs=(1e-2, 3e-3), seeds=(0, 1), metric=metric, num_test=300)
     trainer = _GroupTrainer([RunSpec(**r) for r in runs], build64, graphs=False, progress=None)
@@ -669,7 +669,7 @@ def test_the_test_split_is_scored_once_a_run_with_test_at_best_val(monkeypatch, 
 def fresh_compiler(monkeypatch):
     """No compiled code or model template left by earlier tests (a process keeps both, by
     design): tests that count compilations start from none."""
-    from tasks import train
+    from hla_bench.recall import train
 
     torch._dynamo.reset()
     monkeypatch.setattr(train, "_TEMPLATES", {})

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hla_bench import registry
-from hla_bench.training import build_model
-from tasks.train import RunSpec, _GroupTrainer
+from hla_bench.recall.pool import build_model
+from hla_bench.recall.train import RunSpec, _GroupTrainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -111,8 +111,8 @@ def test_a_group_records_the_most_gpu_memory_it_held():
     that touches CUDA."""
     script = textwrap.dedent("""
         import json
-        from hla_bench.training import build_model
-        from tasks.train import train_group
+        from hla_bench.recall.pool import build_model
+        from hla_bench.recall.train import train_group
         runs = json.loads(input())
         results = train_group(runs, build_model)
         parameters = build_model(runs[0]).parameters()

@@ -1,4 +1,4 @@
-"""The stacked-training kernels (tasks/kernels) against the unstacked brute force.
+"""The stacked-training kernels (hla_bench/recall/kernels) against the unstacked brute force.
 
 stacked_norm: N models' LayerNorm / RMSNorm (optionally fused with the residual add) equal
 F.layer_norm / F.rms_norm model by model, values and the gradients of x, residual, weight and
@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_leaves
 
 from mixers.reference import relative_error
 from tasks import IGNORE
-from tasks.kernels import cross_entropy, labelled_cross_entropy, norm, stacked_norm
-from tasks.model import at_least_float32
+from hla_bench.recall.kernels import cross_entropy, labelled_cross_entropy, norm, stacked_norm
+from hla_bench.recall.model import at_least_float32
 
 # where the Triton path runs: CUDA, or the CPU under the interpreter (tests/conftest.py)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,10 +12,12 @@ import torch
 
 from hla_bench import registry
 from hla_bench.speed import runner
-from hla_bench.speed.sweeps import (MixerSpec, SweepConfig, format_seq_len, parse_config,
+from hla_bench.options import MixerSpec
+from hla_bench.speed.sweeps import (SweepConfig, parse_config,
                                      parse_mixer_specs, parse_seq_len, parse_seq_lens,
                                      setting_fields)
-from hla_bench.speed.records import FIELDS, KEY, empty_record
+from hla_bench.results.records import FIELDS, KEY, empty_record
+from hla_bench.results.tables import format_seq_len
 from hla_bench.speed.runner import plan, run_sweeps
 from hla_bench.speed.timing import (MAX_SAMPLES, Sampling, percentile, sample_rounds,
                                      summarize_times, time_calls, warm_up)

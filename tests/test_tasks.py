@@ -326,7 +326,7 @@ def test_mad_accuracy_is_torchmetrics_macro_accuracy():
 
 
 def test_mad_config_runs_mad_labs_protocol():
-    from tasks.model import mad_swiglu_hidden
+    from hla_bench.recall.model import mad_swiglu_hidden
 
     config = yaml.safe_load((ROOT / "configs" / "mad.yaml").read_text())
     # mad/configs.py: the 3 x 2 grid; benchmark.py: width 128, 2 x (sequence mixer, SwiGLU)

@@ -35,8 +35,7 @@ from hla_bench import __version__
 from hla_bench.processes import cuda_mps_active
 from hla_bench.results import store
 from hla_bench.results.load import MARKER_KEY, check_structure, load as load_file
-from hla_bench.speed import records
-from hla_bench.speed.sweeps import SweepConfig
+from hla_bench.results import records
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -90,11 +89,28 @@ def git_commit() -> str:
     return commit + ("+dirty" if dirty else "") if commit else "unknown"
 
 
+def timing_method(device: str) -> str:
+    """How `hla_bench.speed.timing` takes samples on `device`, as the results file's
+    environment says (the sweeps' settings give the budget, the cache and graph choices)."""
+    if device.startswith("cuda"):
+        return ("CUDA event pair per sample, one synchronisation after all samples, the L2 "
+                "cache flushed before each sample unless warm_cache; the mixers of a sweep "
+                "sampled in interleaved rounds at each shape")
+    return ("time.perf_counter per call; the mixers of a sweep sampled in interleaved rounds "
+            "at each shape")
+
+
+def memory_method(device: str) -> str:
+    """How `hla_bench.speed.timing` measures `peak_memory_bytes` on `device`, as the
+    results file's environment says."""
+    if device.startswith("cuda"):
+        return "cuda max_memory_allocated minus memory_allocated before the call"
+    return "cpu peak-RSS rise (VmHWM after clear_refs, minus VmRSS before); approximate lower bound"
+
+
 def capture_environment(device: str) -> dict[str, Any]:
     """What the numbers depend on: hardware, driver and library versions, code version."""
     import torch
-
-    from hla_bench.speed.timing import memory_method, timing_method
 
     env: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -150,11 +166,6 @@ def resumed_header(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[
     earlier.append({"config": previous.get("config"), "environment": previous.get("environment")})
     return {**new, "created": previous.get("created", new["created"]),
             "sweeps": list(sweeps.values()), "earlier_runs": earlier}
-
-
-def settings_of(sweeps: list[SweepConfig]) -> dict[str, Any]:
-    """What a resume must match: each sweep's shape and timing settings, by sweep name."""
-    return {"sweeps": {sweep.name: sweep.settings() for sweep in sweeps}}
 
 
 def make_results(config: Mapping[str, Any], sweeps: list[Mapping[str, Any]],

@@ -3,14 +3,15 @@
 Every results file is read here, whatever its kind and whoever reads it (report, index,
 a resume, bench and recall loads): `load` reads the file, parses it (`parse_results`:
 YAML, `check_structure`, the completion marker) and then runs the caller's check of the
-kind's own schema (bench: `bench_files.validate`; recall:
-`recall_report.validate_recall`). Any problem is a StoreError whose message starts with
-the path. The layout of a file and the invariants of writing it are in
-`hla_bench.results.store`, which writes what this module reads.
+kind's own schema (bench: `bench_files.validate`; recall: `validate_recall`, below). Any
+problem is a StoreError whose message starts with the path. The layout of a file and the
+invariants of writing it are in `hla_bench.results.store`, which writes what this module
+reads.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -138,3 +139,92 @@ def load(path: str | Path, kind: str | None = None,
     except StoreError as error:
         raise StoreError(f"{path}: {error}") from None
     return data
+
+
+# The recall file's schema (bench's: `hla_bench.results.bench_files`).
+REQUIRED_RUN_FIELDS = ("setting", "mixer", "d_model", "lr", "seed", "status")
+# A run's shares of answers (accuracies, the in-context value rate): in [0, 1] when recorded;
+# of them, those an evaluation in `curve` records too.
+SHARE_FIELDS = ("val_accuracy", "test_accuracy", "test_accuracy_at_best_val_loss",
+                "in_context_rate", "stop_accuracy")
+CURVE_SHARE_FIELDS = ("accuracy", "val_accuracy", "test_accuracy")
+# A run's counts (steps, parameters): numbers >= 0 when recorded; so are its times (the
+# `seconds` field and every `*_seconds`) and its memory (every `*_bytes`).
+COUNT_FIELDS = ("steps", "steps_to_0.5", "steps_to_0.9", "best_val_loss_step", "n_params")
+
+
+class RecallFileError(ValueError):
+    """A recall results file that does not follow the schema; the message names the field."""
+
+
+def describe_run(run: dict) -> str:
+    """A run's identity in a message: setting, mixer, width, lr, weight decay and seed."""
+    return (f"setting {run.get('setting')!r}, mixer {run.get('mixer')!r}, d_model "
+            f"{run.get('d_model')}, lr {run.get('lr')}, weight_decay {run.get('weight_decay')}, "
+            f"seed {run.get('seed')}")
+
+
+def _number_problem(value: Any, share: bool) -> str | None:
+    """Why `value` is not a share (a number in [0, 1]) or, without `share`, not a finite
+    number >= 0; None when it is one."""
+    fits = (not isinstance(value, bool) and isinstance(value, (int, float))
+            and (0 <= value <= 1 if share else 0 <= value < math.inf))
+    if not fits:
+        return f"expected a number {'in [0, 1]' if share else 'finite and >= 0'}, got {value!r}"
+    return None
+
+
+def _run_value_problem(run: dict) -> str | None:
+    """`field: problem` for the first recorded share, time, memory or count of `run` out of
+    its range, else None."""
+    checks = [(key, True) for key in SHARE_FIELDS]
+    checks += [(key, False) for key in run
+               if key in COUNT_FIELDS or key == "seconds"
+               or str(key).endswith(("_seconds", "_bytes"))]
+    for key, share in checks:
+        problem = _number_problem(run[key], share) if run.get(key) is not None else None
+        if problem:
+            return f"{key}: {problem}"
+    curve = run.get("curve") or []
+    for position, entry in enumerate(curve if isinstance(curve, list) else [curve]):
+        if not isinstance(entry, dict):
+            return f"curve[{position}]: expected a mapping, got {entry!r}"[:300]
+        for key in CURVE_SHARE_FIELDS:
+            problem = _number_problem(entry[key], True) if entry.get(key) is not None else None
+            if problem:
+                return f"curve[{position}].{key}: {problem}"
+    return None
+
+
+def validate_recall(data: Any, run_key: Callable[[dict], str] | None = None) -> None:
+    """Raise RecallFileError unless `data` is a whole recall results file: its fields, each
+    run's recorded shares in [0, 1] and times, memory and counts finite and >= 0, and, with
+    `run_key` (what identifies a run: the recall wing's `hla_bench.recall.plan.run_key`), no
+    two runs with one key (the resume would keep only the second)."""
+    if not isinstance(data, dict) or data.get("kind") != "recall":
+        raise RecallFileError("not a recall results file (no `kind: recall`)")
+    for key, kind in (("config", dict), ("environment", dict), ("runs", list)):
+        if not isinstance(data.get(key), kind):
+            raise RecallFileError(f"field `{key}` must be a {kind.__name__}")
+    problem = _number_problem(data["seconds"], False) if data.get("seconds") is not None else None
+    if problem:
+        raise RecallFileError(f"seconds: {problem}")
+    first: dict[str, int] = {}
+    for index, run in enumerate(data["runs"]):
+        if not isinstance(run, dict):
+            raise RecallFileError(f"runs[{index}] must be a mapping")
+        missing = [key for key in REQUIRED_RUN_FIELDS if key not in run]
+        if missing:
+            raise RecallFileError(f"runs[{index}] lacks {', '.join(missing)}")
+        problem = _run_value_problem(run)
+        if problem:
+            raise RecallFileError(f"runs[{index}] ({describe_run(run)}): {problem}")
+        if run_key is None:
+            continue
+        key = run_key(run)
+        if key in first:
+            raise RecallFileError(
+                f"runs[{index}] ({describe_run(run)}) has the key of runs[{first[key]}] (the "
+                "same spec): a run is recorded once per file, and reading it would replace "
+                "the first without a word")
+        first[key] = index

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from hla_bench.speed.sweeps import format_seq_len
+from hla_bench.results.tables import format_seq_len
 from hla_bench.safe_files import (UnsafeNameError, name_problem, path_in, plain_name,
                                   replace_atomically)
 
@@ -409,7 +409,7 @@ def write_bench_plots(data: dict[str, Any], out_dir: str | Path, fmt: str,
     (`default_baseline`). `patterns` (`select`) chooses the mixers drawn, all in one figure
     per group; a group none of whose mixers matches is left out."""
     from hla_bench.results import styles
-    from hla_bench.speed.records import iter_groups
+    from hla_bench.results.records import iter_groups
 
     plt, out_dir = pyplot_for(out_dir, fmt)
     written = []

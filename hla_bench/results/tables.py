@@ -149,6 +149,15 @@ STATUS_LABELS = {"oom": "OOM", "error": "error", "unavailable": "n/a", "unsuppor
                  "timeout": "timeout"}
 
 
+def format_seq_len(value: int) -> str:
+    """A sequence length for display, as the sweeps' lengths are written: 65536 -> `64k`
+    (the inverse of `hla_bench.speed.sweeps.parse_seq_len`)."""
+    for suffix, size in (("m", 1024 ** 2), ("k", 1024)):
+        if value % size == 0:
+            return f"{value // size}{suffix}"
+    return str(value)
+
+
 def format_value(metric: str, value: float) -> str:
     """A time (ms), byte count or TFLOP/s figure as the tables show it."""
     if metric in ("memory", "state"):

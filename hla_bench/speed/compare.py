@@ -41,7 +41,7 @@ import numpy as np
 from rich.markup import escape
 from rich.table import Table
 
-from hla_bench.speed.sweeps import format_seq_len
+from hla_bench.results.tables import format_seq_len
 from hla_bench.results.plots import plot_path, pyplot_for, seq_len_axis
 from hla_bench.results.tables import STATUS_LABELS, format_value
 

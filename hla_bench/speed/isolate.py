@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from hla_bench.speed.sweeps import SweepConfig, format_seq_len
-from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+from hla_bench.results.tables import format_seq_len
+from hla_bench.speed.sweeps import SweepConfig
+from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
 from hla_bench.speed.runner import Point, plan, run_sweeps
 from hla_bench.processes import exit_with_parent, how_it_ended
 
@@ -218,3 +219,69 @@ def run_sweeps_isolated(sweeps: list[SweepConfig], *, previous: list[dict[str, A
             break
     return [records.get(key) or kept.get(key) or empty_record(point)
             for key, point in ((point_key(empty_record(p)), p) for p in planned)]
+
+
+# --- on a Dask cluster (`--executor dask`) ------------------------------------------------
+
+def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
+    """A bench point group on a worker, measured in a fresh child process
+    (`hla_bench.speed.isolate`): a fault there (an illegal address, a hung kernel, a
+    poisoned CUDA context, a kill for memory) stays out of the worker and of the other
+    mixers' points, and the child dies with its worker. The points it measured before a
+    crash come back with the ones the crash cost (errors, or `oom` for a memory kill)."""
+    measured: list[dict] = []
+    run_sweeps_isolated([SweepConfig.from_dict(sweep)], previous=previous,
+                        on_measured=measured.append)
+    return measured
+
+
+def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
+                    on_measured: Callable[[dict], None], dashboard: bool = False,
+                    on_connected: Callable[[Any], Any] | None = None) -> list[dict]:
+    """`run_sweeps` on a Dask cluster (`hla_bench.dask_executor`): each (sweep, mixer)
+    point group is one task; its measured points reach `on_measured` as the task finishes.
+    A task whose worker died twice is recorded as an error point per planned point. A local
+    cluster (no `scheduler`) serves a dashboard when `dashboard` (see `connect`);
+    `on_connected(client)` is called once connected. Returns every record of the plan (kept
+    and measured), as run_sweeps does."""
+    from hla_bench.dask_executor import connect, cuda_device_count, load_distributed
+
+    distributed = load_distributed()
+    groups = point_groups(sweeps)
+    cuda = any(str(sweep.resolved_device()).startswith("cuda") for sweep in sweeps)
+    # timings do not share a GPU: one worker per GPU
+    gpus = cuda_device_count() if cuda else 0
+    client = connect(scheduler, gpus=gpus,
+                     workers=gpus or min(len(groups), max(1, (os.cpu_count() or 2) // 2)),
+                     dashboard=dashboard)
+    if on_connected is not None:
+        on_connected(client)
+    kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
+    records: dict = {}
+    try:
+        futures = {}
+        for group in groups:
+            on_gpu = str(SweepConfig.from_dict(group).resolved_device()).startswith("cuda")
+            futures[client.submit(_bench_task, group, group_records(group, previous), pure=False,
+                                  resources={"GPU": 1} if on_gpu else None)] = group
+        for future in distributed.as_completed(list(futures)):
+            group = futures[future]
+            try:
+                measured = future.result()
+            except Exception as error:  # noqa: BLE001 - its worker died twice
+                reason = f"{type(error).__name__}: {error}"
+                measured = []
+                for point in plan([SweepConfig.from_dict(group)]):
+                    record = empty_record(point)
+                    if point_key(record) not in kept:
+                        measured.append({**record, "status": "error", "reason": reason})
+            for record in measured:
+                records[point_key(record)] = record
+                on_measured(record)
+    finally:
+        client.close()
+    planned = []
+    for point in plan(list(sweeps)):
+        key = point_key(empty_record(point))
+        planned.append(records.get(key) or kept.get(key) or empty_record(point))
+    return planned

@@ -1,7 +1,7 @@
 """The runner: the plan of a sweep's points, the call that times each, and the sweep itself.
 
 A sweep crosses mixers x modes x sequence lengths at fixed heads / head_dim / dtype; each
-point gives one record (`hla_bench.speed.records`). Mixers are reached only through
+point gives one record (`hla_bench.results.records`). Mixers are reached only through
 `hla_bench.registry`. A failure at one point (out of memory, an exception, a missing
 package, running past the sweep's point_timeout_s) is recorded as that point's status and
 the sweep goes on; once a mixer runs out of memory at some T in a mode, its larger T in
@@ -27,8 +27,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from hla_bench import registry
-from hla_bench.speed.sweeps import MixerSpec, SweepConfig, format_seq_len
-from hla_bench.speed.records import KEPT_STATUSES, empty_record, point_key
+from hla_bench.results.tables import format_seq_len
+from hla_bench.options import MixerSpec
+from hla_bench.speed.sweeps import SweepConfig
+from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
 from hla_bench.speed.timing import (ESTIMATE_CALLS, CacheFlusher, PointTimeout, Sampling,
                                      cuda_graph_replay, peak_memory_bytes, sample_rounds,
                                      summarize_times, time_limit, warm_up)

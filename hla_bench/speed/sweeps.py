@@ -1,9 +1,10 @@
 """Sweep configuration: mixer specs, the sweep settings and config files.
 
 Every setting of a sweep is declared once, as a field of `SweepConfig`, with its default,
-its kind and its help (see `setting`). A config file accepts exactly these keys with these
-defaults; `hla-bench bench` derives its command-line options from the same fields (the kind
-gives the option's type); a resume must match the fields marked `matched`. The kinds:
+its kind and its help (see `setting`, on the mechanism of `hla_bench.options` that recall's
+config shares). A config file accepts exactly these keys with these defaults; `hla-bench
+bench` derives its command-line options from the same fields (the kind gives the option's
+type); a resume must match the fields marked `matched`. The kinds:
 
     mixers    a list of mixer specs (`MixerSpec`), or one comma-separated string of them
     seq_lens  a list of sequence lengths (`1k` = 1024), or one comma-separated string
@@ -22,17 +23,17 @@ parse its input before the heavy imports.
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from dataclasses import MISSING, Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
 from hla_bench import registry
 from hla_bench.configs import read_yaml
+from hla_bench.options import MixerSpec, config_field, field_default, is_required
+from hla_bench.results.records import MODES
+from hla_bench.results.tables import format_seq_len
 from hla_bench.safe_files import name_problem
 
-MODES = ("fwd", "fwdbwd", "decode", "prefill")
 DEFAULT_MODES = ("fwd", "fwdbwd", "decode")
 LEVELS = ("op", "layer")
 # Accepted dtype names -> the canonical name (torch's attribute for the dtype).
@@ -103,14 +104,6 @@ def parse_seq_lens(text: str) -> list[int]:
     return [parse_seq_len(item) for item in _items(text, "sequence lengths")]
 
 
-def format_seq_len(value: int) -> str:
-    """The inverse of `parse_seq_len` for display: 65536 -> `64k`."""
-    for suffix, size in (("m", 1024 ** 2), ("k", 1024)):
-        if value % size == 0:
-            return f"{value // size}{suffix}"
-    return str(value)
-
-
 def parse_modes(text: str | list[str]) -> list[str]:
     """Comma-separated modes (or a list of them): some of MODES, each at most once."""
     modes = _items(text, "modes") if isinstance(text, str) else list(text)
@@ -132,82 +125,6 @@ def dtype_name(name: str) -> str:
     return DTYPES[name]
 
 
-def parse_value(text: str, where: str) -> Any:
-    """A `key=value` value from the command line, read as YAML (`0.9`, `true`, `[0.9, 0.8]`),
-    where YAML 1.1's strings that are numbers (`1e6`) become numbers; a value that is not
-    YAML is a ValueError naming `where`."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        problem = str(error).splitlines()[0]
-        raise ValueError(f"{where}: {text!r} is not a YAML value ({problem})") from None
-    if isinstance(value, str):
-        try:
-            return float(value) if _FLOAT.match(value) else value
-        except ValueError:
-            return value
-    return value
-
-
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
-@dataclass(frozen=True)
-class MixerSpec:
-    """A registered mixer with option overrides, shown under `label`."""
-
-    name: str
-    label: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, text: str) -> "MixerSpec":
-        """`NAME[:key=value...]`; values go through yaml.safe_load; `label=` names the variant."""
-        name, *pairs = text.strip().split(":")
-        if not name:
-            raise ValueError(f"bad mixer spec {text!r}: missing mixer name")
-        options: dict[str, Any] = {}
-        label = None
-        for pair in pairs:
-            key, sep, value = pair.partition("=")
-            key = key.strip()
-            if not sep or not key:
-                raise ValueError(f"bad mixer spec {text!r}: {pair!r} is not key=value")
-            if key in options or (key == "label" and label is not None):
-                raise ValueError(f"bad mixer spec {text!r}: {key} is given twice")
-            if key == "label":
-                label = value.strip()
-                if not label:
-                    raise ValueError(f"bad mixer spec {text!r}: label= is empty")
-            else:
-                options[key] = (parse_value(value, f"bad mixer spec {text!r}")
-                                if value.strip() else "")
-        return cls(name.strip(), label or name.strip(), options)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | str) -> "MixerSpec":
-        """A YAML entry: a spec string or {name, label, options}."""
-        if isinstance(data, str):
-            return cls.parse(data)
-        if not isinstance(data, Mapping) or "name" not in data:
-            raise ValueError(f"bad mixer entry {data!r}: expected a mapping with a 'name'")
-        unknown = sorted(set(data) - {"name", "label", "options"})
-        if unknown:
-            raise ValueError(f"bad mixer entry {data!r}: unknown key {unknown[0]!r}")
-        options = data.get("options") or {}
-        if not isinstance(options, Mapping):
-            raise ValueError(f"mixer {data['name']!r}: options must be a mapping")
-        return cls(str(data["name"]), str(data.get("label") or data["name"]), dict(options))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The YAML entry `from_dict` reads back."""
-        return {"name": self.name, "label": self.label, "options": dict(self.options)}
-
-    def text(self) -> str:
-        """The spec as written on the command line, without its label: `hla2:impl=chunk`."""
-        return ":".join([self.name, *(f"{key}={value}" for key, value in self.options.items())])
-
-
 def parse_mixer_specs(text: str) -> list[MixerSpec]:
     """Comma-separated specs: `hla2:impl=chunk:label=hla2-chunk,sdpa:backend=cudnn`."""
     return [MixerSpec.parse(item) for item in _items(text, "mixers")]
@@ -218,15 +135,13 @@ def parse_mixer_specs(text: str) -> list[MixerSpec]:
 
 def setting(default: Any = MISSING, *, kind: str, help: str, cli: bool = True,
             matched: bool = False) -> Any:
-    """A SweepConfig field: `default` (MISSING: required; a list is copied per config), its
-    `kind` (see the module doc), the `help` shown by `hla-bench bench --help`, whether the
-    command line takes it (`cli`), and whether a resume must match it (`matched`)."""
+    """A SweepConfig field (`hla_bench.options.config_field`): `default` (MISSING:
+    required), its `kind` (see the module doc), the `help` shown by `hla-bench bench
+    --help`, whether the command line takes it (`cli`), and whether a resume must match it
+    (`matched`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown setting kind {kind!r}")
-    metadata = {"kind": kind, "help": help, "cli": cli, "matched": matched}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+    return config_field(default, help=help, cli=cli, kind=kind, matched=matched)
 
 
 @dataclass
@@ -461,11 +376,6 @@ def setting_fields() -> tuple[Field, ...]:
     return fields(SweepConfig)
 
 
-def is_required(each: Field) -> bool:
-    """A setting without a default: a config must give it."""
-    return each.default is MISSING and each.default_factory is MISSING
-
-
 def _kind_problem(kind: str, value: Any, nullable: bool) -> str | None:
     """What `value` must be for a scalar kind, when it is not that; None when it is (list
     kinds are parsed, and so checked, by __post_init__)."""
@@ -487,7 +397,7 @@ def _kind_problem(kind: str, value: Any, nullable: bool) -> str | None:
 
 def default_text(each: Field) -> str | None:
     """A setting's default as a command line writes it (`1k,4k`); None for no default."""
-    default = each.default_factory() if each.default_factory is not MISSING else each.default
+    default = field_default(each)
     if default is MISSING or default is None:
         return None
     if each.metadata["kind"] == "seq_lens":
@@ -529,3 +439,8 @@ def load_config(path: str | Path) -> tuple[dict[str, Any], list[SweepConfig]]:
     """The raw mapping (kept verbatim in results) and the parsed sweeps."""
     data = read_yaml(path)
     return data, parse_config(data)
+
+
+def settings_of(sweeps: list[SweepConfig]) -> dict[str, Any]:
+    """What a resume must match: each sweep's shape and timing settings, by sweep name."""
+    return {"sweeps": {sweep.name: sweep.settings() for sweep in sweeps}}

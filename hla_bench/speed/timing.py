@@ -282,24 +282,6 @@ def peak_memory_bytes(fn: Callable[[], Any], device: str) -> int | None:
     return max(0, _proc_status_kib("VmHWM") - before) * 1024
 
 
-def timing_method(device: str) -> str:
-    """How samples are taken on `device`, as the results file's environment says (the
-    sweeps' settings give the budget, the cache and graph choices)."""
-    if device.startswith("cuda"):
-        return ("CUDA event pair per sample, one synchronisation after all samples, the L2 "
-                "cache flushed before each sample unless warm_cache; the mixers of a sweep "
-                "sampled in interleaved rounds at each shape")
-    return ("time.perf_counter per call; the mixers of a sweep sampled in interleaved rounds "
-            "at each shape")
-
-
-def memory_method(device: str) -> str:
-    """How `peak_memory_bytes` measures on `device`, as the results file's environment says."""
-    if device.startswith("cuda"):
-        return "cuda max_memory_allocated minus memory_allocated before the call"
-    return "cpu peak-RSS rise (VmHWM after clear_refs, minus VmRSS before); approximate lower bound"
-
-
 class PointTimeout(Exception):
     """A point ran past its sweep's point_timeout_s."""
 

@@ -16,7 +16,7 @@ import math
 import torch
 
 from mixers.dispatch import note, opaque
-from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_flag,
+from mixers.common import (FiniteInputs, check_choice, check_chunk_size, check_flag,
                                check_qkv)
 from mixers.mamba2.chunk import ssd_chunk
 from mixers.mamba2.naive import expand_groups, ssd_naive, ssd_step
@@ -57,7 +57,7 @@ def _pick_impl(impl: str, x: torch.Tensor) -> str:
 def ssd(x, dt, A, B, C, *, D=None, impl="auto", chunk_size=64, initial_state=None):
     """SSD in Mamba's naming: x `[b, T, h, P]`, dt `[b, T, h]`, A `[h]`, B/C `[b, T, g, N]`
     with g dividing h; returns (y, final state `[b, h, N, P]`). The naive and chunk forms
-    keep the non-finite rule of mixers/hla/common.py (a non-finite x, B, C or dt at token t
+    keep the non-finite rule of mixers/common.py (a non-finite x, B, C or dt at token t
     changes only outputs at and after t); mamba_ssm's Triton kernel is run as it is."""
     check_chunk_size(chunk_size)
     impl = _pick_impl(impl, x)
@@ -67,7 +67,7 @@ def ssd(x, dt, A, B, C, *, D=None, impl="auto", chunk_size=64, initial_state=Non
         state = (torch.zeros(b, h, B.shape[-1], P, dtype=dtype, device=x.device)
                  if initial_state is None else initial_state.to(dtype, copy=True))
         return x.new_zeros(b, 0, h, P), state
-    if impl in ("naive", "chunk"):  # the non-finite rule (mixers/hla/common.py), dt included
+    if impl in ("naive", "chunk"):  # the non-finite rule (mixers/common.py), dt included
         h = x.shape[2]
         guard = FiniteInputs(x, expand_groups(B, h), expand_groups(C, h), dt.unsqueeze(-1))
         x, B, C, dt = guard.inputs

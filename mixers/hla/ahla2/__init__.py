@@ -9,9 +9,9 @@ t. Normalized: divided by the same sum with v_j = 1 (den_t = q_t^T n_t), plus ep
 
 Forms: "serial" (Alg. 2), "scan" (§6.2 associative scan), "chunk" (dense masked chunk
 products), "parallel" (the whole sequence as one masked block, for short sequences),
-"triton" (two chained causal linear attentions, mixers/hla/chain); "auto" = "triton" on
+"triton" (two chained causal linear attentions, mixers/chain); "auto" = "triton" on
 CUDA where the kernels take the inputs, else "parallel" up to T = 2 D and "chunk" beyond
-(common.pytorch_form). The state is {"P", "E"} (+ {"m", "n"} when normalized), each
+(mixers.common.pytorch_form). The state is {"P", "E"} (+ {"m", "n"} when normalized), each
 `[B, H, D, Dv]` (`[B, H, D]`), float32 (float64 for float64 inputs).
 """
 
@@ -27,7 +27,7 @@ from mixers.hla.ahla2.scan import ahla2_scan
 from mixers.hla.ahla2.serial import ahla2_recurrence, ahla2_serial
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_decay,
+from mixers.common import (FiniteInputs, check_choice, check_chunk_size, check_decay,
                                check_eps, check_flag, check_qkv, check_state, kernel_read_out,
                                pytorch_form, resolve_impl)
 
@@ -90,14 +90,14 @@ def ahla2(q, k, v, *, normalize=False, eps=1e-6, decay=None, impl="auto", chunk_
         final = _state_dict(P0.clone(), E0.clone(), normalize) if output_final_state else None
         return q.new_zeros(B, 0, H, Dv), final
     impl = resolve_impl(impl, pytorch_form(T, D), q, lambda: _triton_unsupported(q, k, v))
-    if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
+    if impl == "triton":  # the kernels keep the non-finite rule (mixers/chain)
         from mixers.hla.ahla2.triton import ahla2_triton_packed
         starts = (P0, E0) if initial_state is not None else (None, None)  # None: zeros
         o, P, E = opaque(ahla2_triton_packed, q, k, v, *starts, decay, normalize, chunk_size,
                          output_final_state)
         o = kernel_read_out(o, normalize, eps, q.dtype)
         return o, (_state_dict(P, E, normalize) if output_final_state else None)
-    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/common.py)
     q_in, k_in, v_in = guard.inputs
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.common import pad_to_multiple
+from mixers.common import pad_to_multiple
 
 
 def ahla2_chunk(q, k, v, P0, E0, decay, chunk_size):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.common import check_nonempty
+from mixers.common import check_nonempty
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

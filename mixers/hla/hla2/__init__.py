@@ -14,7 +14,7 @@ import math
 import torch
 
 from mixers.dispatch import note, opaque
-from mixers.hla.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
+from mixers.common import (IMPLS, FiniteInputs, check_choice, check_chunk_size,
                                check_decay, check_eps, check_flag, check_qkv, check_state,
                                pytorch_form, resolve_impl)
 from mixers.hla.hla2.chunk import hla2_chunk
@@ -74,7 +74,7 @@ def _triton_unsupported(q, k, v, *, masked, ridge, decay_form, decay,
 
 
 def _resolve_impl(impl: str, fallback: str, q, k, v, **triton_args) -> str:
-    """See mixers.hla.common.resolve_impl. The paper decay form's kernels walk the chunks
+    """See mixers.common.resolve_impl. The paper decay form's kernels walk the chunks
     sequentially (one program per head and 32 value columns) and are not tuned, so "auto"
     keeps the PyTorch form there."""
     paper_decay = triton_args["decay"] is not None and triton_args["decay_form"] == "paper"
@@ -144,7 +144,7 @@ def hla2(q, k, v, *, masked=True, normalize=False, eps=1e-6, ridge=0.0, decay=No
             final = unpack({key: x.clone() for key, x in packed.items()}, form, normalize, ridge)
         return q.new_zeros(*q.shape[:3], v.shape[-1]), final
 
-    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/common.py)
     kwargs = dict(form=form, normalize=normalize, eps=eps, ridge=ridge, g=g_torch, packed=packed)
     if impl != "serial":
         kwargs.update(output_final_state=output_final_state)

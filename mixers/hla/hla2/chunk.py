@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from mixers.hla.common import pad_to_multiple
+from mixers.common import pad_to_multiple
 from mixers.hla.hla2.state import compute_inputs, finish, value_keys
 
 # decay power each summary takes per token: S, C, G decay by g, A by g^2

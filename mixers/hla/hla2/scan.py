@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.common import pad_to_multiple
+from mixers.common import pad_to_multiple
 from mixers.hla.hla2.state import compute_inputs, finish
 
 

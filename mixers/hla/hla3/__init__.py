@@ -7,9 +7,9 @@ variant="causal": the causal restriction of (W W^T W) V, W = L * Q K^T,
 streamed with (S^K, P, F): F_t = F_{t-1} + (S^K_t q_t)(q_t^T P_t), o_t = q_t^T F_t.
 Forms "serial", "scan" (a segment operator with d x d moments only, see scan.py), "chunk"
 (dense masked chunk products), "parallel" (the whole sequence as one masked block, for
-short sequences) and "triton" (three chained causal linear attentions, mixers/hla/chain);
+short sequences) and "triton" (three chained causal linear attentions, mixers/chain);
 "auto" = "triton" on CUDA where the kernels take the inputs, else "parallel" up to T = 2 D
-and "chunk" beyond (common.pytorch_form).
+and "chunk" beyond (mixers.common.pytorch_form).
 
 variant="paper": the paper's Alg. 3 / Alg. 4, which sums the same product over the triples
 (i, u, j) in [1..t]^3 whose maximum is attained at least twice: causal, but a different
@@ -28,7 +28,7 @@ import torch
 from mixers.dispatch import opaque
 from mixers.hla.ahla2.state import (check_token, compute_dtype, pack,
                                     read_out, state_bytes, to_heads_first, unpack)
-from mixers.hla.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
+from mixers.common import (FiniteInputs, check_choice, check_chunk_size, check_eps,
                                check_flag, check_qkv, check_state, kernel_read_out,
                                pytorch_form, resolve_impl)
 from mixers.hla.hla3.chunk import hla3_chunk
@@ -120,14 +120,14 @@ def hla3(q, k, v, *, variant="causal", normalize=False, eps=1e-6, impl="auto", c
         impl = resolve_impl(impl, pytorch_form(T, D), q, lambda: _triton_unsupported(q, k, v))
     else:
         impl = resolve_impl("scan" if impl == "auto" else impl, "scan", q, lambda: None)
-    if impl == "triton":  # the kernels keep the non-finite rule (mixers/hla/chain)
+    if impl == "triton":  # the kernels keep the non-finite rule (mixers/chain)
         from mixers.hla.hla3.triton import hla3_triton_packed
         starts = carries if initial_state is not None else (None,) * len(carries)  # zeros
         o, *carries = opaque(hla3_triton_packed, q, k, v, *starts, normalize, chunk_size,
                              output_final_state)
         o = kernel_read_out(o, normalize, eps, q.dtype)
         return o, (_state_dict(carries, variant, normalize) if output_final_state else None)
-    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/hla/common.py)
+    guard = FiniteInputs(q, k, v)  # the non-finite rule (mixers/common.py)
     q_in, k_in, v_in = guard.inputs
     qh, kh = to_heads_first(q_in, dtype), to_heads_first(k_in, dtype)
     vh = to_heads_first(v_in, dtype, ones_column=normalize)

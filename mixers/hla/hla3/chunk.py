@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.common import exclusive_cumsum, pad_to_multiple
+from mixers.common import exclusive_cumsum, pad_to_multiple
 
 
 def hla3_chunk(q, k, v, carries, chunk_size):

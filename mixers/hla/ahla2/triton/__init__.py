@@ -4,7 +4,7 @@ normalized); mixers.hla.ahla2 (ahla2, ahla2_step with impl="triton") checks a ca
 the non-finite rule and unpacks.
 
   chunked.py  ahla2_triton_packed: two chained causal linear attentions
-              (mixers/hla/chain), X = la(q, k, v; P0, g) and o = la(q, k, X; E0, g), as
+              (mixers/chain), X = la(q, k, v; P0, g) and o = la(q, k, X; E0, g), as
               one autograd op
   decode.py   the decode step (Alg. 2)
   plan.py     what the kernels support; the decode step's AHLA2Plan, plan_launch

@@ -1,4 +1,4 @@
-"""ahla2_triton_packed: AHLA as a chain of two causal linear attentions (mixers/hla/chain)
+"""ahla2_triton_packed: AHLA as a chain of two causal linear attentions (mixers/chain)
 over the same queries, keys and decay,
 
     X = la(q, k, v; P0, g),   o = la(q, k, X; E0, g),
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla import chain
-from mixers.hla.chain.launch import last_dim_contiguous, log_decay
+from mixers import chain
+from mixers.chain.launch import last_dim_contiguous, log_decay
 from mixers.hla.ahla2.state import compute_dtype
 
 
@@ -61,5 +61,5 @@ def ahla2_triton_packed(q, k, v, P0, E0, decay, normalize: bool, chunk_size: int
     `[B, T, H, Dv(+1)]`, in the compute dtype when normalized and in q's dtype when not, P,
     E; P and E None when not `need_final` and T fits one chunk: no state is computed then).
     Inputs are taken as given (the caller checks them); the kernels keep the non-finite rule
-    (mixers/hla/chain): read the outputs out with mixers.hla.common.kernel_read_out."""
+    (mixers/chain): read the outputs out with mixers.common.kernel_read_out."""
     return _AHLA2Chain.apply(q, k, v, P0, E0, decay, normalize, chunk_size, need_final)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import value_block
+from mixers.tiles import value_block
 from mixers.hla.ahla2.triton.plan import AHLA2Plan
 
 

@@ -1,5 +1,5 @@
 """What the ahla2 Triton forms support, and how the decode step launches (a frozen plan;
-the chunked op's plan is mixers/hla/chain/plan.py).
+the chunked op's plan is mixers/chain/plan.py).
 
 Block sizes are powers of two of at least 16 (tl.dot's smallest); a head dim that is not
 one is padded inside the kernels by masked loads and stores, never by copying the inputs.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
+from mixers.chain.plan import MAX_HEAD_DIM, device_reason
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

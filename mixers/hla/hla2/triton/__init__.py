@@ -18,7 +18,7 @@ shape, dtype, device and whether a backward pass follows:
   chunked.py     hla2_triton: the stages combined, with the autograd function
   paper.py       decay_form="paper": its sequential walks, forward, backward and decode step
   decode.py      hla2_step_triton: the masked form's decode step
-  chained.py     masked hla2 as two chained causal linear attentions (mixers/hla/chain) for
+  chained.py     masked hla2 as two chained causal linear attentions (mixers/chain) for
                  the inputs the kernels above do not take: head dims 257 to 512, fp16 and
                  fp32 above 128, float64 (mixers.hla.hla2's impl="triton" picks it)
 The backward reads each chunk's start states and X from the forward, which keeps them. When

@@ -13,7 +13,7 @@ from mixers.hla.hla2.triton.common import (_SHAPE_KEY, _autotuned, _cdiv, _chunk
                                            _chunk_decay, _den_vectors, _dim_ok, _load_columns,
                                            _load_den, _load_tokens, _log2_decay, _mat_offsets,
                                            _shape_args, _size_class, _store_tokens, _tile_ok)
-from mixers.hla.tiles import (bad_rows as _bad_rows, finite as _finite,
+from mixers.tiles import (bad_rows as _bad_rows, finite as _finite,
                               poison_rows as _poison_rows)
 from mixers.hla.hla2.triton.increments import _increments_tuned
 from mixers.hla.hla2.triton.scans import _scan_grads

@@ -1,4 +1,4 @@
-"""Masked hla2 as a chain of two causal linear attentions (mixers/hla/chain), for inputs the
+"""Masked hla2 as a chain of two causal linear attentions (mixers/chain), for inputs the
 fused kernels of this package do not take (head dims above 256, fp16 and fp32 above 128,
 float64) and the chain does (head dims up to 512, any float dtype):
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla import chain
-from mixers.hla.chain.launch import (key_moments_backward, key_moments_forward,
+from mixers import chain
+from mixers.chain.launch import (key_moments_backward, key_moments_forward,
                                      last_dim_contiguous, log_decay)
-from mixers.hla.chain.plan import MAX_HEAD_DIM, device_reason
-from mixers.hla.common import kernel_read_out
+from mixers.chain.plan import MAX_HEAD_DIM, device_reason
+from mixers.common import kernel_read_out
 from mixers.hla.hla2.state import compute_dtype, pack, unpack
 
 

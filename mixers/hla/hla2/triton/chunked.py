@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.common import normalize_grads
+from mixers.common import normalize_grads
 from mixers.hla.hla2.triton.backward import _final_grads, _masked_backward
 from mixers.hla.hla2.triton.common import _cdiv, _shape_args
 from mixers.hla.hla2.triton.increments import _chunk_increments

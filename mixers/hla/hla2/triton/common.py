@@ -38,7 +38,7 @@ The parallel per-chunk kernels (increments, output, gradient terms, dq/dk/dv) wr
 their own outputs, so the GPU may time them: they are autotuned over warp counts (see
 _autotuned). The scans keep the fixed launch shape of the plan.
 
-Non-finite inputs (the rule of mixers/hla/common.py: a NaN or inf in q, k or v at token t
+Non-finite inputs (the rule of mixers/common.py: a NaN or inf in q, k or v at token t
 changes only the outputs at and after t). The increments take q, k, v as they are, so a
 non-finite token makes its chunk's dS or dA, and every later chunk's carried state,
 non-finite; X and its normalize column are stored with non-finite entries as 0 (dA carries
@@ -53,14 +53,14 @@ its outputs from the first non-finite token on, and its final states after one, 
 None of this touches the scans' loops; the per-chunk kernels spend a compare and a select or
 two per loaded entry (v in the output kernel, q, k, v in the backward) and a select per
 C x C entry of the output's mixing matrix. Normalize's division passes a zero upstream
-gradient at a poisoned output on as zero (normalize_grads in mixers/hla/common.py).
+gradient at a poisoned output on as zero (normalize_grads in mixers/common.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import interpreted
+from mixers.tiles import interpreted
 
 
 def _autotuned(warps, key, first_only=None):

@@ -9,7 +9,7 @@ from mixers.hla.hla2.triton.common import (_SHAPE_KEY, _autotuned, _block, _chun
                                            _chunk_decay, _den_vectors, _dim_ok, _load_columns,
                                            _load_tokens, _log2_decay, _mat_offsets,
                                            _size_class, _tile_ok)
-from mixers.hla.tiles import finite as _finite
+from mixers.tiles import finite as _finite
 
 # Warp counts of the increments and gradient-terms kernels. The first, 8, is the launch shape
 # before tuning; 4 lets two programs share an SM where registers and shared memory allow.

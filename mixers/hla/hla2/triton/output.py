@@ -9,7 +9,7 @@ import triton.language as tl
 from mixers.hla.hla2.triton.common import (_SHAPE_KEY, _autotuned, _block, _chunk_decay,
                                            _dim_ok, _load_tokens, _log2_decay, _mat_offsets,
                                            _size_class, _tile_ok)
-from mixers.hla.tiles import (bad_rows as _bad_rows, finite as _finite,
+from mixers.tiles import (bad_rows as _bad_rows, finite as _finite,
                               poison_from as _poison_from)
 
 # Warp counts of the output kernel. The first, 8, is the launch shape before tuning; 4 lets

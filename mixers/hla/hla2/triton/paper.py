@@ -25,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mixers.hla.common import Normalized
+from mixers.common import Normalized
 from mixers.hla.hla2.triton.common import (_block, _cdiv, _dim_ok, _load_tokens, _loop_bound,
                                            _mat_offsets, _overwrite_barrier, _state_tensor,
                                            _store_tokens, _tile_ok)
-from mixers.hla.tiles import (bad_rows as _bad_rows, finite as _finite,
+from mixers.tiles import (bad_rows as _bad_rows, finite as _finite,
                               poison_from as _poison_from, poison_rows as _poison_rows)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from mixers.hla.hla2.triton.common import _block, _cdiv, _pow2
-from mixers.hla.tiles import interpreted
+from mixers.tiles import interpreted
 
 # Head dims D and Dv (independent) run from 1 to MAX_HEAD_DIM. The kernels hold a head dim in
 # a block of _block(dim) entries, the next power of two from 16, with loads and stores masked

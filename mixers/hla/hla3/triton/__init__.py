@@ -4,7 +4,7 @@ differentiable chunked op and a decode step on packed states (S^K `[B, H, D, D]`
 (hla3, hla3_step with impl="triton") checks a call, applies the non-finite rule and unpacks.
 
   chunked.py  hla3_triton_packed: three chained causal linear attentions
-              (mixers/hla/chain), Y = la(q, k, k; S0), R = la(q, k, v; P0),
+              (mixers/chain), Y = la(q, k, k; S0), R = la(q, k, v; P0),
               o = la(q, Y, R; F0), as one autograd op: d x d moments only, no d^3 maps
   decode.py   the decode step
   plan.py     what the kernels support; the decode step's HLA3Plan, plan_launch

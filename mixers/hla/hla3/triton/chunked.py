@@ -1,5 +1,5 @@
 """hla3_triton_packed: causal third-order HLA as a chain of three causal linear attentions
-(mixers/hla/chain) over the same queries,
+(mixers/chain) over the same queries,
 
     Y = la(q, k, k; S0),   R = la(q, k, v; P0),   o = la(q, Y, R; F0),
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla import chain
+from mixers import chain
 from mixers.hla.ahla2.state import compute_dtype
-from mixers.hla.chain.launch import (key_moments_backward, key_moments_forward,
+from mixers.chain.launch import (key_moments_backward, key_moments_forward,
                                      last_dim_contiguous)
 
 
@@ -69,6 +69,6 @@ def hla3_triton_packed(q, k, v, S0, P0, F0, normalize: bool, chunk_size: int = 6
     (packed outputs `[B, T, H, Dv(+1)]`, in the compute dtype when normalized and in q's
     dtype when not, S, P, F; the states None when not `need_final` and T fits one chunk:
     no state is computed then). Inputs are taken as given (the caller checks them); the
-    kernels keep the non-finite rule (mixers/hla/chain): read the outputs out with
-    mixers.hla.common.kernel_read_out."""
+    kernels keep the non-finite rule (mixers/chain): read the outputs out with
+    mixers.common.kernel_read_out."""
     return _HLA3Chain.apply(q, k, v, S0, P0, F0, normalize, chunk_size, need_final)

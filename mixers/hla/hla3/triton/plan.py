@@ -1,5 +1,5 @@
 """What the hla3 Triton forms support and how the decode step launches (a frozen plan; the
-chunked op's plan is mixers/hla/chain/plan.py).
+chunked op's plan is mixers/chain/plan.py).
 
 Both forms take ahla2's rule: the same dtypes, and head dims up to 512 by power-of-two blocks
 with masked loads. The decode step's programs walk the key dim in blocks of rows and columns

@@ -1,26 +1,27 @@
 """The harness side of recall training: models from the registry, groups of runs on a pool
 of worker processes, and the summary of a sweep's runs.
 
-`tasks.train.train_group` trains one group (runs that differ only in lr, weight decay and
-seed) as one stacked model. Here a sweep's runs are planned into groups (`plan_groups`), the groups go
-to worker processes (spawned: CUDA needs it), and every finished run comes back as an event
-so the caller can store it at once. A group that runs out of memory beside other groups
-waits for them: it goes back to the head of the queue and, until it has finished, the pool
-starts no more groups at once than were still running (memory, not the worker count, then
-bounds the groups on a GPU; the smaller groups after it run side by side again). A group
-counts as beside others when any other may run during its run, including groups started
-after it. Out of memory with no other group running splits the group in two
-and retries; any other failure is recorded on each of its runs (a NotImplementedError, a
-shape its mixer refuses, as unsupported). A CUDA fault (a device-side assert, an
-illegal address) leaves its process unable to use the GPU again and, under CUDA MPS, may
-break the groups running beside it: the worker is replaced, and a group that faulted beside
-others runs again alone before the fault is recorded as its own.
+`hla_bench.recall.train.train_group` trains one group (runs that differ only in lr, weight
+decay and seed) as one stacked model. Here a sweep's runs are planned into groups
+(`plan_groups`), the groups go to worker processes (spawned: CUDA needs it), and every
+finished run comes back as an event so the caller can store it at once. A group that runs
+out of memory beside other groups waits for them: it goes back to the head of the queue and,
+until it has finished, the pool starts no more groups at once than were still running
+(memory, not the worker count, then bounds the groups on a GPU; the smaller groups after it
+run side by side again). A group counts as beside others when any other may run during its
+run, including groups started after it. Out of memory with no other group running splits the
+group in two and retries; any other failure is recorded on each of its runs (a
+NotImplementedError, a shape its mixer refuses, as unsupported). A CUDA fault (a device-side
+assert, an illegal address) leaves its process unable to use the GPU again and, under CUDA
+MPS, may break the groups running beside it: the worker is replaced, and a group that
+faulted beside others runs again alone before the fault is recorded as its own.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import importlib
 import math
 import os
 import queue as queue_module
@@ -39,10 +40,10 @@ from hla_bench import registry
 from hla_bench.processes import exit_with_parent
 from hla_bench.safe_files import path_in, refuse_symlink
 from mixers import dispatch
-from mixers.hla.common import inputs_trusted_finite
+from mixers.common import inputs_trusted_finite
 from tasks import IGNORE
-from tasks.model import TinyLM
-from tasks.train import Interrupted, RunSpec, group_key, train_group
+from hla_bench.recall.model import TinyLM
+from hla_bench.recall.train import Interrupted, RunSpec, group_key, train_group
 
 def build_model(spec: dict) -> TinyLM:
     """The tiny LM of one run, its mixer layers from the registry. Positions (`positions`):
@@ -223,23 +224,26 @@ def group_name(group: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-# The packages whose code decides what a checkpoint holds and how training goes on from it.
-_CODE_PACKAGES = ("mixers", "tasks")
-_CODE_FILES = ("training.py", "registry.py")  # of hla_bench
+# The code that decides what a checkpoint holds and how training goes on from it: whole
+# packages, and files of hla_bench.
+_CODE_PACKAGES = ("mixers", "tasks", "hla_bench.recall.kernels")
+_CODE_FILES = ("recall/pool.py", "recall/model.py", "recall/stacked.py", "recall/train.py",
+               "registry.py")
 _code_version: str | None = None
 
 
 def code_version() -> str:
     """The version of the code a checkpoint is continued with: a sha256 (first 20 hex
-    digits) of the source of the mixers and tasks packages and of this module and the
-    registry, computed once per process. A checkpoint written by other code (an edit, a
-    checkout of another commit, a dirty tree) has another version and is never loaded."""
+    digits) of the source of the mixers, tasks and recall kernels packages, of this module,
+    the model, the stacked model, the training step and the registry, computed once per
+    process. A checkpoint written by other code (an edit, a checkout of another commit, a
+    dirty tree) has another version and is never loaded."""
     global _code_version
     if _code_version is None:
-        here = Path(__file__).resolve().parent
-        sources = [here / name for name in _CODE_FILES]
+        root = Path(__file__).resolve().parents[1]
+        sources = [root / name for name in _CODE_FILES]
         for package in _CODE_PACKAGES:
-            module = __import__(package)
+            module = importlib.import_module(package)
             sources += sorted(Path(module.__file__).resolve().parent.rglob("*.py"))
         digest = hashlib.sha256()
         for source in sources:
@@ -575,3 +579,53 @@ def assign_devices(specs: list[dict], device: str) -> list[dict]:
         slot = keys.setdefault(group_key(spec), len(keys))
         placed.append({**spec, "device": f"cuda:{slot % count}"})
     return placed
+
+
+# --- on a Dask cluster (`--executor dask`) ------------------------------------------------
+
+def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
+    """One recall group on a worker (runs stopped by the deadline return None)."""
+    if options["deadline"] is not None and time.time() > options["deadline"]:
+        return None
+    return run_group(group, lambda event: None, **options)
+
+
+def run_groups_dask(client, groups: list[list[dict]],
+                    on_event: Callable[[list[int], dict], None],
+                    on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
+                    checkpoint_dir: str | None = None, graphs: bool = True,
+                    compile: bool = False,
+                    task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
+    """`run_groups` on a Dask cluster (`hla_bench.dask_executor`): every group is one `task`;
+    results reach `on_results` as each task finishes. Returns False when the deadline left
+    work."""
+    from hla_bench.dask_executor import load_distributed, restart_worker_of
+
+    distributed = load_distributed()
+    options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
+               "compile": compile}
+    futures = {}
+    for group in groups:
+        cuda = str(group[0]["device"]).startswith("cuda")
+        # each worker sees one GPU: its device is cuda:0 whatever the plan said
+        placed = [{**spec, "device": "cuda:0"} if cuda else spec for spec in group]
+        future = client.submit(task, placed, options, pure=False,
+                               resources={"GPU": 1} if cuda else None)
+        futures[future] = group
+        on_event([spec["run_id"] for spec in group], {"event": "submitted"})
+    complete = True
+    for future in distributed.as_completed(list(futures)):
+        group = futures[future]
+        try:
+            results = future.result()
+        except Exception as error:  # noqa: BLE001 - a lost worker (twice) or a dead task
+            results = [failed_result(spec, "crashed", f"{type(error).__name__}: {error}")
+                       for spec in group]
+        if results is None:
+            complete = False
+            continue
+        if isinstance(results, CudaFault):
+            restart_worker_of(client, future)
+        # report the planned device, not the worker's view of it
+        on_results([{**result, "device": spec["device"]} for result, spec in zip(results, group)])
+    return complete

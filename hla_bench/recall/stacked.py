@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from tasks import IGNORE
-from tasks.kernels.adamw import adamw_step_
-from tasks.kernels.cross_entropy import labelled_cross_entropy
-from tasks.kernels.norm import stacked_norm
-from tasks.model import Block, LastStateDecoder, SwiGLU, TinyLM, at_least_float32
+from hla_bench.recall.kernels.adamw import adamw_step_
+from hla_bench.recall.kernels.cross_entropy import labelled_cross_entropy
+from hla_bench.recall.kernels.norm import stacked_norm
+from hla_bench.recall.model import Block, LastStateDecoder, SwiGLU, TinyLM, at_least_float32
 
 # Stacked parameters are strided rows of one buffer, and so are their gradients (in place,
 # by design); autograd warns that such gradients do not follow its layout contract.

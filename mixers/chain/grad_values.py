@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import add_into, bad_rows, finite, load_rows, mm, packed_offsets, poison_rows
+from mixers.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
+from mixers.tiles import add_into, bad_rows, finite, load_rows, mm, packed_offsets, poison_rows
 
 
 @triton.jit

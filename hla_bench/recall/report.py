@@ -45,93 +45,6 @@ MAD_REFERENCE = configs.reference("mad-lab.yaml")
 ZOOLOGY_REFERENCE = configs.reference("zoology-fig2.yaml")
 METRIC_NAMES = {"micro": "accuracy over the labelled positions",
                 "mad-macro": "MAD-lab's macro accuracy per batch of 128, averaged"}
-REQUIRED_RUN_FIELDS = ("setting", "mixer", "d_model", "lr", "seed", "status")
-# A run's shares of answers (accuracies, the in-context value rate): in [0, 1] when recorded;
-# of them, those an evaluation in `curve` records too.
-SHARE_FIELDS = ("val_accuracy", "test_accuracy", "test_accuracy_at_best_val_loss",
-                "in_context_rate", "stop_accuracy")
-CURVE_SHARE_FIELDS = ("accuracy", "val_accuracy", "test_accuracy")
-# A run's counts (steps, parameters): numbers >= 0 when recorded; so are its times (the
-# `seconds` field and every `*_seconds`) and its memory (every `*_bytes`).
-COUNT_FIELDS = ("steps", "steps_to_0.5", "steps_to_0.9", "best_val_loss_step", "n_params")
-
-
-class RecallFileError(ValueError):
-    """A recall results file that does not follow the schema; the message names the field."""
-
-
-def describe_run(run: dict) -> str:
-    """A run's identity in a message: setting, mixer, width, lr, weight decay and seed."""
-    return (f"setting {run.get('setting')!r}, mixer {run.get('mixer')!r}, d_model "
-            f"{run.get('d_model')}, lr {run.get('lr')}, weight_decay {run.get('weight_decay')}, "
-            f"seed {run.get('seed')}")
-
-
-def _number_problem(value: Any, share: bool) -> str | None:
-    """Why `value` is not a share (a number in [0, 1]) or, without `share`, not a finite
-    number >= 0; None when it is one."""
-    fits = (not isinstance(value, bool) and isinstance(value, (int, float))
-            and (0 <= value <= 1 if share else 0 <= value < math.inf))
-    if not fits:
-        return f"expected a number {'in [0, 1]' if share else 'finite and >= 0'}, got {value!r}"
-    return None
-
-
-def _run_value_problem(run: dict) -> str | None:
-    """`field: problem` for the first recorded share, time, memory or count of `run` out of
-    its range, else None."""
-    checks = [(key, True) for key in SHARE_FIELDS]
-    checks += [(key, False) for key in run
-               if key in COUNT_FIELDS or key == "seconds"
-               or str(key).endswith(("_seconds", "_bytes"))]
-    for key, share in checks:
-        problem = _number_problem(run[key], share) if run.get(key) is not None else None
-        if problem:
-            return f"{key}: {problem}"
-    curve = run.get("curve") or []
-    for position, entry in enumerate(curve if isinstance(curve, list) else [curve]):
-        if not isinstance(entry, dict):
-            return f"curve[{position}]: expected a mapping, got {entry!r}"[:300]
-        for key in CURVE_SHARE_FIELDS:
-            problem = _number_problem(entry[key], True) if entry.get(key) is not None else None
-            if problem:
-                return f"curve[{position}].{key}: {problem}"
-    return None
-
-
-def validate_recall(data: Any) -> None:
-    """Raise RecallFileError unless `data` is a whole recall results file: its fields, each
-    run's recorded shares in [0, 1] and times, memory and counts finite and >= 0, and no two
-    runs with one key (`recall_config.run_key`: the resume would keep only the second)."""
-    from hla_bench.recall_config import run_key
-
-    if not isinstance(data, dict) or data.get("kind") != "recall":
-        raise RecallFileError("not a recall results file (no `kind: recall`)")
-    for key, kind in (("config", dict), ("environment", dict), ("runs", list)):
-        if not isinstance(data.get(key), kind):
-            raise RecallFileError(f"field `{key}` must be a {kind.__name__}")
-    problem = _number_problem(data["seconds"], False) if data.get("seconds") is not None else None
-    if problem:
-        raise RecallFileError(f"seconds: {problem}")
-    first: dict[str, int] = {}
-    for index, run in enumerate(data["runs"]):
-        if not isinstance(run, dict):
-            raise RecallFileError(f"runs[{index}] must be a mapping")
-        missing = [key for key in REQUIRED_RUN_FIELDS if key not in run]
-        if missing:
-            raise RecallFileError(f"runs[{index}] lacks {', '.join(missing)}")
-        problem = _run_value_problem(run)
-        if problem:
-            raise RecallFileError(f"runs[{index}] ({describe_run(run)}): {problem}")
-        key = run_key(run)
-        if key in first:
-            raise RecallFileError(
-                f"runs[{index}] ({describe_run(run)}) has the key of runs[{first[key]}] (the "
-                "same spec): a run is recorded once per file, and reading it would replace "
-                "the first without a word")
-        first[key] = index
-
-
 def _spread(values: list[float]) -> dict[str, Any]:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values), "n": len(values)}
@@ -821,9 +734,11 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     runs that failed (GitHub markdown with `markdown`). With
     `plots_dir`, write the plots there (`plot_recall`; `mixers` chooses the mixers drawn)
     and return their paths."""
+    from hla_bench.recall.plan import check_recall_file  # imports torch: only once rendering
+
     if tables not in RECALL_TABLES:
         raise ValueError(f"tables must be one of {RECALL_TABLES}, got {tables!r}")
-    validate_recall(data)
+    check_recall_file(data)
     runs = data["runs"]
     summary = summarize(runs)
     env, config = data["environment"], data["config"]

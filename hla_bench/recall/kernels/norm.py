@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tasks.kernels.common import (FLOATS, accumulator, check_device, check_tensor, jit,
-                                  rounded, tl, triton, use_triton)
+from hla_bench.recall.kernels.common import (FLOATS, accumulator, check_device, check_tensor,
+                                             jit, rounded, tl, triton, use_triton)
 
 KINDS = ("layer", "rms")
 MAX_D = 8192  # the widest row the kernels hold in registers (BLOCK_D = next power of two)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
-from mixers.hla.tiles import (bad_rows, finite, load_rows, load_values, mm, packed_offsets,
+from mixers.chain.terms import causal, chunk_program, decay_terms, load_qk, state_offsets
+from mixers.tiles import (bad_rows, finite, load_rows, load_values, mm, packed_offsets,
                               poison_from)
 
 

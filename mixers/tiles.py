@@ -1,7 +1,7 @@
-"""Tiles the family's Triton kernels share (mixers/hla/hla2/triton, mixers/hla/chain and the
+"""Tiles the family's Triton kernels share (mixers/hla/hla2/triton, mixers/chain and the
 ahla2 and hla3 decode steps): a decode program's block of value columns, the masked loads of
 token rows, the offsets of packed `[B, T, H, W]` rows, the non-finite rule's reads and
-poisons (mixers/hla/common.py), and the add into a shared gradient buffer."""
+poisons (mixers/common.py), and the add into a shared gradient buffer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """`hla-bench recall`: train and score mixers on synthetic recall tasks.
 
-The sweep's config and its runs come from `hla_bench.recall_config`; runs that differ only
+The sweep's config and its runs come from `hla_bench.recall.plan`; runs that differ only
 in learning rate, weight decay and seed train together as one stacked model
-(`hla_bench.training`, `tasks.train`); finished runs go to a locked results store as each
-group ends, so a killed or cut sweep keeps them and `--resume` goes on from there.
+(`hla_bench.recall.pool`, `hla_bench.recall.train`); finished runs go to a locked results
+store as each group ends, so a killed or cut sweep keeps them and `--resume` goes on from
+there.
 """
 
 from __future__ import annotations
@@ -23,19 +24,21 @@ from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
-from hla_bench.recall_config import (ConfigError, check_given_params, check_layers,
-                                     check_mixer_options, load_config, option_conflicts,
-                                     plan_rows, plan_runs, run_key, validate_config)
-from hla_bench.recall_report import RecallFileError, render_recall, summarize, validate_recall
+from hla_bench.recall.plan import (ConfigError, check_given_params, check_layers,
+                                   check_mixer_options, check_recall_file, load_config,
+                                   option_conflicts, plan_rows, plan_runs, run_key,
+                                   validate_config)
+from hla_bench.recall.report import render_recall, summarize
+from hla_bench.recall.schema import with_config_options
+from hla_bench.results.load import RecallFileError
 from hla_bench.results.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
-                             read_resumable)
+                                     read_resumable)
 from hla_bench.results.tables import print_table
-from hla_bench.task_commands import parse_params
+from hla_bench.options import comma_list, parse_params
 from hla_bench.safe_files import refuse_symlink
-from hla_bench.training import (STOP_GRACE_S, assign_devices, default_workers, failed_result,
-                                plan_groups, remove_checkpoints, run_groups, seq_len_of,
-                                step_flops)
-from tasks.model import STATE_MIXERS
+from hla_bench.recall.pool import (STOP_GRACE_S, assign_devices, default_workers,
+                                   failed_result, plan_groups, remove_checkpoints, run_groups,
+                                   run_groups_dask, seq_len_of, step_flops)
 
 SCHEMA_VERSION = 2
 
@@ -71,14 +74,14 @@ def open_results(out: str | None, mode: str, config: dict, device: str, workers:
     try:
         return ResultsStore.open(path, kind="recall", key=run_key, mode=mode, header=header,
                                  settings={key: config[key] for key in PROTOCOL_KEYS},
-                                 validate=validate_recall)
+                                 validate=check_recall_file)
     except StoreError as error:
         raise ConfigError(str(error)) from None
 
 
 def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> None:
     """ConfigError when the file's runs hold one that the plan repeats under other mixer
-    options (recall_config.option_conflicts): both would count in one cell."""
+    options (plan.option_conflicts): both would count in one cell."""
     conflicts = option_conflicts(records, specs)
     if conflicts:
         raise ConfigError(f"{path} holds {len(conflicts)} run(s) that the plan repeats with "
@@ -91,7 +94,7 @@ def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
     without taking its lock, after the checks a resume makes (ConfigError otherwise)."""
     try:
         data = read_resumable(out, "recall", {key: config[key] for key in PROTOCOL_KEYS},
-                              validate_recall)
+                              check_recall_file)
     except StoreError as error:
         raise ConfigError(str(error)) from None
     check_repeats(out, data["runs"], specs)
@@ -149,21 +152,6 @@ def resolve_device(device: str) -> str:
 
 
 # --- the command -------------------------------------------------------------------------
-
-def _comma_list(kind):
-    def parse(ctx, param, value):
-        if value is None:
-            return None
-        items = [item.strip() for item in value.split(",")]
-        if any(not item for item in items):
-            raise click.BadParameter(f"empty item in {value!r}")
-        try:
-            return [kind(item) for item in items]
-        except ValueError:
-            raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}, "
-                                     f"got {value!r}") from None
-    return parse
-
 
 def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                       on_results, client=None, **options) -> bool:
@@ -242,8 +230,6 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             on_results(results)
 
         if client is not None:
-            from hla_bench.dask_executor import run_groups_dask
-
             return run_groups_dask(client, groups, on_event, on_group, **options)
         return run_groups(groups, workers, on_event, on_group, **options)
 
@@ -255,45 +241,16 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                    "options below override it.")
 @click.option("--task", help="Task name (see `hla-bench tasks list`): one setting of it replaces "
               "the config's settings. Without it, the task options below apply to every setting.")
-@click.option("--only-tasks", "only_tasks", callback=_comma_list(str), metavar="TASKS",
+@click.option("--only-tasks", "only_tasks", callback=comma_list(str), metavar="TASKS",
               help="Keep only the config's settings of these tasks (comma-separated, e.g. "
                    "in_context_recall,noisy_recall): a suite run task by task; a later "
                    "--resume without it adds the other settings.")
-@click.option("--mixers", callback=_comma_list(str), help="Comma-separated mixer names.")
-@click.option("--d-model", "d_model", callback=_comma_list(int), help="Comma-separated model widths.")
 @click.option("--seq-len", type=int, help="Task sequence length.")
 @click.option("--num-kv-pairs", type=int, help="MQAR key-value pairs.")
 @click.option("--vocab-size", type=int, help="Task vocabulary size.")
 @click.option("--param", "extra_params", multiple=True, callback=parse_params,
               help="Any other task parameter, KEY=VALUE (repeatable).")
-@click.option("--lrs", callback=_comma_list(float), help="Comma-separated learning rates.")
-@click.option("--weight-decays", "weight_decays", callback=_comma_list(float),
-              help="Comma-separated weight decays (a grid axis like --lrs; replaces the "
-                   "config's weight decays).")
-@click.option("--seeds", callback=_comma_list(int), help="Comma-separated run seeds "
-              "(initialisation, data and batch order); tables show mean and spread over them.")
-@click.option("--epochs", type=int)
-@click.option("--num-train", type=int, help="Training examples (default: the task's).")
-@click.option("--num-val", type=int, help="Validation examples, drawn from the training "
-              "stream (the lr is chosen on them).")
-@click.option("--num-test", type=int, help="Test examples (default: the task's).")
-@click.option("--batch-size", type=int)
-@click.option("--eval-every", type=int, help="Evaluate every N steps (0: once per epoch).")
-@click.option("--n-layers", type=int)
-@click.option("--n-heads", type=int)
-@click.option("--state-mixer", type=click.Choice(STATE_MIXERS),
-              help="After each mixer: mlp, swiglu, identity (Zoology's) or none.")
-@click.option("--device", help="cpu, cuda, cuda:N or auto (default).")
-@click.option("--workers", type=int, help="Worker processes (default: 1 per 2 CPU cores, or "
-                                          "--workers-per-gpu per GPU).")
-@click.option("--workers-per-gpu", type=int)
-@click.option("--max-group", type=int, help="Most runs trained as one stack (default 32).")
-@click.option("--graphs/--no-graphs", default=None,
-              help="Replay each training step as a CUDA graph (default on CUDA).")
-@click.option("--compile/--no-compile", "compile", default=None,
-              help="Compile each group's stacked forward and backward with torch.compile "
-                   "(fused elementwise kernels; a group compiles at most three times, tens of "
-                   "seconds each). Default off.")
+@with_config_options
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results YAML here.")
 @click.option("--resume", is_flag=True, help="Continue the --out file: keep its runs, run "
               "the missing ones (a group cut at --time-limit continues from its checkpoint).")
@@ -402,7 +359,7 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                 console.print(f"resuming {out}: {len(specs) - len(left)} of the {len(specs)} "
                               f"planned runs finished there; the plan below is the "
                               f"{len(left)} left", soft_wrap=True)
-            with console.status("counting each step shape's FLOPs"):  # ~0.1 s a shape
+            with console.status("counting each step shape's FLOPs"):  # one traced step a shape
                 rows = plan_rows(left, config["max_group"], step_flops)
             print_table(console, plan_table(rows), lambda: plan_lines(rows))
             uncounted = sorted({mixer for row in rows for mixer in row["uncounted"]})

@@ -38,16 +38,16 @@ real one (the denominator of a normalized operator). Arithmetic, states and outp
 float32 (float64 for float64 inputs); products of 16-bit inputs in tf32, which holds them
 exactly.
 
-Non-finite inputs (the rule of mixers/hla/common.py) are kept inside the kernels: a NaN or
+Non-finite inputs (the rule of mixers/common.py) are kept inside the kernels: a NaN or
 inf token reaches later chunks through the chunk states; within a chunk the causal mask
 selects (a later row reads 0, not 0 * NaN) and non-finite values read as 0 with NaN added
 to the rows from the first such row on. The backward kernels read non-finite q, k and v as
 0 and add NaN to the gradient rows of the operator's own non-finite inputs (not of a link's
 inputs that an earlier link computed). Normalized outputs are read out with
-mixers.hla.common.kernel_read_out.
+mixers.common.kernel_read_out.
 """
 
-from mixers.hla.chain.launch import backward, forward
-from mixers.hla.chain.plan import ChainPlan, plan_chain
+from mixers.chain.launch import backward, forward
+from mixers.chain.plan import ChainPlan, plan_chain
 
 __all__ = ["ChainPlan", "plan_chain", "forward", "backward"]

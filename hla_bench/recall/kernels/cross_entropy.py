@@ -42,8 +42,8 @@ from __future__ import annotations
 import torch
 
 from tasks import IGNORE
-from tasks.kernels.common import (accumulator, check_device, check_tensor, jit, rounded, tl,
-                                  triton, use_triton)
+from hla_bench.recall.kernels.common import (accumulator, check_device, check_tensor, jit,
+                                             rounded, tl, triton, use_triton)
 
 CHUNK_BYTES = 64 << 20  # the logits of one chunk, in the compute dtype, stay within this
 MAX_BLOCK_V = 8192  # vocabulary entries a program holds at once (larger vocabularies loop)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import chunk_program, decay_terms, state_offsets
-from mixers.hla.tiles import finite, load_rows, mm, packed_offsets
+from mixers.chain.terms import chunk_program, decay_terms, state_offsets
+from mixers.tiles import finite, load_rows, mm, packed_offsets
 
 
 @triton.jit

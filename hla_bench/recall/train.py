@@ -3,7 +3,7 @@
 A run is a plain dict (`RunSpec.as_dict()`), so it crosses process boundaries and lands in
 the result YAML unchanged. Runs that differ only in learning rate, weight decay and seed
 form a group (`group_key`); `train_group` trains a group as one stacked model
-(`tasks.stacked`): one launch per op for all of its runs, each run with its own
+(`hla_bench.recall.stacked`): one launch per op for all of its runs, each run with its own
 initialisation (`torch.manual_seed` of its seed before its model is built), its own data
 (its seed's splits) and batch order, its own learning rate and weight decay, and its own
 early stop. A run that stops keeps its slot in the stack, its parameters frozen (its
@@ -57,15 +57,13 @@ import torch.nn.functional as F
 import tasks
 from tasks import IGNORE, Splits
 from tasks.mad import MAD_METRIC_BATCH, macro_accuracy
-from tasks.model import TinyLM, at_least_float32
-from tasks.stacked import FlatAdamW, StackedLM
+from hla_bench.recall.model import TinyLM, at_least_float32
+from hla_bench.recall.stacked import FlatAdamW, StackedLM
+from hla_bench.recall.schema import METRICS, POSITIONS, SCHEDULES, ModelConfig, TrainConfig
 from hla_bench.safe_files import replace_atomically
 
-STOP_ACCURACY = 0.99
-# "auto": learned positions for softmax attention only; "learned": for every mixer; "none"
-POSITIONS = ("auto", "learned", "none")
-SCHEDULES = ("warmup-cosine", "epoch-cosine", "constant")
-METRICS = ("micro", "mad-macro")
+# A run's model and training keys default to the config's (hla_bench.recall.schema).
+_MODEL, _TRAIN = ModelConfig(), TrainConfig()
 MILESTONES = (0.5, 0.9)
 # Tokens of each model in one evaluation forward (never fewer examples than the training
 # batch): few forwards per evaluation, each holding no more activations than a training step
@@ -86,10 +84,13 @@ class RunSpec:
     CosineAnnealingLR stepped once per epoch over `epochs`, no warmup) or "constant".
     `shuffle`: a fresh batch order every epoch (False: the same batches in the same order,
     as Zoology's loader). `num_val` validation examples come from the training stream.
-    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model (`tasks.model.TinyLM`),
-    `positions` its position embedding (POSITIONS; the harness's build_model reads it);
-    `metric` and `test_at_best_val` are described in this module's docstring.
-    `train_mix` / `test_mix`: the training and test mixes (module docstring, "Mixes").
+    `norm`, `head`, `swiglu_hidden` and `decoder` shape the model
+    (`hla_bench.recall.model.TinyLM`), `positions` its position embedding (POSITIONS; the
+    harness's build_model reads it); `metric` and `test_at_best_val` are described in this
+    module's docstring. `train_mix` / `test_mix`: the training and test mixes (module
+    docstring, "Mixes"). The model and training fields default to the config's keys
+    (`hla_bench.recall.schema`): a spec made without a config trains as a config that
+    leaves them out.
     """
 
     task: str
@@ -102,30 +103,30 @@ class RunSpec:
     train_mix: list | None = None
     test_mix: list | None = None
     mixer_options: dict = field(default_factory=dict)
-    n_layers: int = 2
-    n_heads: int = 1
-    state_mixer: str = "mlp"
-    embed_dropout: float = 0.0
-    init: str = "default"
-    norm: str = "layer"
-    head: str = "tied"
-    swiglu_hidden: int | None = None
-    decoder: str = "default"
-    positions: str = "auto"
-    epochs: int = 8
-    num_train: int | None = None
-    num_val: int = 0
-    num_test: int | None = None
-    batch_size: int = 64
-    eval_every: int = 0
-    schedule: str = "warmup-cosine"
-    warmup_frac: float = 0.1
-    weight_decay: float = 0.1
-    stop_accuracy: float = STOP_ACCURACY
-    group_stop: bool = False
-    shuffle: bool = True
-    metric: str = "micro"
-    test_at_best_val: bool = False
+    n_layers: int = _MODEL.n_layers
+    n_heads: int = _MODEL.n_heads
+    state_mixer: str = _MODEL.state_mixer
+    embed_dropout: float = _MODEL.embed_dropout
+    init: str = _MODEL.init
+    norm: str = _MODEL.norm
+    head: str = _MODEL.head
+    swiglu_hidden: int | None = _MODEL.swiglu_hidden
+    decoder: str = _MODEL.decoder
+    positions: str = _MODEL.positions
+    epochs: int = _TRAIN.epochs
+    num_train: int | None = _TRAIN.num_train
+    num_val: int = _TRAIN.num_val
+    num_test: int | None = _TRAIN.num_test
+    batch_size: int = _TRAIN.batch_size
+    eval_every: int = _TRAIN.eval_every
+    schedule: str = _TRAIN.schedule
+    warmup_frac: float = _TRAIN.warmup_frac
+    weight_decay: float = _TRAIN.weight_decay
+    stop_accuracy: float = _TRAIN.stop_accuracy
+    group_stop: bool = _TRAIN.group_stop
+    shuffle: bool = _TRAIN.shuffle
+    metric: str = _TRAIN.metric
+    test_at_best_val: bool = _TRAIN.test_at_best_val
     seed: int = 0
     device: str = "cpu"
     setting: str = ""

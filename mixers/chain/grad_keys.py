@@ -19,9 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import (add_key_grads, causal, chunk_program, decay_terms, load_qk,
+from mixers.chain.terms import (add_key_grads, causal, chunk_program, decay_terms, load_qk,
                                     state_key_terms)
-from mixers.hla.tiles import bad_rows, finite, load_values, mm, packed_offsets
+from mixers.tiles import bad_rows, finite, load_values, mm, packed_offsets
 
 
 @triton.jit

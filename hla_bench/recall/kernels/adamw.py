@@ -35,7 +35,7 @@ import struct
 
 import torch
 
-from tasks.kernels.common import IMPLS, INTERPRETED, div_rn, interpreted, tl, triton
+from hla_bench.recall.kernels.common import IMPLS, INTERPRETED, div_rn, interpreted, tl, triton
 
 DTYPES = (torch.float32, torch.float64)
 BLOCK = 1024  # entries of a row per program

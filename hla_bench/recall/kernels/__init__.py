@@ -16,8 +16,8 @@ Each runs Triton kernels on CUDA and a PyTorch path on the CPU and for float64 (
 TRITON_INTERPRET=1).
 """
 
-from tasks.kernels.adamw import adamw_step_
-from tasks.kernels.cross_entropy import labelled_cross_entropy
-from tasks.kernels.norm import stacked_norm
+from hla_bench.recall.kernels.adamw import adamw_step_
+from hla_bench.recall.kernels.cross_entropy import labelled_cross_entropy
+from hla_bench.recall.kernels.norm import stacked_norm
 
 __all__ = ["adamw_step_", "labelled_cross_entropy", "stacked_norm"]

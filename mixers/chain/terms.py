@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.tiles import add_into, load_rows, mm, packed_offsets, poison_rows
+from mixers.tiles import add_into, load_rows, mm, packed_offsets, poison_rows
 
 
 @triton.jit

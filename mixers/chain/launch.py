@@ -1,4 +1,4 @@
-"""One link of a chain (mixers/hla/chain), forward and backward: the kernel launches."""
+"""One link of a chain (mixers/chain), forward and backward: the kernel launches."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import torch
 import triton
 
 from mixers.dispatch import listening, note
-from mixers.hla.chain.grad_fused import chain_grad_fused_kernel
-from mixers.hla.chain.grad_keys import chain_grad_keys_kernel
-from mixers.hla.chain.grad_states import chain_grad_states_kernel
-from mixers.hla.chain.grad_values import chain_grad_values_kernel
-from mixers.hla.chain.output import chain_output_kernel
-from mixers.hla.chain.plan import ChainPlan
-from mixers.hla.chain.scan import chain_scan_kernel
-from mixers.hla.chain.states import chain_states_kernel
-from mixers.hla.chain.walk import chain_grad_walk_kernel, chain_walk_kernel
+from mixers.chain.grad_fused import chain_grad_fused_kernel
+from mixers.chain.grad_keys import chain_grad_keys_kernel
+from mixers.chain.grad_states import chain_grad_states_kernel
+from mixers.chain.grad_values import chain_grad_values_kernel
+from mixers.chain.output import chain_output_kernel
+from mixers.chain.plan import ChainPlan
+from mixers.chain.scan import chain_scan_kernel
+from mixers.chain.states import chain_states_kernel
+from mixers.chain.walk import chain_grad_walk_kernel, chain_walk_kernel
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

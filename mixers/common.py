@@ -22,7 +22,7 @@ out later row still enters a matmul as 0 * NaN = NaN. So the PyTorch forms compu
 finite part of their inputs (`FiniteInputs`: non-finite entries read as 0) and set the
 outputs of (b, h) from the first non-finite token on, and its final state, to NaN; the
 Triton kernels of hla2 and of the chain (ahla2, causal hla3) keep the rule inside the
-kernels, with no pass over the inputs (hla2/triton/common.py, mixers/hla/chain). Not held
+kernels, with no pass over the inputs (hla2/triton/common.py, mixers/chain). Not held
 to it:
 PyTorch's SDPA kernels (sdpa: a non-finite v reaches earlier outputs, and the backward
 spreads NaN for q, k and v), mamba_ssm's and flash-attn's kernels, which run unchanged; and
@@ -276,11 +276,10 @@ def check_state(state, shapes: dict[str, tuple[int, ...]], name: str = "initial_
 def pytorch_form(T: int, width: int) -> str:
     """The PyTorch form "auto" takes where the Triton kernels do not run: "parallel" (one
     masked T x T block) for sequences of at most twice the key width (the head dim, or a
-    feature map's width), else "chunk". On a 2-core CPU (fwd+bwd in float32,
-    results/cpu-2026-12-05/short-forms.yaml, docs/method.md) the parallel forms of hla2,
-    ahla2, hla3, linear attention and Based were 1.2x to 13x faster than the chunk forms at
-    every measured T <= 2 width, between 1.3x faster and 1.5x slower at T = 4 width, and
-    mostly slower beyond."""
+    feature map's width), else "chunk". The T x T block costs T^2 work where the chunk form
+    builds width x width summaries per chunk, so the parallel form is the faster while T is
+    short against the width; docs/method.md gives the measurements the threshold comes
+    from."""
     return "parallel" if T <= 2 * width else "chunk"
 
 

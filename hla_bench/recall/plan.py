@@ -4,7 +4,8 @@ runs it plans.
 
 A config names the mixers, widths, learning rates, weight decays, seeds, the model (with
 per-mixer overrides in `mixer_model`), the training protocol and the task settings
-(configs/: recall-cpu, zoology-*, mad). A setting is `{task, params, train, model,
+(configs/: recall-cpu, zoology-*, mad); its keys, their defaults and checks are declared in
+`hla_bench.recall.schema`. A setting is `{task, params, train, model,
 name}` (all but `task` optional); its label, which names it in the results and the report,
 is its `name`, else the task with its params and its `train` / `model` overrides
 (`setting_label`). Labels must differ between settings.
@@ -13,7 +14,6 @@ is its `name`, else the task with its params and its `train` / `model` overrides
 from __future__ import annotations
 
 import copy
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -23,121 +23,11 @@ import yaml
 
 import tasks
 from hla_bench import configs, registry
-from hla_bench.training import plan_groups
-from tasks.model import DECODERS, HEADS, INITS, NORMS, STATE_MIXERS
-from tasks.train import METRICS, POSITIONS, SCHEDULES, RunSpec, steps_per_epoch
-
-# --- the schema --------------------------------------------------------------------------
-
-MAX_INT = 2**31 - 1  # beyond int32 a count, width or seed is a typo
-
-
-def _int(minimum: int) -> Callable[[Any], str | None]:
-    def check(value):
-        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
-                or value > MAX_INT):
-            return f"an int from {minimum} to {MAX_INT}"
-        return None
-    return check
-
-
-def _number(low: float, high: float | None = None, *, open_low: bool = False,
-            open_high: bool = True) -> Callable[[Any], str | None]:
-    def check(value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return "a number"
-        if not math.isfinite(value):
-            return "a finite number"
-        if (value <= low if open_low else value < low) or (
-                high is not None and (value >= high if open_high else value > high)):
-            left, right = "(" if open_low else "[", ")" if open_high else "]"
-            return f"a number in {left}{low}, {'inf' if high is None else high}{right}"
-        return None
-    return check
-
-
-def _choice(choices) -> Callable[[Any], str | None]:
-    return lambda value: None if value in choices else f"one of {', '.join(choices)}"
-
-
-def _optional(check):
-    return lambda value: None if value is None else check(value)
-
-
-def _bool(value) -> str | None:
-    return None if isinstance(value, bool) else "true or false"
-
-
-def _list(item_check, *, unique: bool = True):
-    def check(value):
-        if not isinstance(value, list) or not value:
-            return "a non-empty list"
-        for item in value:
-            problem = item_check(item)
-            if problem:
-                return f"a list of {problem} (got {item!r})"
-        if unique and len(set(map(repr, value))) != len(value):
-            return "a list without duplicates"
-        return None
-    return check
-
-
-def _str(value) -> str | None:
-    return None if isinstance(value, str) and value else "a non-empty string"
-
-
-MODEL_FIELDS = {
-    "n_layers": (2, _int(1)),
-    "n_heads": (1, _int(1)),
-    "state_mixer": ("mlp", _choice(STATE_MIXERS)),
-    "embed_dropout": (0.0, _number(0, 1)),
-    "init": ("default", _choice(INITS)),
-    "norm": ("layer", _choice(NORMS)),
-    "head": ("tied", _choice(HEADS)),
-    "swiglu_hidden": (None, _optional(_int(1))),
-    "decoder": ("default", _choice(DECODERS)),
-    "positions": ("auto", _choice(POSITIONS)),
-}
-TRAIN_FIELDS = {
-    "epochs": (8, _int(1)),
-    "num_train": (None, _optional(_int(1))),
-    "num_val": (1000, _int(1)),
-    "num_test": (None, _optional(_int(1))),
-    "batch_size": (64, _int(1)),
-    "eval_every": (0, _int(0)),
-    "schedule": ("warmup-cosine", _choice(SCHEDULES)),
-    "warmup_frac": (0.1, _number(0, 1)),
-    "weight_decay": (0.1, _number(0)),
-    # an accuracy: 1 never stops early (no accuracy exceeds it); above 1 is a typo (99)
-    "stop_accuracy": (0.99, _number(0, 1, open_low=True, open_high=False)),
-    # a run's early stop also stops its group's runs of the same seed (tasks/train.py)
-    "group_stop": (False, _bool),
-    "shuffle": (True, _bool),
-    "metric": ("micro", _choice(METRICS)),
-    "test_at_best_val": (False, _bool),
-}
-TOP_FIELDS = {
-    "name": ("recall", _str),
-    "description": ("", lambda v: None if isinstance(v, str) else "a string"),
-    "device": ("auto", lambda v: None if isinstance(v, str) and (
-        v in ("auto", "cpu", "cuda") or v.startswith("cuda:")) else "auto, cpu, cuda or cuda:N"),
-    "workers": (None, _optional(_int(1))),
-    "workers_per_gpu": (2, _int(1)),
-    "max_group": (32, _int(1)),
-    "graphs": (True, _bool),
-    "compile": (False, _bool),
-    "seeds": ([0], _list(_int(0))),
-    "mixers": (["sdpa", "linear-attn", "hla2", "mamba2-ssd"], _list(_str)),
-    "mixer_options": ({}, lambda v: None if isinstance(v, dict) else "a mapping"),
-    # per mixer, `model` keys that replace the config's for that mixer's runs
-    "mixer_model": ({}, lambda v: None if isinstance(v, dict) else "a mapping"),
-    "d_model": ([64], _list(_int(1))),
-    "lrs": ([1e-3, 3e-3], _list(_number(0, open_low=True, high=None))),
-    # the weight-decay grid; null: each setting's train.weight_decay alone
-    "weight_decays": (None, _optional(_list(_number(0)))),
-}
-SECTIONS = {"model": MODEL_FIELDS, "train": TRAIN_FIELDS}
-DEFAULT_SETTINGS = [{"task": "mqar", "params": {}}]
+from hla_bench.results.load import validate_recall
+from hla_bench.recall.pool import plan_groups
+from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
+                                     default_config, int_from, nonempty_text)
+from hla_bench.recall.train import RunSpec, steps_per_epoch
 
 
 class ConfigError(ValueError):
@@ -156,14 +46,6 @@ def _check_section(where: str, values: Any, fields: dict) -> dict:
         if problem:
             raise ConfigError(f"{where}.{key} must be {problem}, got {value!r}")
     return dict(values)
-
-
-def default_config() -> dict:
-    config = {key: copy.deepcopy(default) for key, (default, _) in TOP_FIELDS.items()}
-    for section, fields in SECTIONS.items():
-        config[section] = {key: default for key, (default, _) in fields.items()}
-    config["settings"] = copy.deepcopy(DEFAULT_SETTINGS)
-    return config
 
 
 def validate_config(loaded: Any, where: str = "config") -> dict:
@@ -218,7 +100,7 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
                               f"{params!r}")
         entry = {"task": setting["task"], "params": dict(params)}
         if "name" in setting:
-            problem = _str(setting["name"])
+            problem = nonempty_text(setting["name"])
             if problem:
                 raise ConfigError(f"{at}.name must be {problem}, got {setting['name']!r}")
             entry["name"] = setting["name"]
@@ -278,7 +160,7 @@ def _check_mix(where: str, mix: Any) -> list[dict]:
         if not isinstance(entry, dict) or "count" not in entry:
             raise ConfigError(f"{where}[{index}] must be a mapping of task parameters with a "
                               f"`count`, got {entry!r}")
-        problem = _int(1)(entry["count"])
+        problem = int_from(1)(entry["count"])
         if problem:
             raise ConfigError(f"{where}[{index}].count must be {problem}, got "
                               f"{entry['count']!r}")
@@ -369,7 +251,7 @@ def mixer_variant(text: str) -> tuple[str, dict, str]:
     """A `mixers` entry, `NAME[:key=value...][:label=LABEL]` (as `hla-bench bench` writes
     mixer specs): (registry name, its options, its label: LABEL, else the entry as written
     when it has options, else the name). ValueError for a malformed entry."""
-    from hla_bench.speed.sweeps import MixerSpec
+    from hla_bench.options import MixerSpec
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"a mixer is a name or NAME:key=value, got {text!r}")
@@ -598,6 +480,12 @@ def run_key(run: dict) -> str:
     spec = {key: run.get(key, _SPEC_DEFAULTS[key]) for key in RunSpec.__dataclass_fields__
             if key not in ("run_id", "device")}
     return yaml.safe_dump(spec, sort_keys=True)
+
+
+def check_recall_file(data: Any) -> None:
+    """The checks of a recall results file (`hla_bench.results.load.validate_recall`) with
+    this wing's run identity (`run_key`): RecallFileError on the first problem."""
+    validate_recall(data, run_key)
 
 
 def plan_rows(specs: list[dict], max_group: int,

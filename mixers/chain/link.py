@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from mixers.hla.chain.launch import backward, forward, last_dim_contiguous
-from mixers.hla.chain.plan import plan_chain
+from mixers.chain.launch import backward, forward, last_dim_contiguous
+from mixers.chain.plan import plan_chain
 
 
 class _Link(torch.autograd.Function):

@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import yaml
 
-from hla_bench.speed.sweeps import MODES
-
+# The modes a point is measured in (a sweep runs some of them).
+MODES = ("fwd", "fwdbwd", "decode", "prefill")
 STATUSES = ("ok", "oom", "error", "unavailable", "unsupported", "timeout")
 # Statuses a resumed sweep keeps; an error or a timeout is measured again.
 KEPT_STATUSES = ("ok", "oom", "unavailable", "unsupported")

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import decay_terms, load_state, state_offsets, walk_program
-from mixers.hla.tiles import finite, load_rows, load_values, mm, packed_offsets
+from mixers.chain.terms import decay_terms, load_state, state_offsets, walk_program
+from mixers.tiles import finite, load_rows, load_values, mm, packed_offsets
 
 
 @triton.jit

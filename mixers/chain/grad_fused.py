@@ -17,9 +17,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mixers.hla.chain.terms import (add_key_grads, causal, chunk_program, decay_terms,
+from mixers.chain.terms import (add_key_grads, causal, chunk_program, decay_terms,
                                     state_key_terms, state_offsets)
-from mixers.hla.tiles import (add_into, bad_rows, finite, load_rows, load_values, mm,
+from mixers.tiles import (add_into, bad_rows, finite, load_rows, load_values, mm,
                               packed_offsets, poison_rows)
 
 

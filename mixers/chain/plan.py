@@ -1,4 +1,4 @@
-"""How a link of a chain launches (mixers/hla/chain): a frozen plan per call."""
+"""How a link of a chain launches (mixers/chain): a frozen plan per call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mixers.hla.tiles import interpreted
+from mixers.tiles import interpreted
 
 MAX_HEAD_DIM = 512  # key and value dims the ops take (blocks of 64, looped or spread; a
 # normalized value width adds its column of ones: 513)
@@ -65,9 +65,9 @@ def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
                chunk_size: int = 64) -> ChainPlan:
     """Chunks of 64 tokens (16 in float64, whose tiles take twice the registers; a smaller
     power of two when the caller asks for one), blocks of up to 64 key and value columns,
-    4 warps and 2 pipeline stages (on an H200, benchmarks/chain_plans.py: 4 warps take
-    0.69x to 0.87x the time of 8 at D = 64 and 128; docs/kernels.md gives the other changes
-    it tried)."""
+    4 warps and 2 pipeline stages: the plan `benchmarks/chain_plans.py` found fastest
+    (docs/kernels.md, "Launch plan and resources", gives its measurements and the other
+    changes it tried)."""
     chunk = 16 if dtype == torch.float64 else 64
     if chunk_size in (16, 32) and chunk_size < chunk:
         chunk = chunk_size
