@@ -24,7 +24,7 @@ The layer (`FlaLayer`) maps `[B, T, d_model]` to itself through the fla module i
 its initialisation). fla's layer keeps its weights in submodules of its own and feeds some
 straight to its kernels (GatedDeltaNet's A_log and dt_bias), so N copies with different
 weights cannot share one call: it has no `forward_stacked`, and the stacked trainer
-(`tasks.stacked.stack_unsupported_reason`) trains each run alone. fla's kernels run on CUDA
+(`hla_bench.recall.stacked.stack_unsupported_reason`) trains each run alone. fla's kernels run on CUDA
 tensors only (they do not run in Triton's interpreter): other inputs raise
 NotImplementedError, which the harness records as unsupported and the FLOP count skips.
 

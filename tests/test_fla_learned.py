@@ -117,7 +117,7 @@ def test_the_frontier_config_runs_the_learned_gate_layers_with_valid_options():
     the fixed-gate entries; every planned (d_model, heads, options) passes the layer's own
     checks (without fla: the checks run before fla is imported)."""
     from hla_bench import configs
-    from hla_bench.recall_config import load_config, plan_runs
+    from hla_bench.recall.plan import load_config, plan_runs
 
     specs = plan_runs(load_config(str(configs.find("zoology-frontier")), {}), "cuda")
     mixers = {spec["mixer"] for spec in specs}
@@ -147,7 +147,7 @@ HAND_COUNTS = {
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_bytes_equal_a_hand_count_for_two_shapes(name):
-    from hla_bench.training import layer_state_bytes
+    from hla_bench.recall.pool import layer_state_bytes
 
     entry = registry.get(name)
     for (d_model, heads, length), elements in zip(((64, 1, 64), (128, 2, 256)),
@@ -221,8 +221,8 @@ def test_options_reach_fla_layer():
 
 @needs_fla
 def test_fla_layers_train_one_run_at_a_time_with_the_stacked_trainers_reason():
-    from tasks.model import TinyLM, output_projection
-    from tasks.stacked import stack_unsupported_reason
+    from hla_bench.recall.model import TinyLM, output_projection
+    from hla_bench.recall.stacked import stack_unsupported_reason
 
     for name in NAMES:
         model = TinyLM(128, 64, lambda: build(name), n_layers=2, state_mixer="identity",
@@ -312,8 +312,8 @@ def test_no_probe_where_fla_flags_do_not_name_the_refused_case(monkeypatch):
 def test_a_refused_backward_is_recorded_as_unsupported_by_the_recall_runner(monkeypatch):
     """The harness's group runner, in process, on a registered stand-in: the run's first
     step raises fla's refusal, recorded as unsupported with fla's message."""
-    from hla_bench.training import run_group
-    from tasks.train import RunSpec
+    from hla_bench.recall.pool import run_group
+    from hla_bench.recall.train import RunSpec
 
     monkeypatch.setattr(fla_layers, "_may_refuse_here", lambda: True)
     monkeypatch.setattr(fla_layers, "kernels_run_on", lambda x: True)
@@ -379,8 +379,8 @@ def test_under_torch_compile_the_layer_runs_eagerly_inside_the_single_model_step
     """The stacked trainer's single-model path (functional_call) under torch.compile, as
     `compile: true` configs run it: the same loss and gradients as eagerly; a refused
     backward is still NotImplementedError."""
-    from tasks.model import TinyLM
-    from tasks.stacked import StackedLM
+    from hla_bench.recall.model import TinyLM
+    from hla_bench.recall.stacked import StackedLM
 
     monkeypatch.setattr(fla_layers, "_may_refuse_here", lambda: True)
     monkeypatch.setattr(fla_layers, "kernels_run_on", lambda x: True)
@@ -476,8 +476,8 @@ def test_a_recall_run_is_ok_or_unsupported_with_flas_reason(name):
     """One tiny MQAR run through the harness's group runner as zoology-frontier runs it
     (captured steps, torch.compile): trained (one run a group), or where fla refuses the
     backward recorded as unsupported with fla's reason."""
-    from hla_bench.training import plan_groups, run_group
-    from tasks.train import RunSpec
+    from hla_bench.recall.pool import plan_groups, run_group
+    from hla_bench.recall.train import RunSpec
 
     runs = [RunSpec(task="mqar", params=dict(vocab_size=256, seq_len=64, num_kv_pairs=4),
                     mixer=name, d_model=64, n_heads=2, lr=lr, seed=0, run_id=i, epochs=1,

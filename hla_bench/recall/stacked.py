@@ -12,7 +12,7 @@ and returns `[N]` mean cross-entropies over each model's labelled positions; the
 for model n's parameters, exactly model n's own gradient.
 
 Run eagerly (the CPU, and CUDA without torch.compile), the norms and the head's
-cross-entropy go through fused kernels (`tasks.kernels`): each norm one pass forward and one
+cross-entropy go through fused kernels (`recall.kernels`): each norm one pass forward and one
 backward that also forms its per-model weight gradients, its output in bf16 under autocast
 where a matmul reads it next (the matmul would round it so), and the cross-entropy in chunks
 of labelled rows, never the `[N, R, V]` logits in float32. Under torch.compile the plain

@@ -1,4 +1,4 @@
-"""Fused kernels for stacked training (tasks/stacked.py): N models' elementwise work done in
+"""Fused kernels for stacked training (recall/stacked.py): N models' elementwise work done in
 one pass each, exact against the unstacked computation (a stacked layer's own fused
 convolution and q/k normalisation is mixers.short_conv).
 

@@ -2,7 +2,7 @@
 
 `adamw_step_(param, grad, exp_avg, exp_avg_sq, lr, weight_decay, steps, beta1=, beta2=,
 eps=)` updates param, exp_avg and exp_avg_sq `[N, P]` in place, row n with its own learning
-rate lr[n] and weight decay weight_decay[n], in `tasks.stacked.FlatAdamW.step`'s order of
+rate lr[n] and weight decay weight_decay[n], in `recall.stacked.FlatAdamW.step`'s order of
 operations (torch.optim.AdamW's update with decoupled weight decay), t = steps (the count
 after this step's increment, which the caller makes):
 

@@ -1,4 +1,4 @@
-"""What the kernels of tasks/kernels share: Triton (a Linux-only dependency, so optional
+"""What the stacked-training kernels share: Triton (a Linux-only dependency, so optional
 here), the choice between the Triton and PyTorch paths, and argument checks."""
 
 from __future__ import annotations
