@@ -48,6 +48,24 @@ def test_git_commit_prefers_the_variable(monkeypatch):
     assert results.git_commit() != "abc1234"
 
 
+def test_git_commit_is_the_checkouts_commit(monkeypatch):
+    """Without the variable, a checkout records its own HEAD (the repository root, not the
+    package folder, holds .git)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(results.__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    monkeypatch.delenv("HLA_BENCH_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    commit = results.git_commit()
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit), commit
+    assert commit.split("+")[0] == head
+
+
 def test_round_trip(bench_data, tmp_path):
     path = results.save(bench_data, tmp_path / "sub" / "r.yaml")
     loaded = results.load(path)

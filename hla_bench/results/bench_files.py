@@ -76,7 +76,7 @@ def git_commit() -> str:
     when it has changes), else `unknown`."""
     if os.environ.get("HLA_BENCH_GIT_COMMIT"):
         return os.environ["HLA_BENCH_GIT_COMMIT"]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return "unknown"
     try:
