@@ -139,8 +139,8 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
 
 
 def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: int = 16) -> dict:
-    """Where one stacked step's GPU time goes, the group alone on the GPU: the wall time of
-    a replayed graph step, the time its matmul FLOPs take at `gemm` TFLOP/s
+    """Where one stacked step's GPU time goes, the group alone on the GPU (once every group
+    has warmed up, one group at a time): the wall time of a replayed graph step, the time its matmul FLOPs take at `gemm` TFLOP/s
     (hla_bench.recall.pool.step_flops per run), then torch.profiler over `steps` steps of the
     same trainer without the graph (the graph replays the same kernels): its `rows`
     costliest kernels."""
@@ -157,6 +157,7 @@ def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: in
         started = time.perf_counter()
         trainer.train_to(WARMUP_STEPS)
         warmup_s = time.perf_counter() - started
+        _together()  # no group is timed while another still warms up (compiles, autotunes)
         with _ALONE:
             started = time.perf_counter()
             trainer.train_to(WARMUP_STEPS + 4 * steps)
