@@ -101,8 +101,9 @@ def _conv(options: dict) -> None:
 
 # --- each layer: its checks, fla's keyword arguments and its state --------------------------
 
-def _gla_dims(d_model, n_heads, options):
-    """(heads, key head dim, value head dim) of GatedLinearAttention's state."""
+def _expanded_dims(d_model, n_heads, options):
+    """(heads, key head dim, value head dim) of the state of GatedLinearAttention and
+    DeltaNet: key and value widths d_model x expand_k and x expand_v, split over the heads."""
     _heads(d_model, n_heads)
     key = _width(d_model, _positive_number("expand_k", options["expand_k"]), "expand_k", n_heads)
     value = _width(d_model, _positive_number("expand_v", options["expand_v"]), "expand_v",
@@ -111,7 +112,7 @@ def _gla_dims(d_model, n_heads, options):
 
 
 def _gla_kwargs(d_model, n_heads, options):
-    _gla_dims(d_model, n_heads, options)
+    _expanded_dims(d_model, n_heads, options)
     _conv(options)
     _flag("use_output_gate", options["use_output_gate"])
     _choice("mode", options["mode"], ("chunk", "fused_recurrent"))
@@ -123,17 +124,8 @@ def _gla_kwargs(d_model, n_heads, options):
     return {"hidden_size": d_model, "num_heads": n_heads, **options}
 
 
-def _delta_dims(d_model, n_heads, options):
-    """(heads, key head dim, value head dim) of DeltaNet's state."""
-    _heads(d_model, n_heads)
-    key = _width(d_model, _positive_number("expand_k", options["expand_k"]), "expand_k", n_heads)
-    value = _width(d_model, _positive_number("expand_v", options["expand_v"]), "expand_v",
-                   n_heads)
-    return n_heads, key // n_heads, value // n_heads
-
-
 def _delta_kwargs(d_model, n_heads, options):
-    _delta_dims(d_model, n_heads, options)
+    _expanded_dims(d_model, n_heads, options)
     _conv(options)
     for name in ("use_beta", "use_gate", "allow_neg_eigval"):
         _flag(name, options[name])
@@ -289,14 +281,14 @@ CONV_OPTIONS = {"conv_size": 4, "conv_bias": False}
 
 KINDS = {
     "fla-gla-learned": (
-        FlaLayerKind("GatedLinearAttention", _gla_kwargs, _gla_dims),
+        FlaLayerKind("GatedLinearAttention", _gla_kwargs, _expanded_dims),
         "fla's GatedLinearAttention layer: learned data-dependent per-channel gates "
         "(low-rank), swish output gate; Zoology's settings (no short convolution).",
         {"expand_k": 0.5, "expand_v": 1.0, "use_short_conv": False, **CONV_OPTIONS,
          "use_output_gate": True, "gate_low_rank_dim": 16, "gate_logit_normalizer": 16,
          "clamp_min": None, "mode": "chunk"}),
     "fla-deltanet-learned": (
-        FlaLayerKind("DeltaNet", _delta_kwargs, _delta_dims, max_key_dim=DELTA_MAX_KEY_DIM),
+        FlaLayerKind("DeltaNet", _delta_kwargs, _expanded_dims, max_key_dim=DELTA_MAX_KEY_DIM),
         "fla's DeltaNet layer: delta rule with a learned beta per head and token, L2 q/k; "
         "Zoology's settings (short convolution 4, no output gate).",
         {"expand_k": 1.0, "expand_v": 1.0, "use_beta": True, "use_gate": False,
