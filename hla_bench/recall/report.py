@@ -751,40 +751,30 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
               + ("" if data.get("complete", True) else "; INCOMPLETE"))
     console.print(header + ("\n" if markdown else ""), markup=False, highlight=False,
                   soft_wrap=True)
-    for setting, by_mixer in summary.items() if tables != "reference" else ():
+    def show(markdown_text, table_of):
+        """One table: as markdown text with --markdown, else a rich table (lines if narrow)."""
         if markdown:
-            console.print(setting_markdown(setting, by_mixer), markup=False, highlight=False,
-                          soft_wrap=True)
+            console.print(markdown_text(), markup=False, highlight=False, soft_wrap=True)
         else:
-            table = setting_table(setting, by_mixer)
+            table = table_of()
             print_table(console, table, lambda: table_lines(table, console))
+
+    for setting, by_mixer in summary.items() if tables != "reference" else ():
+        show(lambda: setting_markdown(setting, by_mixer), lambda: setting_table(setting, by_mixer))
     zoology = load_reference(ZOOLOGY_REFERENCE)
     views = zoology_rows(runs, summary, zoology) if zoology and tables != "settings" else {}
     for setting, (d_models, rows) in views.items():
-        if markdown:
-            console.print(zoology_markdown(setting, d_models, rows, zoology), markup=False,
-                          highlight=False, soft_wrap=True)
-        else:
-            table = zoology_table(setting, d_models, rows, zoology)
-            print_table(console, table, lambda: table_lines(table, console))
+        show(lambda: zoology_markdown(setting, d_models, rows, zoology),
+             lambda: zoology_table(setting, d_models, rows, zoology))
     scores = mad_scores(runs, summary) if tables != "settings" else {}
     if scores:
         reference = load_mad_reference()
-        if markdown:
-            console.print(mad_markdown(scores, reference), markup=False, highlight=False,
-                          soft_wrap=True)
-        else:
-            table = mad_table(scores, reference)
-            print_table(console, table, lambda: table_lines(table, console))
+        show(lambda: mad_markdown(scores, reference), lambda: mad_table(scores, reference))
     frontier = frontier_rows(runs, summary) if tables != "settings" else {}
     per_layer = all(run.get("state_bytes_per_layer") for run in runs if run.get("status") == "ok")
     for setting, rows in frontier.items():
-        if markdown:
-            console.print(frontier_markdown(setting, rows, per_layer), markup=False,
-                          highlight=False, soft_wrap=True)
-        else:
-            table = frontier_table(setting, rows, per_layer)
-            print_table(console, table, lambda: table_lines(table, console))
+        show(lambda: frontier_markdown(setting, rows, per_layer),
+             lambda: frontier_table(setting, rows, per_layer))
     for line in path_lines(runs) + failure_lines(runs):
         console.print(f"- {line}" if markdown else line, markup=False, highlight=False,
                       soft_wrap=True)
