@@ -34,10 +34,15 @@
 #   bench-a       configs/gpu-mixers.yaml into OUT/mixers-a.yaml; bench-b the same into mixers-b.yaml
 #                 (the pair whose `report --compare` is the method's noise floor), and so on
 #                 to bench-z
+#   step-compare  the recall step of this checkout beside an earlier one's at 256/16, d_model
+#                 128 (recall_speed_compare.sh; BASELINE=DIR names the earlier checkout,
+#                 MIXERS=a,b the mixers, default the seven that need no fla)
 #   recall        configs/zoology-fig2.yaml into OUT/zoology-fig2.yaml, under CUDA MPS
+#   frontier      configs/zoology-frontier.yaml into OUT/zoology-frontier.yaml, likewise
 #   mad           configs/mad.yaml into OUT/mad.yaml, under CUDA MPS (ONLY_TASKS=a,b: the
 #                 settings of those tasks only, recall --only-tasks)
-#                 recall and mad with LARGEST_FIRST=1: the costliest groups first
+#   mad-budget    configs/mad-budget.yaml into OUT/mad-budget.yaml, likewise
+#                 the four sweeps with LARGEST_FIRST=1: the costliest groups first
 #                 (recall --largest-first), for parts chained on one machine
 # The sweeps (bench-*, recall, mad) resume: with PREVIOUS, a folder holding the file an
 # earlier cut-short call left, they continue it (`--resume`) instead of starting over, and
@@ -56,11 +61,12 @@ previous=${3:-}
 limit=${TIME_LIMIT:-540}
 for stage in ${stages//,/ }; do
     case "$stage" in
-    kernels|layers|step-auto|step-parallel|step-mad|step-mamba|bench-[a-z]|recall|mad) ;;
+    kernels|layers|step-auto|step-parallel|step-mad|step-mamba|step-compare|bench-[a-z]) ;;
+    recall|frontier|mad|mad-budget) ;;
     *)
         echo "unknown stage $stage (kernels, layers, step-auto, step-parallel, step-mad," \
-            "step-mamba, bench-a ..." \
-            "bench-z, recall, mad)" >&2
+            "step-mamba, step-compare, bench-a ... bench-z, recall, frontier, mad," \
+            "mad-budget)" >&2
         exit 2
         ;;
     esac
@@ -147,12 +153,20 @@ for stage in ${stages//,/ }; do
                 --out "$out/recall-step-mamba-$impl.yaml" 2>&1 | tee -a "$log"
         done
         ;;
+    step-compare)
+        if [[ -z ${BASELINE:-} || ! -d $BASELINE ]]; then
+            echo "step-compare skipped: BASELINE names no checkout" | tee "$log"
+            continue
+        fi
+        bash benchmarks/recall_speed_compare.sh "$out/compare" "$BASELINE" 256:128 \
+            "${MIXERS:-sdpa,based,linear-attn,hla2,ahla2,hla3,mamba2-ssd}" 2>&1 | tee "$log"
+        ;;
     bench-[a-z])
         name="mixers-${stage#bench-}.yaml"
         timeout "$((limit - SECONDS))" python3 -m hla_bench run gpu-mixers --out "$out/$name" \
             $(resumed "$name" "$out") 2>&1 | tee "$log"
         ;;
-    recall|mad)
+    recall|frontier|mad|mad-budget)
         # the sweep kills workers 45 s after its limit (training.STOP_GRACE_S), then writes
         left=$((limit - SECONDS - 60))
         if ((left < 60)); then
@@ -161,7 +175,12 @@ for stage in ${stages//,/ }; do
             continue
         fi
         mps
-        config=$([[ $stage == recall ]] && echo zoology-fig2 || echo mad)
+        case "$stage" in
+        recall) config=zoology-fig2 ;;
+        frontier) config=zoology-frontier ;;
+        mad) config=mad ;;
+        mad-budget) config=mad-budget ;;
+        esac
         name="$config.yaml"
         args=(--config "$config" --out "$scratch/$name" --time-limit "$left"
               $(resumed "$name" "$scratch"))

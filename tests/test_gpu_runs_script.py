@@ -63,9 +63,10 @@ def test_every_hla_bench_command_option_and_config_it_names_exists():
         verb = re.search(r"\b(verify|run|recall)\b", line).group(1)
         help_text = CliRunner().invoke(main, [verb, "--help"]).output
         assert options_of(line) <= options_of(help_text), (verb, line)
-    named = set(re.findall(r"(?:run|--config) (gpu-mixers|zoology-fig2|mad)\b", " ".join(lines)))
-    named |= set(re.findall(r"echo (zoology-fig2|mad)\b", SCRIPT.read_text()))
-    assert {"gpu-mixers", "zoology-fig2", "mad"} <= named <= set(configs.names())
+    named = set(re.findall(r"(?:run|--config) ([a-z0-9-]+)\b", " ".join(lines)))
+    named |= set(re.findall(r"\) config=([a-z0-9-]+) ;;", SCRIPT.read_text()))
+    assert {"gpu-mixers", "zoology-fig2", "zoology-frontier", "mad", "mad-budget"} <= named
+    assert named <= set(configs.names())
 
 
 @pytest.mark.slow
