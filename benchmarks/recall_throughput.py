@@ -50,7 +50,7 @@ WARMUP_STEPS = 5
 
 _START = None  # with every item of a pool at once: the barrier its workers pass after warm-up
 _ALONE = None  # the lock a profiled group holds while it alone is timed on the GPU
-EMBEDDING_BACKWARD = "dense"  # the stacked embedding's backward in every worker (--embedding-backward)
+EMBEDDING_BACKWARD = "dense"  # every worker's stacked embedding backward (--embedding-backward)
 
 
 def _init(threads: int, barrier=None, lock=None, embedding_backward: str = "dense") -> None:

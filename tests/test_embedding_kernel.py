@@ -93,7 +93,8 @@ def test_float64_equals_f_embedding_exactly(case, impl):
     for n in range(N):
         unused = torch.ones(V, dtype=torch.bool)
         unused[tokens[n].unique()] = False
-        assert unused.any() and torch.equal(dweight[n][unused], torch.zeros_like(dweight[n][unused]))
+        assert unused.any()
+        assert torch.equal(dweight[n][unused], torch.zeros_like(dweight[n][unused]))
         counts = torch.bincount(tokens[n].reshape(-1), minlength=V)
         assert counts.max() > 1  # ids repeat
 

@@ -111,12 +111,16 @@ def _(grad, ids, rows, impl):
     return grad.new_empty((rows, grad.shape[1]))
 
 
+def _described(x) -> str:
+    """x's shape as a list, or its type where it is no tensor (for error messages)."""
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def _check_row_sums(grad, ids, rows, impl) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(grad, torch.Tensor) or grad.dim() != 2:
-        raise ValueError("grad must be an [M, d] tensor, got "
-                         f"{list(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__}")
+        raise ValueError(f"grad must be an [M, d] tensor, got {_described(grad)}")
     check_tensor("grad", grad, tuple(grad.shape))
     check_tensor("ids", ids, (grad.shape[0],), floating=False)
     if ids.device != grad.device:
@@ -162,16 +166,15 @@ def stacked_embedding(tokens: torch.Tensor, weight: torch.Tensor, *,
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
-        raise ValueError("weight must be an [N, V, d] tensor, got "
-                         f"{list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        raise ValueError(f"weight must be an [N, V, d] tensor, got {_described(weight)}")
     check_tensor("weight", weight, tuple(weight.shape))
     if not isinstance(tokens, torch.Tensor) or tokens.dim() < 1:
-        raise ValueError("tokens must be an [N, ...] tensor, got "
-                         f"{list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__}")
+        raise ValueError(f"tokens must be an [N, ...] tensor, got {_described(tokens)}")
     check_tensor("tokens", tokens, tuple(tokens.shape), floating=False)
     N, V, d = weight.shape
     if tokens.shape[0] != N:
-        raise ValueError(f"tokens must have weight's {N} models in dim 0, got {list(tokens.shape)}")
+        raise ValueError(f"tokens must have weight's {N} models in dim 0, got "
+                         f"{list(tokens.shape)}")
     if tokens.device != weight.device:
         raise ValueError(f"tokens is on {tokens.device}, weight on {weight.device}")
     use_triton(impl, weight.device, weight.dtype)  # a ValueError where "triton" cannot run
