@@ -22,12 +22,14 @@ keeps whole, as one opaque call, in place of inductor's atomic scatter-add:
             an empty segment). Every output row is written exactly once by one program: no
             atomics, no zero fill, the same result on every run. A row's cost grows with its
             segment (a row that takes every token is summed by one program).
-  "torch"   (the CPU, float64) index_add_ into zeros in the accumulator dtype.
+  "torch"   (the CPU, float64) index_add_ into zeros in the accumulator dtype (on CUDA
+            index_add_ adds with atomics of its own).
 Sums run in float32 (float64 for float64 gradients) and are rounded once to the gradient's
-dtype. In float64, and wherever the sums are exact, both paths give F.embedding's own
-gradient exactly; otherwise they differ from it and from each other only in the order of
-the additions. Nothing is read back to the host (sort, searchsorted and the launch have
-static shapes), so a CUDA graph can capture either path. `impl="auto"` takes "triton" for
+dtype. Wherever the sums are exact (small dyadic gradients) both paths give F.embedding's
+own gradient bit for bit; otherwise they differ from it and from each other only in the
+order of the additions (in float64, to its rounding). Nothing is read back to the host
+(sort, searchsorted and the launch have static shapes), so a CUDA graph can capture either
+path. `impl="auto"` takes "triton" for
 16-bit and float32 gradients on CUDA, "torch" otherwise.
 
 Ids outside [0, rows) are the caller's error: the forward's F.embedding raises on the CPU
