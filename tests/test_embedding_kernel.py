@@ -22,6 +22,8 @@ from hla_bench.recall.stacked import StackedLM
 from hla_bench.recall.train import RunSpec
 from tasks import IGNORE
 
+# where the Triton path runs: CUDA, or the CPU under the interpreter (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = ["torch", "triton"]
 EXACT = 1e-12  # float64 against float64 sums in another order
 FLOAT32 = 2e-6  # float32 sums against float64 ones, relative to the largest |sum| of a row
@@ -40,11 +42,12 @@ def reference(tokens: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor):
     return out.detach(), dweight
 
 
-def ours(tokens, weight, grad, impl):
-    weight = weight.detach().clone().requires_grad_(True)
-    out = stacked_embedding(tokens, weight, impl=impl)
-    (dweight,) = torch.autograd.grad(out, weight, grad)
-    return out.detach(), dweight
+def ours(tokens, weight, grad, impl, device=DEVICE):
+    """stacked_embedding's lookup and weight gradient, computed on `device`, on the CPU."""
+    weight = weight.detach().to(device).requires_grad_(True)
+    out = stacked_embedding(tokens.to(device), weight, impl=impl)
+    (dweight,) = torch.autograd.grad(out, weight, grad.to(device))
+    return out.detach().to(grad.device), dweight.to(grad.device)
 
 
 def dyadic(shape, seed, dtype=torch.float64):
@@ -154,7 +157,7 @@ def test_row_sums_wide_rows_and_strided_gradients(impl):
     width, and ids of another integer dtype."""
     grad = dyadic((50, 300), seed=23)[:, :260]
     ids = torch.randint(0, 9, (50,), generator=generator(29)).to(torch.int32)
-    got = embedding_row_sums(grad, ids, 12, impl=impl)
+    got = embedding_row_sums(grad.to(DEVICE), ids.to(DEVICE), 12, impl=impl).cpu()
     expected = torch.zeros(12, 260, dtype=torch.float64).index_add_(0, ids.long(), grad)
     assert torch.equal(got, expected)
     assert torch.equal(got[9:], torch.zeros(3, 260, dtype=torch.float64))
@@ -334,6 +337,6 @@ def test_backward_replays_inside_a_cuda_graph():
     for seed in (53, 59):
         tokens.copy_(torch.randint(0, V - 7, (N, B, T), generator=generator(seed)))
         graph.replay()
-        _, expected = ours(tokens, weight, grad, "torch")
+        _, expected = ours(tokens, weight, grad, "torch", device="cuda")
         torch.testing.assert_close(captured, expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(captured[:, V - 7:], torch.zeros_like(captured[:, V - 7:]))
