@@ -28,7 +28,9 @@ kernels. `--mixers all` names every mixer of the config.
 
 `--option MIXER.KEY=VALUE` sets a layer option of the config's mixer (`hla2.impl=parallel`
 trains hla2 through its parallel form), so two runs of the benchmark compare two ways of
-computing the same mixer.
+computing the same mixer. `--embedding-backward sorted` forms the stacked embedding's weight
+gradient by sorted row sums (hla_bench.recall.stacked.EMBEDDING_BACKWARD, every worker), so
+two runs time it against F.embedding's own backward ("dense", the default).
 """
 
 from __future__ import annotations
@@ -48,12 +50,16 @@ WARMUP_STEPS = 5
 
 _START = None  # with every item of a pool at once: the barrier its workers pass after warm-up
 _ALONE = None  # the lock a profiled group holds while it alone is timed on the GPU
+EMBEDDING_BACKWARD = "dense"  # every worker's stacked embedding backward (--embedding-backward)
 
 
-def _init(threads: int, barrier=None, lock=None) -> None:
+def _init(threads: int, barrier=None, lock=None, embedding_backward: str = "dense") -> None:
     global _START, _ALONE
+    from hla_bench.recall import stacked
+
     torch.set_num_threads(threads)
     _START, _ALONE = barrier, lock
+    stacked.EMBEDDING_BACKWARD = embedding_backward
 
 
 def gemm_tflops(size: int = 8192, reps: int = 20) -> float:
@@ -252,7 +258,7 @@ def _pool(function, items, workers: int, *args) -> list[dict]:
         barrier = manager.Barrier(workers) if workers == len(items) > 1 else None
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init,
                                  initargs=(max(1, 16 // workers), barrier,
-                                           manager.Lock())) as pool:
+                                           manager.Lock(), EMBEDDING_BACKWARD)) as pool:
             return list(pool.map(function, items, *([a] * len(items) for a in args)))
 
 
@@ -316,8 +322,15 @@ def main() -> None:
     parser.add_argument("--option", action="append", default=[], metavar="MIXER.KEY=VALUE",
                         help="set a layer option of a mixer of the config (repeatable; the "
                              "value is read as YAML: hla2.impl=parallel, hla2.chunk_size=32)")
+    parser.add_argument("--embedding-backward", choices=("dense", "sorted"), default="dense",
+                        help="stacked, profile and groups modes: the embedding's weight "
+                             "gradient by F.embedding's own backward (dense) or by sorted "
+                             "row sums without atomics (sorted; "
+                             "hla_bench.recall.kernels.stacked_embedding)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    global EMBEDDING_BACKWARD
+    EMBEDDING_BACKWARD = args.embedding_backward
     options: dict[str, dict] = {}
     for text in args.option:
         target, sep, value = text.partition("=")
@@ -372,6 +385,7 @@ def main() -> None:
               "num_train": args.num_train, "modes": sorted(modes), "mixers": config["mixers"],
               "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
               "mps": cuda_mps_active(), "compile": args.compile, "copies": args.copies,
+              "embedding_backward": args.embedding_backward,
               "mixer_options": config["mixer_options"], "cells": []}
     if modes & {"profile"}:
         report["gemm_tflops"] = round(gemm_tflops(), 1)

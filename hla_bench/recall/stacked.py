@@ -37,12 +37,23 @@ from torch.func import functional_call
 from tasks import IGNORE
 from hla_bench.recall.kernels.adamw import adamw_step_
 from hla_bench.recall.kernels.cross_entropy import labelled_cross_entropy
+from hla_bench.recall.kernels.embedding import stacked_embedding
 from hla_bench.recall.kernels.norm import stacked_norm
 from hla_bench.recall.model import Block, LastStateDecoder, SwiGLU, TinyLM, at_least_float32
 
 # Stacked parameters are strided rows of one buffer, and so are their gradients (in place,
 # by design); autograd warns that such gradients do not follow its layout contract.
 warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
+
+# How `StackedLM.hidden` forms the embedding's weight gradient: "dense", F.embedding's own
+# backward (eagerly PyTorch's sort-based kernel, compiled inductor's atomic scatter-add), or
+# "sorted", recall.kernels.stacked_embedding (the ids sorted on the device and each row's
+# gradients summed by one program, every row written once; an opaque op under
+# torch.compile). Both give the same gradient up to the order of the additions. "dense"
+# until "sorted" is measured on a GPU (benchmarks/recall_throughput.py
+# --embedding-backward sorted); set this module attribute to switch.
+EMBEDDING_BACKWARDS = ("dense", "sorted")
+EMBEDDING_BACKWARD = "dense"
 
 _ELEMENTWISE = {nn.GELU: lambda m, x: F.gelu(x, approximate=m.approximate),
                 nn.SiLU: lambda m, x: F.silu(x), nn.ReLU: lambda m, x: F.relu(x),
@@ -220,9 +231,15 @@ class StackedLM:
         if T > model.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len {model.max_len}")
         embed = p["embed.weight"]                                      # [N, V, d]
-        vocab = embed.shape[1]
-        offsets = torch.arange(N, device=tokens.device).mul_(vocab).view(N, 1, 1)
-        x = F.embedding(tokens + offsets, embed.reshape(N * vocab, -1))
+        if EMBEDDING_BACKWARD == "sorted":
+            x = stacked_embedding(tokens, embed)
+        elif EMBEDDING_BACKWARD == "dense":
+            vocab = embed.shape[1]
+            offsets = torch.arange(N, device=tokens.device).mul_(vocab).view(N, 1, 1)
+            x = F.embedding(tokens + offsets, embed.reshape(N * vocab, -1))
+        else:
+            raise ValueError(f"EMBEDDING_BACKWARD must be one of {EMBEDDING_BACKWARDS}, got "
+                             f"{EMBEDDING_BACKWARD!r}")
         if model.positions is not None:
             x = x + p["positions.weight"][:, None, :T]
         x = self._blocks(tuple(model.blocks), F.dropout(x, model.embed_dropout, self.training))
