@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The recall training step of this checkout beside an earlier one's, on one GPU in one call:
 # recall_throughput.py's stacked mode (every group of a cell at once, under CUDA MPS) for each
-# code, then where this checkout's step goes (profile mode, each group alone).
+# code, compiled as zoology-fig2 runs it, this checkout's also with the embedding's sorted
+# backward; with PROFILE=1, then where this checkout's compiled step goes (profile mode, each
+# group alone), both embedding backwards.
 #
 #   bash benchmarks/recall_speed_compare.sh OUT BASELINE [CELLS [MIXERS]]
 #
 # BASELINE is a checkout of the earlier code (`git worktree add BASELINE COMMIT`); CELLS as
 # recall_throughput.py's --cells (default 256:128: Zoology's 256/16 setting at d_model 128);
 # MIXERS a comma-separated list (default every mixer of zoology-fig2).
-# Writes OUT/baseline-compiled.yaml (the earlier code as its zoology-fig2 config runs it:
-# compiled), OUT/stacked-eager.yaml and OUT/stacked-compiled.yaml (this code, its step eager
-# with the fused kernels, and compiled) and OUT/profile-eager.yaml. Optional packages come
-# as wheels in .whl/ (benchmarks/offline_wheels.sh).
+# Writes OUT/baseline-compiled.yaml (the earlier code), OUT/stacked-compiled.yaml and
+# OUT/stacked-compiled-sorted.yaml (this code, `--embedding-backward` dense and sorted) and,
+# with PROFILE=1, OUT/profile-compiled.yaml and OUT/profile-compiled-sorted.yaml. Optional
+# packages come as wheels in .whl/ (benchmarks/offline_wheels.sh).
 set -uo pipefail
 out=${1:?usage: recall_speed_compare.sh OUT BASELINE [CELLS]}
 baseline=$(cd "${2:?usage: recall_speed_compare.sh OUT BASELINE [CELLS]}" && pwd)
@@ -37,15 +39,20 @@ bench() {  # bench CODE_DIR OUTFILE ARGS...
 (cd "$baseline" && PYTHONPATH="$baseline$site" python3 benchmarks/recall_throughput.py \
     --config zoology-fig2 --cells "$cells" --mixers "$mixers" --modes stacked --compile \
     --steps 150 --out "$out/baseline-compiled.yaml") 2>&1 | grep -v -i warning | tail -4 | cut -c1-400
-bench "$PWD" "$out/stacked-eager.yaml" --modes stacked
 bench "$PWD" "$out/stacked-compiled.yaml" --modes stacked --compile
+bench "$PWD" "$out/stacked-compiled-sorted.yaml" --modes stacked --compile \
+    --embedding-backward sorted
 echo quit | nvidia-cuda-mps-control 2> /dev/null || true
-bench "$PWD" "$out/profile-eager.yaml" --modes profile
+if [[ -n ${PROFILE:-} ]]; then
+    bench "$PWD" "$out/profile-compiled.yaml" --modes profile --compile
+    bench "$PWD" "$out/profile-compiled-sorted.yaml" --modes profile --compile \
+        --embedding-backward sorted
+fi
 PYTHONPATH="$PWD$site" python3 - "$out" <<'EOF'
 import sys, yaml
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("baseline-compiled", "stacked-eager", "stacked-compiled"):
+for name in ("baseline-compiled", "stacked-compiled", "stacked-compiled-sorted"):
     path = out / f"{name}.yaml"
     if not path.exists():
         print(name, "missing"); continue
@@ -54,8 +61,10 @@ for name in ("baseline-compiled", "stacked-eager", "stacked-compiled"):
         groups = {g["mixer"]: g.get("steps_per_s") for g in cell.get("groups_stacked", [])}
         print(name, cell["seq_len"], cell["d_model"], "model-steps/s", rate, groups,
               cell.get("error", "")[:200])
-path = out / "profile-eager.yaml"
-if path.exists():
+for path in (out / "profile-compiled.yaml", out / "profile-compiled-sorted.yaml"):
+    if not path.exists():
+        continue
+    print(path.name)
     for cell in yaml.safe_load(path.read_text())["cells"]:
         for p in cell.get("profiles", []):
             print(p["mixer"], "graph ms", p["graph_ms_per_step"], "matmul ms",
