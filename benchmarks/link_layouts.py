@@ -1,0 +1,190 @@
+"""One link of the HLA chain (mixers/chain) in its two forward layouts, side by side with
+fla's chunked linear attention: what ChainPlan.layout "fla" (tiled.py: a state walk per
+[BK, BV] tile, an output program per value block and chunk looping over key blocks) gains
+over the default chunk layout (increments of every chunk, a scan, an output program per
+chunk and value block).
+
+    python benchmarks/link_layouts.py --yaml results/<gpu>-<date>/link-layouts.yaml
+        [--head-dims 64,128] [--seq-lens 2048,8192,32768,65536] [--layouts NAME,...]
+        [--modes fwd,fwdbwd] [--no-kernels]
+
+bf16 q, k, v `[65536 // T, T, 16, D]` (65,536 tokens a call), no decay, no start state,
+float32 states; each link forward alone (`fwd`: launch.forward, the final state kept) and
+with the backward from its chunk start states (`fwdbwd`). Layouts: `chunks` (plan_chain's
+default), `chunks bf16` (its products on bfloat16 operands), `fla` (layout "fla", the
+plan's TF32 on float32 operands, 16-bit products of the raw tiles), `fla bf16` (layout
+"fla", every product's operands in bfloat16: the rounding of fla's own kernels); `fla
+chunk_linear_attn` (normalize off) where fla imports. Each is timed with the harness's
+method (hla_bench.speed.timing.time_calls: a quarter second of samples, the L2 cache
+flushed between them), interleaved per shape: median ms, spread (IQR / median) and the
+ratio to fla. Unless --no-kernels, one forward of each is then profiled (torch.profiler,
+five calls after three untimed ones): the GPU time of each kernel per call, the link's
+state and output kernels beside fla's chunk_fwd_kernel_h and chunk_fwd_kernel_o. The YAML
+is rewritten after every shape, so a run cut short keeps its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+
+import torch
+import yaml
+
+from hla_bench.speed.timing import percentile, spread, time_calls
+from mixers.chain import backward, forward, plan_chain
+
+TOKENS, HEADS = 65536, 16
+PROFILED_CALLS = 5
+
+
+def layouts(D: int) -> dict:
+    base = plan_chain(D, D, torch.bfloat16)
+    return {"chunks": base,
+            "chunks bf16": dataclasses.replace(base, precision="bf16"),
+            "fla": dataclasses.replace(base, layout="fla"),
+            "fla bf16": dataclasses.replace(base, layout="fla", precision="bf16")}
+
+
+def link_calls(q, k, v, plan):
+    """(forward, forward + backward) of one link, as calls without arguments."""
+    B, T, H, D = q.shape
+    grad_out = torch.randn(B, T, H, D, device=q.device, dtype=torch.float32)
+
+    def fwd():
+        forward(q, k, v, None, None, False, plan, torch.float32)
+
+    def fwdbwd():
+        _, _, starts = forward(q, k, v, None, None, False, plan, torch.float32,
+                               keep_starts=True)
+        dq, dk, dv = (torch.zeros(B, T, H, D, device=q.device) for _ in range(3))
+        backward(q, k, v, None, False, starts, grad_out, None, dq, dk, dv, plan,
+                 want_dS0=False)
+
+    return {"fwd": fwd, "fwdbwd": fwdbwd}
+
+
+def fla_calls(q, k, v):
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError:
+        return None
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def fwd():
+        chunk_linear_attn(*leaves, normalize=False)
+
+    def fwdbwd():
+        o, _ = chunk_linear_attn(*leaves, normalize=False)
+        o.sum().backward()
+
+    return {"fwd": fwd, "fwdbwd": fwdbwd}
+
+
+def measure(fn) -> dict:
+    times = time_calls(fn, warmup=3, repeats=5, device="cuda", min_time_s=0.25,
+                       flush_cache=True)
+    return {"median_ms": round(percentile(times, 50), 4), "spread": spread(times)}
+
+
+def kernel_times(fn) -> list[dict]:
+    """GPU ms per call of each kernel fn launches (the costliest first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_CALLS):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"name": e.key[:120], "gpu_ms": round(e.self_device_time_total / 1000
+                                                   / PROFILED_CALLS, 4),
+             "launches": round(e.count / PROFILED_CALLS)}
+            for e in events if e.self_device_time_total > 0]
+
+
+def commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seq-lens", default="2048,8192,32768,65536")
+    parser.add_argument("--layouts", help="only these (names as listed, comma-separated)")
+    parser.add_argument("--modes", default="fwd,fwdbwd")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the profiles")
+    parser.add_argument("--yaml", help="also write the rows to this file")
+    args = parser.parse_args()
+    chosen = args.layouts.split(",") if args.layouts else list(layouts(64))
+    unknown = set(chosen) - set(layouts(64))
+    if unknown:
+        parser.error(f"unknown layouts {sorted(unknown)}; known: {', '.join(layouts(64))}")
+    modes = args.modes.split(",")
+    if set(modes) - {"fwd", "fwdbwd"}:
+        parser.error("--modes takes fwd and fwdbwd")
+    if not torch.cuda.is_available():
+        print("link_layouts.py needs a CUDA device", file=sys.stderr)
+        return 2
+    report = {"gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
+              "commit": commit(), "dtype": "bfloat16", "heads": HEADS, "tokens": TOKENS,
+              "rows": [], "kernels": []}
+    for D in (int(d) for d in args.head_dims.split(",")):
+        for T in (int(t) for t in args.seq_lens.split(",")):
+            first = len(report["rows"])
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(TOKENS // T, T, HEADS, D, device="cuda", generator=gen,
+                                   dtype=torch.bfloat16).div_(D ** 0.5) for _ in range(3))
+            calls = {name: link_calls(q, k, v, plan) for name, plan in layouts(D).items()
+                     if name in chosen}
+            fla = fla_calls(q, k, v)
+            if fla is not None:
+                calls = {"fla chunk_linear_attn": fla, **calls}
+            for mode in modes:
+                reference = None
+                for name, fns in calls.items():
+                    row = {"layout": name, "D": D, "T": T, "batch": TOKENS // T, "mode": mode}
+                    try:
+                        row.update(measure(fns[mode]))
+                    except Exception as error:  # noqa: BLE001 - one case's failure is recorded
+                        row["error"] = f"{type(error).__name__}: {error}"[:300]
+                    if name.startswith("fla chunk") and "median_ms" in row:
+                        reference = row["median_ms"]
+                    elif reference and "median_ms" in row:
+                        row["ratio_to_fla"] = round(row["median_ms"] / reference, 3)
+                    report["rows"].append(row)
+            if not args.no_kernels:
+                for name, fns in calls.items():
+                    entry = {"layout": name, "D": D, "T": T, "mode": "fwd"}
+                    try:
+                        entry["kernels"] = kernel_times(fns["fwd"])
+                    except Exception as error:  # noqa: BLE001
+                        entry["error"] = f"{type(error).__name__}: {error}"[:300]
+                    report["kernels"].append(entry)
+                    for kernel in entry.get("kernels", [])[:4]:
+                        print(f"   D={D:3d} T={T:6d} {name:22s} {kernel['gpu_ms']:8.4f} ms "
+                              f"x{kernel['launches']}  {kernel['name'][:60]}", flush=True)
+            for row in report["rows"][first:]:
+                print(f"D={D:3d} T={T:6d} {row['mode']:6s} {row['layout']:22s} "
+                      f"{row.get('median_ms', float('nan')):8.3f} ms  "
+                      f"spread {row.get('spread') or 0:.1%}  x fla {row.get('ratio_to_fla', '-')}"
+                      + (f"  {row['error']}" if "error" in row else ""), flush=True)
+            if args.yaml:
+                with open(args.yaml, "w") as f:
+                    yaml.safe_dump(report, f, sort_keys=False, width=200)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
