@@ -9,7 +9,8 @@ chunk and value block).
         [--modes fwd,fwdbwd] [--no-kernels]
 
 bf16 q, k, v `[65536 // T, T, 16, D]` (65,536 tokens a call), no decay, no start state,
-float32 states; each link forward alone (`fwd`: launch.forward, the final state kept) and
+float32 states, outputs stored in bf16 (as linear_attn's link and fla store them); each link
+forward alone (`fwd`: launch.forward, the final state kept) and
 with the backward from its chunk start states (`fwdbwd`). Layouts: `chunks` (plan_chain's
 default), `chunks bf16` (its products on bfloat16 operands), `fla` (layout "fla", the
 plan's TF32 on float32 operands, 16-bit products of the raw tiles), `fla bf16` (layout
@@ -54,11 +55,11 @@ def link_calls(q, k, v, plan):
     grad_out = torch.randn(B, T, H, D, device=q.device, dtype=torch.float32)
 
     def fwd():
-        forward(q, k, v, None, None, False, plan, torch.float32)
+        forward(q, k, v, None, None, False, plan, torch.float32, out_dtype=q.dtype)
 
     def fwdbwd():
         _, _, starts = forward(q, k, v, None, None, False, plan, torch.float32,
-                               keep_starts=True)
+                               keep_starts=True, out_dtype=q.dtype)
         dq, dk, dv = (torch.zeros(B, T, H, D, device=q.device) for _ in range(3))
         backward(q, k, v, None, False, starts, grad_out, None, dq, dk, dv, plan,
                  want_dS0=False)
