@@ -8,20 +8,27 @@ chunk and value block).
         [--head-dims 64,128] [--seq-lens 2048,8192,32768,65536] [--layouts NAME,...]
         [--modes fwd,fwdbwd] [--no-kernels]
 
+e.g. on one H100 or H200, from the repository root, with fla installed:
+
+    PYTHONPATH=. python benchmarks/link_layouts.py --yaml results/h100-<date>/link-layouts.yaml
+
 bf16 q, k, v `[65536 // T, T, 16, D]` (65,536 tokens a call), no decay, no start state,
-float32 states, outputs stored in bf16 (as linear_attn's link and fla store them); each link
-forward alone (`fwd`: launch.forward, the final state kept) and
-with the backward from its chunk start states (`fwdbwd`). Layouts: `chunks` (plan_chain's
-default), `chunks bf16` (its products on bfloat16 operands), `fla` (layout "fla", the
-plan's TF32 on float32 operands, 16-bit products of the raw tiles), `fla bf16` (layout
-"fla", every product's operands in bfloat16: the rounding of fla's own kernels); `fla
-chunk_linear_attn` (normalize off) where fla imports. Each is timed with the harness's
-method (hla_bench.speed.timing.time_calls: a quarter second of samples, the L2 cache
-flushed between them), interleaved per shape: median ms, spread (IQR / median) and the
-ratio to fla. Unless --no-kernels, one forward of each is then profiled (torch.profiler,
-five calls after three untimed ones): the GPU time of each kernel per call, the link's
-state and output kernels beside fla's chunk_fwd_kernel_h and chunk_fwd_kernel_o. The YAML
-is rewritten after every shape, so a run cut short keeps its rows.
+float32 states, outputs stored in bf16 (as linear_attn's link and fla store them); each
+link forward alone (`fwd`: launch.forward, the final state kept) and with the backward
+from its chunk start states (`fwdbwd`). Layouts: `chunks` (plan_chain's default), `chunks
+bf16` (its products on bfloat16 operands), `fla` (layout "fla" at the plan's TF32 on float32
+operands, 16-bit products of the raw tiles), `fla bf16` (layout "fla", every product's
+operands in bfloat16: the rounding of fla's own kernels), `fla bf16 narrow` (that, with the
+chunk start states stored in bfloat16 as fla stores its states), at D above 64 also `fla
+bf16 narrow 128-blocks 8-warps` (blocks of 128 key and value columns, 8 warps, 3 stages,
+forward and backward); `fla chunk_linear_attn` (normalize off) where fla imports. Each is
+timed with the harness's method (hla_bench.speed.timing.time_calls: a quarter second of
+samples, the L2 cache flushed between them), one after another per shape: median ms, spread
+(IQR / median) and the ratio to fla. Unless --no-kernels, one forward of each is then
+profiled (torch.profiler, five calls after three untimed ones): the GPU time of each kernel
+per call, the link's state and output kernels beside fla's chunk_fwd_kernel_h and
+chunk_fwd_kernel_o. The YAML is rewritten after every shape, so a run cut short keeps its
+rows.
 """
 
 from __future__ import annotations
@@ -43,10 +50,16 @@ PROFILED_CALLS = 5
 
 def layouts(D: int) -> dict:
     base = plan_chain(D, D, torch.bfloat16)
-    return {"chunks": base,
-            "chunks bf16": dataclasses.replace(base, precision="bf16"),
-            "fla": dataclasses.replace(base, layout="fla"),
-            "fla bf16": dataclasses.replace(base, layout="fla", precision="bf16")}
+    fla_bf16 = dataclasses.replace(base, layout="fla", precision="bf16")
+    table = {"chunks": base,
+             "chunks bf16": dataclasses.replace(base, precision="bf16"),
+             "fla": dataclasses.replace(base, layout="fla"),
+             "fla bf16": fla_bf16,
+             "fla bf16 narrow": dataclasses.replace(fla_bf16, narrow_starts=True)}
+    if D > 64:  # one program's tile covers a head dim of 128, as fla's widest output config
+        table["fla bf16 narrow 128-blocks 8-warps"] = dataclasses.replace(
+            fla_bf16, narrow_starts=True, block_k=128, block_v=128, warps=8, stages=3)
+    return table
 
 
 def link_calls(q, k, v, plan):
@@ -128,10 +141,11 @@ def main() -> int:
     parser.add_argument("--no-kernels", action="store_true", help="skip the profiles")
     parser.add_argument("--yaml", help="also write the rows to this file")
     args = parser.parse_args()
-    chosen = args.layouts.split(",") if args.layouts else list(layouts(64))
-    unknown = set(chosen) - set(layouts(64))
+    known = list(layouts(128))
+    chosen = args.layouts.split(",") if args.layouts else known
+    unknown = set(chosen) - set(known)
     if unknown:
-        parser.error(f"unknown layouts {sorted(unknown)}; known: {', '.join(layouts(64))}")
+        parser.error(f"unknown layouts {sorted(unknown)}; known: {', '.join(known)}")
     modes = args.modes.split(",")
     if set(modes) - {"fwd", "fwdbwd"}:
         parser.error("--modes takes fwd and fwdbwd")

@@ -236,6 +236,42 @@ def test_bf16_operands_in_the_fla_layout_stay_within_bf16_of_the_sum():
         assert relative_error(rounded, wanted) < 2e-2, name
 
 
+@pytest.mark.parametrize("with_decay", [False, True], ids=["no-decay", "decay"])
+def test_narrow_starts_change_no_product(with_decay):
+    """narrow_starts (with precision "bf16"): the start states come back in bfloat16, the
+    final state in float32; outputs, final state and the gradients the backward takes from
+    the narrow states are those of float32 states to 1e-6 (the products round the states to
+    bfloat16 either way) and within 2e-2 of the float64 sum (bfloat16 inputs, a ones column,
+    a start state, two key blocks, a partial last chunk; the backward's end-state gradients
+    through its increments and scan, which stay float32)."""
+    T, D, Dv = 37, 80, 20
+    q, k, v, S0 = inputs(T, D, Dv, True, True, seed=8, dtype=torch.bfloat16)
+    S0 = S0.float()
+    log_g = torch.log(DECAY.float()) if with_decay else None
+    gen = torch.Generator().manual_seed(9)
+    grad_out = torch.randn(B, T, H, Dv + 1, generator=gen)
+    grad_S1 = torch.randn(B, H, D, Dv + 1, generator=gen)
+    results = {}
+    for narrow in (False, True):
+        plan = fla_plan(D, Dv + 1, torch.bfloat16, precision="bf16", narrow_starts=narrow,
+                        walk_chunks=0)
+        out, S1, starts = forward(q, k, v, S0, log_g, True, plan, torch.float32,
+                                  keep_starts=True)
+        assert starts.dtype == (torch.bfloat16 if narrow else torch.float32)
+        assert out.dtype == S1.dtype == torch.float32
+        dq, dk, dv = (torch.zeros(x.shape) for x in (q, k, v))
+        dS0 = backward(q, k, v, log_g, True, starts, grad_out, grad_S1, dq, dk, dv, plan,
+                       want_dS0=True)
+        results[narrow] = [out, S1, dq, dk, dv, dS0]
+    want_out, want_S1 = token_by_token(q.double(), k.double(), v.double(), S0.double(),
+                                       DECAY if with_decay else None, True)
+    names = ("out", "S1", "dq", "dk", "dv", "dS0")
+    for name, wide, narrow in zip(names, results[False], results[True]):
+        assert relative_error(narrow, wide, norm="fro") < 1e-6, name
+    for name, got, want in zip(("out", "S1"), results[True], (want_out, want_S1)):
+        assert relative_error(got, want) < 2e-2, name
+
+
 def test_plans_take_a_layout():
     assert plan_chain(64, 64, torch.bfloat16).layout == "chunks"
     assert plan_chain(64, 64, torch.bfloat16, layout="fla").layout == "fla"
@@ -244,3 +280,8 @@ def test_plans_take_a_layout():
     with pytest.raises(ValueError, match="layout"):
         ChainPlan(chunk=64, block_k=64, block_v=64, warps=4, stages=2, precision="tf32",
                   layout="flat")
+    with pytest.raises(ValueError, match="narrow_starts"):
+        dataclasses.replace(plan_chain(64, 64, torch.bfloat16, layout="fla"), narrow_starts=True)
+    with pytest.raises(ValueError, match="narrow_starts"):
+        dataclasses.replace(plan_chain(64, 64, torch.bfloat16), precision="bf16",
+                            narrow_starts=True)

@@ -69,7 +69,8 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     contiguous; v gets a column of ones after its last when `ones`): the outputs
     `[B, T, H, DV + ones]` (in `out_dtype`, default `dtype`: the kernel rounds its `dtype`
     results once as it stores them) and final state `[B, H, DK, DV + ones]` in `dtype`, and
-    with `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None).
+    with `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None; in
+    `dtype`, or bfloat16 under the plan's `narrow_starts`).
     S0: `[B, H, DK, DV + ones]` or None (zeros); log_g: `[H]` in `dtype` or None (no decay).
     A link of one chunk from a zero start whose final state is not needed (`need_final`
     False) has no state at all: no states are computed, and the final state and the start
@@ -94,7 +95,8 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     out = torch.empty(B, T, H, W, dtype=out_dtype or dtype, device=q.device)
     starts = S1 = None
     if not stateless:
-        starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
+        starts = torch.empty(B * H, NT, DK, W, device=q.device,
+                             dtype=torch.bfloat16 if plan.narrow_starts else dtype)
         S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     # the output kernel computes in STARTS' dtype: without states, a stand-in of `dtype`
     read_starts = starts if starts is not None else torch.empty(1, dtype=dtype, device=q.device)
@@ -107,7 +109,8 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
                 DV, W, NT, *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones,
                 HAS_S0=S0 is not None, KV_RAW=raw_products(k, v, dtype), **common)
         chain_tiled_output_kernel[(NV, NT, B * H)](
-            q, k, v, gate, read_starts, out, T, H, DK, DV, W, NT, *strides(q, k, v), NK=NK,
+            q, k, v, gate, read_starts, S1 if S1 is not None else read_starts, out, T, H, DK,
+            DV, W, NT, *strides(q, k, v), NK=NK,
             HAS_STATE=not stateless, ONES=ones, QK_RAW=raw_products(q, k, dtype), **common)
         return out, S1, starts if keep_starts else None
     if walked:
@@ -149,7 +152,7 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
         raise ValueError("a link without states has one chunk and no final-state gradient")
     ends = dS0 = None
     if not stateless:
-        ends = torch.empty_like(starts)
+        ends = torch.empty(starts.shape, dtype=dtype, device=q.device)  # starts may be 16-bit
         dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else dq
     common = launch_options(plan, log_g is not None)

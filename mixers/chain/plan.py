@@ -44,7 +44,11 @@ class ChainPlan:
     ("chunks": increments of every chunk at once, a scan and an output program per (chunk,
     value block), or walk.py's walk for short links; "fla": tiled.py, the two launches of
     fla's chunked kernels, a state walk per [BK, BV] tile and an output program per (value
-    block, chunk) looping over key blocks; the backward is the same for both). Precision:
+    block, chunk) looping over key blocks; the backward is the same for both), and whether
+    the "fla" layout stores the chunk start states in bfloat16 (`narrow_starts`, as fla
+    stores its states: half the bytes written and read; only with precision "bf16", whose
+    products round them to bfloat16 anyway, so outputs and gradients are those of float32
+    start states; the final state stays in the link's dtype). Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
     chained calls round to it), exact for float32 and float64."""
 
@@ -61,10 +65,13 @@ class ChainPlan:
     scores_once: bool = False
     fused_backward: bool = False
     layout: str = "chunks"  # or "fla" (tiled.py)
+    narrow_starts: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.narrow_starts and (self.layout != "fla" or self.precision != "bf16"):
+            raise ValueError("narrow_starts takes the layout \"fla\" and precision \"bf16\"")
 
     def walks(self, chunks: int, programs: int) -> bool:
         """Whether a link of `chunks` chunks whose walk would launch `programs` programs

@@ -22,7 +22,8 @@ is kept ("tf32" rounds nothing a 16-bit tile holds). Every product with a float3
 states, the scores, decayed keys) goes through tiles.mm at the plan's precision on float32
 tiles, as the chunk layout's kernels (states.py, scan.py, output.py, walk.py) compute it.
 States, outputs and their dtypes are those of launch.forward; the start states are stored
-in the `[B * H, NT, DK, W]` buffer the backward reads. Non-finite entries follow
+in the `[B * H, NT, DK, W]` buffer the backward reads (bfloat16 under the plan's
+`narrow_starts`, with precision "bf16": the products that read them round them so). Non-finite entries follow
 output.py and walk.py: a non-finite k or v makes the states from its chunk on
 non-finite; within a chunk the causal mask selects, non-finite values read as 0 and NaN is
 added to the rows from the first such row on. The state loop's bound is a compile-time
@@ -118,14 +119,14 @@ def chain_tiled_states_kernel(K, V, LOG_G, S0, STARTS, S1, T, H, DK, DV, W, NT,
 
 
 @triton.jit
-def chain_tiled_output_kernel(Q, K, V, LOG_G, STARTS, O, T, H, DK, DV, W, NT,
+def chain_tiled_output_kernel(Q, K, V, LOG_G, STARTS, ACC, O, T, H, DK, DV, W, NT,
                               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
                               stride_kh, stride_vb, stride_vt, stride_vh,
                               C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                               NK: tl.constexpr, HAS_STATE: tl.constexpr, ONES: tl.constexpr,
                               HAS_DECAY: tl.constexpr, QK_RAW: tl.constexpr,
                               PRECISION: tl.constexpr):
-    acc: tl.constexpr = STARTS.dtype.element_ty  # O may be narrower: rounded as stored
+    acc: tl.constexpr = ACC.dtype.element_ty  # the link's dtype (O, STARTS may be narrower)
     pid_v, chunk, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = bh // H, bh % H
     t = chunk * C + tl.arange(0, C)
