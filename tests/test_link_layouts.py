@@ -272,6 +272,51 @@ def test_narrow_starts_change_no_product(with_decay):
         assert relative_error(got, want) < 2e-2, name
 
 
+@parametrize("name", ["ahla2-decay", "hla3"], fast=[0])
+def test_chained_operators_take_the_fla_layout(name, monkeypatch):
+    """ahla2 (per-head decay, normalized) and causal hla3 with every link's plan in the fla
+    layout: outputs, final states and the gradients of q, k and v equal the default
+    layout's to 1e-12 in float64, and the fla layout's kernels are the ones launched."""
+    from mixers import chain
+    from mixers.hla.ahla2 import ahla2
+    from mixers.hla.hla3 import hla3
+
+    op, options = {"ahla2-decay": (ahla2, {"decay": DECAY, "normalize": True}),
+                   "hla3": (hla3, {"variant": "causal", "normalize": False})}[name]
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (0.3 * torch.randn(B, 37, H, d, generator=gen, dtype=torch.float64).abs()
+               for d in (24, 24, 20))
+    grad = torch.randn(B, 37, H, 20, generator=gen, dtype=torch.float64)
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, state = op(*leaves, impl="triton", chunk_size=16, output_final_state=True,
+                        **options)
+        (out * grad).sum().backward()
+        return out, state, [x.grad for x in leaves]
+
+    want_out, want_state, want_grads = run()
+    planned = chain.plan_chain
+    monkeypatch.setattr(chain, "plan_chain",
+                        lambda *args, **kwargs: planned(*args, **kwargs, layout="fla"))
+    launched = []
+    tiled = launch.chain_tiled_output_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return tiled[grid]
+
+    monkeypatch.setattr(launch, "chain_tiled_output_kernel", Counted())
+    out, state, grads = run()
+    assert len(launched) == (2 if name == "ahla2-decay" else 3)
+    assert relative_error(out, want_out) < 1e-12
+    for key in want_state:
+        assert relative_error(state[key], want_state[key]) < 1e-12, key
+    for axis, got, want in zip("qkv", grads, want_grads):
+        assert relative_error(got, want) < 1e-12, axis
+
+
 def test_plans_take_a_layout():
     assert plan_chain(64, 64, torch.bfloat16).layout == "chunks"
     assert plan_chain(64, 64, torch.bfloat16, layout="fla").layout == "fla"
