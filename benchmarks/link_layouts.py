@@ -19,7 +19,9 @@ from its chunk start states (`fwdbwd`). Layouts: `chunks` (plan_chain's default)
 bf16` (its products on bfloat16 operands), `fla` (layout "fla" at the plan's TF32 on float32
 operands, 16-bit products of the raw tiles), `fla bf16` (layout "fla", every product's
 operands in bfloat16: the rounding of fla's own kernels), `fla bf16 narrow` (that, with the
-chunk start states stored in bfloat16 as fla stores its states), at D above 64 also `fla
+chunk start states stored in bfloat16 as fla stores its states), `fla bf16 narrow
+walked-backward` (that, with the backward's state gradients walked, walk.py, as fla's
+chunk_bwd_kernel_dh walks them, in place of increments and a scan), at D above 64 also `fla
 bf16 narrow 128-blocks 8-warps` (blocks of 128 key and value columns, 8 warps, 3 stages,
 forward and backward); `fla chunk_linear_attn` (normalize off) where fla imports. Each is
 timed with the harness's method (hla_bench.speed.timing.time_calls: a quarter second of
@@ -55,7 +57,9 @@ def layouts(D: int) -> dict:
              "chunks bf16": dataclasses.replace(base, precision="bf16"),
              "fla": dataclasses.replace(base, layout="fla"),
              "fla bf16": fla_bf16,
-             "fla bf16 narrow": dataclasses.replace(fla_bf16, narrow_starts=True)}
+             "fla bf16 narrow": dataclasses.replace(fla_bf16, narrow_starts=True),
+             "fla bf16 narrow walked-backward": dataclasses.replace(
+                 fla_bf16, narrow_starts=True, walk_from=1)}
     if D > 64:  # one program's tile covers a head dim of 128, as fla's widest output config
         table["fla bf16 narrow 128-blocks 8-warps"] = dataclasses.replace(
             fla_bf16, narrow_starts=True, block_k=128, block_v=128, warps=8, stages=3)

@@ -6,6 +6,7 @@ import torch
 import triton
 
 from mixers.dispatch import listening, note
+from mixers.tiles import interpreted
 from mixers.chain.grad_fused import chain_grad_fused_kernel
 from mixers.chain.grad_keys import chain_grad_keys_kernel
 from mixers.chain.grad_states import chain_grad_states_kernel
@@ -106,8 +107,10 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
         if not stateless:
             chain_tiled_states_kernel[(NK, NV, B * H)](
                 k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK,
-                DV, W, NT, *strides(k, v), NT_BOUND=triton.next_power_of_2(NT), ONES=ones,
-                HAS_S0=S0 is not None, KV_RAW=raw_products(k, v, dtype), **common)
+                DV, W, NT, *strides(k, v), ONES=ones, HAS_S0=S0 is not None,
+                KV_RAW=raw_products(k, v, dtype),
+                # the interpreter's loop bound; a GPU loops to NT (one compile for every NT)
+                NT_BOUND=triton.next_power_of_2(NT) if interpreted() else 1, **common)
         chain_tiled_output_kernel[(NV, NT, B * H)](
             q, k, v, gate, read_starts, S1 if S1 is not None else read_starts, out, T, H, DK,
             DV, W, NT, *strides(q, k, v), NK=NK,
