@@ -23,10 +23,10 @@ states, the scores, decayed keys) goes through tiles.mm at the plan's precision 
 tiles, as the chunk layout's kernels (states.py, scan.py, output.py, walk.py) compute it.
 States, outputs and their dtypes are those of launch.forward; the start states are stored
 in the `[B * H, NT, DK, W]` buffer the backward reads (bfloat16 under the plan's
-`narrow_starts`, with precision "bf16": the products that read them round them so). Non-finite entries follow
-output.py and walk.py: a non-finite k or v makes the states from its chunk on
-non-finite; within a chunk the causal mask selects, non-finite values read as 0 and NaN is
-added to the rows from the first such row on. The state loop's bound is a compile-time
+`narrow_starts`, with precision "bf16": the products that read them round them so).
+Non-finite entries follow output.py and walk.py: a non-finite k or v makes the states from
+its chunk on non-finite; within a chunk the causal mask selects, non-finite values read as
+0 and NaN is added to the rows from the first such row on. The state loop's bound is a compile-time
 power of two under the interpreter (which cannot loop to a runtime bound; steps past the
 last chunk load zeros, decay by 1 and change nothing) and the chunk count on a GPU."""
 
