@@ -29,8 +29,10 @@ samples, the L2 cache flushed between them), one after another per shape: median
 (IQR / median) and the ratio to fla. Unless --no-kernels, one forward of each is then
 profiled (torch.profiler, five calls after three untimed ones): the GPU time of each kernel
 per call, the link's state and output kernels beside fla's chunk_fwd_kernel_h and
-chunk_fwd_kernel_o. The YAML is rewritten after every shape, so a run cut short keeps its
-rows.
+chunk_fwd_kernel_o. Before the timings of a shape, each layout's float32 outputs and final
+state are compared with the chunk layout's and its outputs with fla's (`agreement`: max
+relative errors; the interpreter tests cannot reach the 16-bit products of the compiled
+kernels). The YAML is rewritten after every shape, so a run cut short keeps its rows.
 """
 
 from __future__ import annotations
@@ -101,6 +103,31 @@ def fla_calls(q, k, v):
     return {"fwd": fwd, "fwdbwd": fwdbwd}
 
 
+def agreement(q, k, v, plans: dict) -> list[dict]:
+    """Each plan's float32 outputs and final state against the default chunk layout's (the
+    kernels `hla-bench verify` checks), and its outputs against fla's where it imports:
+    max relative errors (largest difference over the reference's largest magnitude)."""
+    from mixers.reference import relative_error
+
+    want_out, want_S1, _ = forward(q, k, v, None, None, False, plan_chain(
+        q.shape[-1], v.shape[-1], torch.bfloat16), torch.float32)
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+        fla_out = chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0].float()
+    except ImportError:
+        fla_out = None
+    rows = []
+    for name, plan in plans.items():
+        out, S1, _ = forward(q, k, v, None, None, False, plan, torch.float32)
+        row = {"layout": name, "out_to_chunks": relative_error(out, want_out),
+               "final_state_to_chunks": relative_error(S1, want_S1)}
+        if fla_out is not None:
+            row["out_to_fla"] = relative_error(out, fla_out)
+        rows.append({key: float(f"{value:.3g}") if isinstance(value, float) else value
+                     for key, value in row.items()})
+    return rows
+
+
 def measure(fn) -> dict:
     times = time_calls(fn, warmup=3, repeats=5, device="cuda", min_time_s=0.25,
                        flush_cache=True)
@@ -158,7 +185,7 @@ def main() -> int:
         return 2
     report = {"gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
               "commit": commit(), "dtype": "bfloat16", "heads": HEADS, "tokens": TOKENS,
-              "rows": [], "kernels": []}
+              "rows": [], "agreement": [], "kernels": []}
     for D in (int(d) for d in args.head_dims.split(",")):
         for T in (int(t) for t in args.seq_lens.split(",")):
             first = len(report["rows"])
@@ -183,6 +210,10 @@ def main() -> int:
                     elif reference and "median_ms" in row:
                         row["ratio_to_fla"] = round(row["median_ms"] / reference, 3)
                     report["rows"].append(row)
+            chosen_plans = {name: plan for name, plan in layouts(D).items() if name in chosen}
+            for row in agreement(q, k, v, chosen_plans):
+                report["agreement"].append({"D": D, "T": T, **row})
+                print(f"   D={D:3d} T={T:6d} {row['layout']:22s} agreement {row}", flush=True)
             if not args.no_kernels:
                 for name, fns in calls.items():
                     entry = {"layout": name, "D": D, "T": T, "mode": "fwd"}
