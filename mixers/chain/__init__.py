@@ -16,7 +16,7 @@ y_u r_u^T, the recurrence of mixers/hla/hla3 (F_t = F_{t-1} + (S^K_t q_t)(q_t^T 
 links' final states are the operators' states: (P, E) and (S^K, P, F).
 
   plan.py         ChainPlan, plan_chain: chunk, key and value blocks, warps, the scan's launch,
-                  when a link walks
+                  when a link walks, the forward's layout
   terms.py        a chunk's decay weights and causal mask
   states.py       forward: every chunk's increment of the state at once
   scan.py         the scan over chunks (forward and reverse) that turns increments into
@@ -29,6 +29,8 @@ links' final states are the operators' states: (P, E) and (S^K, P, F).
   grad_fused.py   backward: dq, dk and dv of a chunk in one program (a plan's option)
   walk.py         the states of a short link (or their gradients) by walking the chunks,
                   in place of states.py (grad_states.py) and scan.py
+  tiled.py        the forward in fla's layout (a plan's option): a state walk per key
+                  block x value block tile and an output program per value block and chunk
   launch.py       forward() and backward() of one link: the launches above
 
 Inputs are read in place from `[B, T, H, *]` tensors (last dim contiguous); rows past T and

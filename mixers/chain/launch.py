@@ -6,6 +6,7 @@ import torch
 import triton
 
 from mixers.dispatch import listening, note
+from mixers.tiles import interpreted
 from mixers.chain.grad_fused import chain_grad_fused_kernel
 from mixers.chain.grad_keys import chain_grad_keys_kernel
 from mixers.chain.grad_states import chain_grad_states_kernel
@@ -14,6 +15,7 @@ from mixers.chain.output import chain_output_kernel
 from mixers.chain.plan import ChainPlan
 from mixers.chain.scan import chain_scan_kernel
 from mixers.chain.states import chain_states_kernel
+from mixers.chain.tiled import chain_tiled_output_kernel, chain_tiled_states_kernel
 from mixers.chain.walk import chain_grad_walk_kernel, chain_walk_kernel
 
 
@@ -52,6 +54,15 @@ def scan(buffer, log_g, start, end, T: int, plan: ChainPlan, reverse: bool) -> N
         HAS_X0=start is not None, num_warps=plan.scan_warps)
 
 
+NARROW = (torch.bfloat16, torch.float16)
+
+
+def raw_products(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether tiled.py multiplies tiles of a and b as loaded: one 16-bit dtype, float32
+    accumulation (its products exact)."""
+    return a.dtype == b.dtype and a.dtype in NARROW and dtype == torch.float32
+
+
 def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
             keep_starts: bool = False, out_dtype: torch.dtype | None = None,
             need_final: bool = True):
@@ -59,34 +70,52 @@ def forward(q, k, v, S0, log_g, ones: bool, plan: ChainPlan, dtype: torch.dtype,
     contiguous; v gets a column of ones after its last when `ones`): the outputs
     `[B, T, H, DV + ones]` (in `out_dtype`, default `dtype`: the kernel rounds its `dtype`
     results once as it stores them) and final state `[B, H, DK, DV + ones]` in `dtype`, and
-    with `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None).
+    with `keep_starts` every chunk's start state `[B * H, NT, DK, DV + ones]` (else None; in
+    `dtype`, or bfloat16 under the plan's `narrow_starts`).
     S0: `[B, H, DK, DV + ones]` or None (zeros); log_g: `[H]` in `dtype` or None (no decay).
     A link of one chunk from a zero start whose final state is not needed (`need_final`
     False) has no state at all: no states are computed, and the final state and the start
-    states come back as None (backward takes that)."""
+    states come back as None (backward takes that). The plan's layout picks the kernels
+    (ChainPlan.layout); inputs, outputs, states and their dtypes are the same for both."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     W = DV + ones
     NT = triton.cdiv(T, plan.chunk)
     NK, NV = triton.cdiv(DK, plan.block_k), triton.cdiv(W, plan.block_v)
     stateless = NT == 1 and S0 is None and not need_final
-    walked = not stateless and plan.walks(NT, NK * NV * B * H)
+    tiled = plan.layout == "fla"
+    walked = not stateless and not tiled and plan.walks(NT, NK * NV * B * H)
     if listening():  # the launch plan, for the results' `resolved`
         note(chain_plan=f"chunk {plan.chunk}, blocks {plan.block_k} x {plan.block_v}, "
                         f"{plan.warps} warps, {plan.stages} stages, {plan.precision}, "
-                        + ("scores once, " if plan.scores_once else "")
+                        + ("fla layout, " if tiled else "")
+                        + ("scores once, " if plan.scores_once and not tiled else "")
                         + ("fused backward, " if plan.fused_backward else "")
-                        + ("no state" if stateless else "states walked" if walked
+                        + ("no state" if stateless else "states walked" if walked or tiled
                            else f"scan blocks of {plan.scan_block}"))
     out = torch.empty(B, T, H, W, dtype=out_dtype or dtype, device=q.device)
     starts = S1 = None
     if not stateless:
-        starts = torch.empty(B * H, NT, DK, W, dtype=dtype, device=q.device)
+        starts = torch.empty(B * H, NT, DK, W, device=q.device,
+                             dtype=torch.bfloat16 if plan.narrow_starts else dtype)
         S1 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     # the output kernel computes in STARTS' dtype: without states, a stand-in of `dtype`
     read_starts = starts if starts is not None else torch.empty(1, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else read_starts
     common = launch_options(plan, log_g is not None)
+    if tiled:
+        if not stateless:
+            chain_tiled_states_kernel[(NK, NV, B * H)](
+                k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK,
+                DV, W, NT, *strides(k, v), ONES=ones, HAS_S0=S0 is not None,
+                KV_RAW=raw_products(k, v, dtype),
+                # the interpreter's loop bound; a GPU loops to NT (one compile for every NT)
+                NT_BOUND=triton.next_power_of_2(NT) if interpreted() else 1, **common)
+        chain_tiled_output_kernel[(NV, NT, B * H)](
+            q, k, v, gate, read_starts, S1 if S1 is not None else read_starts, out, T, H, DK,
+            DV, W, NT, *strides(q, k, v), NK=NK,
+            HAS_STATE=not stateless, ONES=ones, QK_RAW=raw_products(q, k, dtype), **common)
+        return out, S1, starts if keep_starts else None
     if walked:
         chain_walk_kernel[(NK, NV, B * H)](
             k, v, gate, S0.contiguous() if S0 is not None else S1, starts, S1, T, H, DK, DV, W,
@@ -126,7 +155,7 @@ def backward(q, k, v, log_g, ones: bool, starts, grad_out, grad_S1, dq, dk, dv,
         raise ValueError("a link without states has one chunk and no final-state gradient")
     ends = dS0 = None
     if not stateless:
-        ends = torch.empty_like(starts)
+        ends = torch.empty(starts.shape, dtype=dtype, device=q.device)  # starts may be 16-bit
         dS0 = torch.empty(B, H, DK, W, dtype=dtype, device=q.device)
     gate = log_g if log_g is not None else dq
     common = launch_options(plan, log_g is not None)

@@ -25,6 +25,9 @@ def block(size: int, cap: int = 64) -> int:
     return min(cap, max(16, 1 << (size - 1).bit_length()))
 
 
+LAYOUTS = ("chunks", "fla")
+
+
 @dataclass(frozen=True)
 class ChainPlan:
     """Tokens per chunk, the key and value columns a program holds (larger head dims loop
@@ -37,7 +40,15 @@ class ChainPlan:
     whether one output program covers
     every value block of its chunk (output.py: Q K^T formed once, not once per value
     block), and whether the backward's dq, dk and dv come from one launch (grad_fused.py:
-    Q K^T and dO V^T formed once a chunk) instead of two. Precision:
+    Q K^T and dO V^T formed once a chunk) instead of two, and the forward's layout
+    ("chunks": increments of every chunk at once, a scan and an output program per (chunk,
+    value block), or walk.py's walk for short links; "fla": tiled.py, the two launches of
+    fla's chunked kernels, a state walk per [BK, BV] tile and an output program per (value
+    block, chunk) looping over key blocks; the backward is the same for both), and whether
+    the "fla" layout stores the chunk start states in bfloat16 (`narrow_starts`, as fla
+    stores its states: half the bytes written and read; only with precision "bf16", whose
+    products round them to bfloat16 anyway, so outputs and gradients are those of float32
+    start states; the final state stays in the link's dtype). Precision:
     tf32 for 16-bit inputs (it holds their values exactly; the float32 links between
     chained calls round to it), exact for float32 and float64."""
 
@@ -53,6 +64,14 @@ class ChainPlan:
     walk_from: int | None = None
     scores_once: bool = False
     fused_backward: bool = False
+    layout: str = "chunks"  # or "fla" (tiled.py)
+    narrow_starts: bool = False
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.narrow_starts and (self.layout != "fla" or self.precision != "bf16"):
+            raise ValueError("narrow_starts takes the layout \"fla\" and precision \"bf16\"")
 
     def walks(self, chunks: int, programs: int) -> bool:
         """Whether a link of `chunks` chunks whose walk would launch `programs` programs
@@ -62,15 +81,15 @@ class ChainPlan:
 
 
 def plan_chain(key_dim: int, value_width: int, dtype: torch.dtype,
-               chunk_size: int = 64) -> ChainPlan:
+               chunk_size: int = 64, layout: str = "chunks") -> ChainPlan:
     """Chunks of 64 tokens (16 in float64, whose tiles take twice the registers; a smaller
     power of two when the caller asks for one), blocks of up to 64 key and value columns,
     4 warps and 2 pipeline stages: the plan `benchmarks/chain_plans.py` found fastest
     (docs/kernels.md, "Launch plan and resources", gives its measurements and the other
-    changes it tried)."""
+    changes it tried). `layout` picks the forward's kernels (ChainPlan.layout)."""
     chunk = 16 if dtype == torch.float64 else 64
     if chunk_size in (16, 32) and chunk_size < chunk:
         chunk = chunk_size
     precision = "tf32" if dtype in (torch.float16, torch.bfloat16) else "ieee"
     return ChainPlan(chunk=chunk, block_k=block(key_dim), block_v=block(value_width), warps=4,
-                     stages=2, precision=precision)
+                     stages=2, precision=precision, layout=layout)
