@@ -38,6 +38,7 @@ KERNELS = [(chain_launch, "chain_states_kernel"), (chain_launch, "chain_scan_ker
            (chain_launch, "chain_grad_values_kernel"),
            (chain_launch, "chain_walk_kernel"), (chain_launch, "chain_grad_walk_kernel"),
            (chain_launch, "chain_grad_fused_kernel"),
+           (chain_launch, "chain_tiled_states_kernel"), (chain_launch, "chain_tiled_output_kernel"),
            (ahla2_decode, "ahla2_step_kernel"), (hla3_decode, "hla3_step_kernel")]
 
 
