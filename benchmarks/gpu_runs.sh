@@ -11,8 +11,9 @@
 # measurement. STAGE:
 #   kernels       hla-bench verify in bf16, the chain's launch plans (chain_plans.py) at
 #                 D 64/128 and, at T 256, D 256/512, hla2's fused kernels against its chain
-#                 (family_profile.py), and ahla2's and hla3's normalized bf16 precision
-#                 (family_native_check.py --normalize-precision)
+#                 (family_profile.py), ahla2's and hla3's normalized bf16 precision
+#                 (family_native_check.py --normalize-precision), and one link in each
+#                 layout beside fla's chunk_linear_attn (link_layouts.py)
 #   layers        where a layer's time goes (layer_parts.py): the registry's layers of fla's
 #                 linear attention and the HLA ops with each part switched off in turn,
 #                 their operators, and the short convolution two ways
@@ -114,6 +115,7 @@ for stage in ${stages//,/ }; do
                 --batch 32 --seq-len 2048 --yaml "$out/hla2-chain-profile.yaml"
             python3 benchmarks/family_native_check.py --normalize-precision \
                 --yaml "$out/family-normalize-bf16.yaml"
+            python3 benchmarks/link_layouts.py --yaml "$out/link-layouts.yaml"
         } 2>&1 | tee "$log"
         ;;
     layers)
