@@ -581,6 +581,18 @@ def assign_devices(specs: list[dict], device: str) -> list[dict]:
     return placed
 
 
+def run_sweep(groups: list[list[dict]], workers: int,
+              on_event: Callable[[list[int], dict], None],
+              on_results: Callable[[list[dict]], None], *, client=None,
+              **options) -> bool:
+    """A sweep's groups, in their order: on `workers` local worker processes
+    (`run_groups`), or on the Dask cluster of `client` (`run_groups_dask`); `options` are
+    theirs (deadline, checkpoint_dir, graphs, compile). False when the deadline left work."""
+    if client is not None:
+        return run_groups_dask(client, groups, on_event, on_results, **options)
+    return run_groups(groups, workers, on_event, on_results, **options)
+
+
 # --- on a Dask cluster (`--executor dask`) ------------------------------------------------
 
 def _recall_task(group: list[dict], options: dict) -> list[dict] | None:
