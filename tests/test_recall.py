@@ -19,7 +19,8 @@ from hla_bench.recall.plan import ConfigError, load_config, plan_runs, validate_
 from hla_bench.recall.report import render_recall, summarize
 from hla_bench.results.load import RecallFileError, validate_recall
 from hla_bench.results.store import dump_results
-from hla_bench.recall.pool import build_model, default_workers, run_groups, state_bytes, step_flops
+from hla_bench.recall.plan import default_workers
+from hla_bench.recall.pool import build_model, run_groups, state_bytes, step_flops
 from mixers.layer import MixerLayer
 from tasks import IGNORE
 from hla_bench.recall.model import TinyLM, labelled_rows

@@ -246,11 +246,11 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                           f"{escape(str(checkpoints))}: {escape(str(store.path))} starts afresh",
                           soft_wrap=True, highlight=False)
         finished = kept_keys(store.records())
-        unavailable, groups = plan.left(finished)
-        for record in unavailable:
+        left = plan.left(finished)
+        for record in left.failed:
             store.add(record)
-        runnable = sum(len(group) for group in groups)
-        console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({runnable} to train in "
+        groups = left.groups
+        console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({left.runs} to train in "
                       f"{len(groups)} groups) on {device}, {workers} worker(s)")
         gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
         if gpus and min(workers, len(groups)) > gpus and not cuda_mps_active():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,11 +34,10 @@ from hla_bench import configs, registry
 from hla_bench.results.load import validate_recall
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.results.store import StoreError, read_resumable
-from hla_bench.recall.pool import (assign_devices, default_workers, failed_result, plan_groups,
-                                   seq_len_of, step_flops)
+from hla_bench.recall.pool import failed_result, plan_groups, seq_len_of, step_flops
 from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
                                      default_config, int_from, nonempty_text)
-from hla_bench.recall.train import RunSpec, steps_per_epoch
+from hla_bench.recall.train import RunSpec, group_key, steps_per_epoch
 
 
 class ConfigError(ValueError):
@@ -316,30 +316,33 @@ def check_mixer_options(config: dict, device: str) -> None:
             raise ConfigError(f"{where}: the layer rejects {options}: {problem}")
 
 
-def check_layers(specs: list[dict]) -> None:
+def check_layers(specs: list[dict]) -> dict[int, str]:
     """Every (mixer, d_model, n_heads, options) the plan trains builds its layer (on the meta
     device), or the layer's ValueError or TypeError (say d_model 64 in 3 heads, or a head dim its kernel
     refuses) is a ConfigError before any run. Mixers that cannot run here are skipped: the
-    sweep records them as unavailable; so are shapes a layer says it does not implement (a
-    NotImplementedError, say a head dim above its kernel's largest), recorded as unsupported."""
-    seen = set()
+    sweep records them as unavailable (returned: run_id -> why, for each such run); so are
+    shapes a layer says it does not implement (a NotImplementedError, say a head dim above its
+    kernel's largest), recorded as unsupported."""
+    reasons: dict[tuple, str | None] = {}  # shape -> why its mixer cannot run here
+    unavailable = {}
     for spec in specs:
         options = spec["mixer_options"]
         shape = (spec["mixer"], spec["d_model"], spec["n_heads"], repr(sorted(options.items())))
-        if shape in seen:
-            continue
-        seen.add(shape)
-        entry = registry.get(spec["mixer"])
-        if entry.unavailable_reason(options):
-            continue
-        try:
-            with torch.device("meta"):  # shapes and checks only: no memory, any width
-                entry.layer(spec["d_model"], spec["n_heads"], **options)
-        except NotImplementedError:
-            continue
-        except (ValueError, TypeError) as error:
-            raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
-                              f"{spec['n_heads']} head(s): {error}") from None
+        if shape not in reasons:
+            entry = registry.get(spec["mixer"])
+            reasons[shape] = entry.unavailable_reason(options)
+            if not reasons[shape]:
+                try:
+                    with torch.device("meta"):  # shapes and checks only: no memory, any width
+                        entry.layer(spec["d_model"], spec["n_heads"], **options)
+                except NotImplementedError:
+                    pass
+                except (ValueError, TypeError) as error:
+                    raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
+                                      f"{spec['n_heads']} head(s): {error}") from None
+        if reasons[shape]:
+            unavailable[spec["run_id"]] = reasons[shape]
+    return unavailable
 
 
 def load_config(path: str | None, overrides: dict) -> dict:
@@ -603,6 +606,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def default_workers(device: str, workers_per_gpu: int = 2) -> int:
+    """Workers for a sweep: `workers_per_gpu` per visible GPU on CUDA, one per 2 cores on CPU."""
+    if device.startswith("cuda"):
+        return max(1, torch.cuda.device_count()) * workers_per_gpu
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def assign_devices(specs: list[dict], device: str) -> list[dict]:
+    """Spread groups over the visible GPUs round-robin when `device` is plain "cuda" (the
+    runs of one group stay on one device)."""
+    if device != "cuda":
+        return [{**spec, "device": device} for spec in specs]
+    count = max(1, torch.cuda.device_count())
+    keys: dict[str, int] = {}
+    placed = []
+    for spec in specs:
+        slot = keys.setdefault(group_key(spec), len(keys))
+        placed.append({**spec, "device": f"cuda:{slot % count}"})
+    return placed
+
+
 def order_groups(groups: list[list[dict]], largest_first: bool = False) -> list[list[dict]]:
     """The order groups start in: by width x sequence length, the cheapest first (or with
     `largest_first` the costliest first); groups of one size keep the plan's order."""
@@ -621,9 +645,9 @@ class SweepPlan:
     device: str  # where the runs train (a dry run's may be a device not visible here)
     mode: str  # the results store's: "new", "resume" or "overwrite"
     specs: list[dict]  # every planned run, each on its device
-    # run_id -> why the run's mixer cannot run here (not for a dry run)
+    # run_id -> why the run's mixer cannot run here (`check_layers`)
     unavailable: dict[int, str] = field(default_factory=dict)
-    workers: int = 0  # the worker processes (not for a dry run)
+    workers: int = 0  # the worker processes
     largest_first: bool = False  # groups start costliest first
     # a dry run: the planned device is not visible here (its layers' options were not tried)
     absent: bool = False
@@ -631,7 +655,7 @@ class SweepPlan:
     resumed: tuple[int, int] | None = None
     rows: list[dict] = field(default_factory=list)  # a dry run's `plan_rows` (with FLOPs)
 
-    def left(self, finished: set[str]) -> tuple[list[dict], list[list[dict]]]:
+    def left(self, finished: set[str]) -> "RunsLeft":
         """What the runs not in `finished` (their `run_key`s) come to: the failed records of
         those whose mixer cannot run here, and the groups of the others in start order."""
         failed, runnable = [], []
@@ -643,8 +667,18 @@ class SweepPlan:
                 failed.append(failed_result(spec, "unavailable", reason))
             else:
                 runnable.append(spec)
-        return failed, order_groups(plan_groups(runnable, self.config["max_group"]),
-                                    self.largest_first)
+        groups = order_groups(plan_groups(runnable, self.config["max_group"]),
+                              self.largest_first)
+        return RunsLeft(failed=failed, groups=groups, runs=len(runnable))
+
+
+@dataclass
+class RunsLeft:
+    """The part of a plan that a results file still lacks (`SweepPlan.left`)."""
+
+    failed: list[dict]  # records of runs whose mixer cannot run here, to store as they are
+    groups: list[list[dict]]  # the runs to train, grouped, in the order they start
+    runs: int  # the runs in `groups`
 
 
 def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = None,
@@ -720,15 +754,17 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
                 raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
             config["graphs"] = False  # nothing is replayed off CUDA: the header says so
     specs = assign_devices(plan_runs(config, device), device)
-    check_layers(specs)
+    unavailable = check_layers(specs)
     mode = store_mode(out, resume, overwrite)
     problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
     if plots_dir is not None and not problem:  # a plot there that is a symbolic link
         problem = planned_plots_problem([("recall", "recall", {})], plots_dir, "png")
     if problem:
         raise ConfigError(problem)
+    workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
     plan = SweepPlan(config=config, device=device, mode=mode, specs=specs,
-                     largest_first=largest_first, absent=absent)
+                     unavailable=unavailable, workers=workers, largest_first=largest_first,
+                     absent=absent)
     if dry_run:
         left = specs
         if mode == "resume" and Path(out).exists():
@@ -737,10 +773,4 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
             plan.resumed = (len(specs) - len(left), len(specs))
         with busy("counting each step shape's FLOPs"):  # one traced step a shape
             plan.rows = plan_rows(left, config["max_group"], step_flops)
-        return plan
-    for spec in specs:
-        reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])
-        if reason:
-            plan.unavailable[spec["run_id"]] = reason
-    plan.workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
     return plan

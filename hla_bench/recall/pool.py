@@ -560,27 +560,6 @@ def _drain(events, notify) -> None:
         notify(ids, event)
 
 
-def default_workers(device: str, workers_per_gpu: int = 2) -> int:
-    """Workers for a sweep: `workers_per_gpu` per visible GPU on CUDA, one per 2 cores on CPU."""
-    if device.startswith("cuda"):
-        return max(1, torch.cuda.device_count()) * workers_per_gpu
-    return max(1, (os.cpu_count() or 2) // 2)
-
-
-def assign_devices(specs: list[dict], device: str) -> list[dict]:
-    """Spread groups over the visible GPUs round-robin when `device` is plain "cuda" (the
-    runs of one group stay on one device)."""
-    if device != "cuda":
-        return [{**spec, "device": device} for spec in specs]
-    count = max(1, torch.cuda.device_count())
-    keys: dict[str, int] = {}
-    placed = []
-    for spec in specs:
-        slot = keys.setdefault(group_key(spec), len(keys))
-        placed.append({**spec, "device": f"cuda:{slot % count}"})
-    return placed
-
-
 def run_sweep(groups: list[list[dict]], workers: int,
               on_event: Callable[[list[int], dict], None],
               on_results: Callable[[list[dict]], None], *, client=None,
