@@ -1,9 +1,11 @@
 """`hla-bench recall`: train and score mixers on synthetic recall tasks.
 
-The sweep's config and its runs come from `hla_bench.recall.plan`; runs that differ only
-in learning rate, weight decay and seed train together as one stacked model
-(`hla_bench.recall.pool`, `hla_bench.recall.train`); finished runs go to a locked results
-store as each group ends, so a killed or cut sweep keeps them and `--resume` goes on from
+The options become a plan in one call (`hla_bench.recall.plan.plan_sweep`: every check and
+lookup, the runs and their groups); a dry run prints it. Otherwise the command opens a locked
+results store and hands the groups still missing there to the worker pool
+(`hla_bench.recall.pool.run_sweep`): runs that differ only in learning rate, weight decay and
+seed train together as one stacked model (`hla_bench.recall.train`), and finished runs go to
+the store as each group ends, so a killed or cut sweep keeps them and `--resume` goes on from
 there.
 """
 

@@ -3,8 +3,9 @@ of worker processes, and the summary of a sweep's runs.
 
 `hla_bench.recall.train.train_group` trains one group (runs that differ only in lr, weight
 decay and seed) as one stacked model. Here a sweep's runs are planned into groups
-(`plan_groups`), the groups go to worker processes (spawned: CUDA needs it), and every
-finished run comes back as an event so the caller can store it at once. A group that runs
+(`plan_groups`), the groups go to worker processes (spawned: CUDA needs it) or to a Dask
+cluster (`run_sweep`, the one entry for either), and every finished run comes back as an
+event so the caller can store it at once. A group that runs
 out of memory beside other groups waits for them: it goes back to the head of the queue and,
 until it has finished, the pool starts no more groups at once than were still running
 (memory, not the worker count, then bounds the groups on a GPU; the smaller groups after it
