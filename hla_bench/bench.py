@@ -25,7 +25,7 @@ from hla_bench import configs, registry
 from hla_bench.results import bench_files as results_io
 from hla_bench.options import is_required, option_flag, with_field_options
 from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
-                                     load_config, settings_of,
+                                     load_config, looks_like_recall, settings_of,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
 from hla_bench.results.records import point_key
@@ -134,15 +134,6 @@ def open_store(out: str | None, mode: str, sweeps: list[SweepConfig], config: di
                                      else results_io.resumed_header(previous, new_header)))
     except StoreError as error:
         raise click.UsageError(str(error)) from None
-
-
-def _looks_like_recall(path: Path) -> bool:
-    """Whether a config file has the keys of a recall config (settings, lrs, d_model)."""
-    try:
-        data = configs.read_yaml(path)
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and bool({"settings", "lrs", "d_model"} & set(data))
 
 
 def _check_executor(executor: str, scheduler: str | None, dashboard: bool = False) -> None:
@@ -388,7 +379,7 @@ def run(config_text: str | None, only: tuple[str, ...], out: str | None, as_json
     try:
         config, sweeps = load_config(path)
     except ValueError as error:
-        if _looks_like_recall(path):
+        if looks_like_recall(path):
             raise click.UsageError(f"{config_text} is a recall config: run it with "
                                    f"`hla-bench recall --config {config_text}`") from None
         raise click.UsageError(f"{path}: {error}") from None

@@ -19,7 +19,8 @@ from hla_bench.recall.plan import ConfigError, load_config, plan_runs, validate_
 from hla_bench.recall.report import render_recall, summarize
 from hla_bench.results.load import RecallFileError, validate_recall
 from hla_bench.results.store import dump_results
-from hla_bench.recall.pool import build_model, default_workers, run_groups, state_bytes, step_flops
+from hla_bench.recall.plan import default_workers
+from hla_bench.recall.pool import build_model, run_groups, state_bytes, step_flops
 from mixers.layer import MixerLayer
 from tasks import IGNORE
 from hla_bench.recall.model import TinyLM, labelled_rows
@@ -392,7 +393,7 @@ def test_a_shape_the_mixer_refuses_is_recorded_unsupported_and_kept_on_resume(mo
     head dim over 256) is recorded as unsupported with the mixer's words; a resume keeps
     such runs and ok ones, and trains again those that failed otherwise."""
     from hla_bench.recall import pool
-    from hla_bench.recall.command import kept_keys
+    from hla_bench.recall.plan import kept_keys
     from hla_bench.recall.plan import run_key
 
     def refuse(group, *args, **kwargs):
@@ -1148,15 +1149,15 @@ def test_a_width_its_heads_do_not_divide_stops_the_sweep_before_any_run(tmp_path
 @pytest.mark.slow
 def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_path,
                                                                           monkeypatch):
-    from hla_bench.recall import command as recall_command
+    from hla_bench.recall import pool as recall_pool
 
-    original = recall_command.run_groups
+    original = recall_pool.run_groups
 
     def interrupted_after_the_first_group(groups, workers, on_event, on_group, **options):
         original(groups[:1], workers, on_event, on_group, **options)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(recall_command, "run_groups", interrupted_after_the_first_group)
+    monkeypatch.setattr(recall_pool, "run_groups", interrupted_after_the_first_group)
     args = recall_args(tmp_path, "--d-model", "16,32")
     result = CliRunner().invoke(main, args)
     out = tmp_path / "recall.yaml"
@@ -1164,14 +1165,14 @@ def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_pat
     assert f"interrupted: 2 run(s) kept in {out}" in " ".join(result.output.split())
     data = yaml.safe_load(out.read_text())
     assert data["complete"] is False and [r["d_model"] for r in data["runs"]] == [16, 16]
-    monkeypatch.setattr(recall_command, "run_groups", original)
+    monkeypatch.setattr(recall_pool, "run_groups", original)
     fresh = tmp_path / "fresh.yaml"
-    monkeypatch.setattr(recall_command, "run_groups",
+    monkeypatch.setattr(recall_pool, "run_groups",
                         lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     early = CliRunner().invoke(main, [*args, "--out", str(fresh)])
     assert early.exit_code == 130 and "interrupted before any run was written" in early.output
     assert not fresh.exists()
-    monkeypatch.setattr(recall_command, "run_groups", original)
+    monkeypatch.setattr(recall_pool, "run_groups", original)
     resumed = CliRunner().invoke(main, args + ["--resume"])
     assert resumed.exit_code == 0 and "resuming: 2 finished run(s) kept" in resumed.output
     assert sorted(r["d_model"] for r in yaml.safe_load(out.read_text())["runs"]) == [16, 16, 32, 32]
@@ -1180,7 +1181,7 @@ def test_ctrl_c_keeps_the_finished_runs_says_how_to_resume_and_exits_130(tmp_pat
 @pytest.mark.parametrize("flag, widths", [([], [16, 32, 64]), (["--largest-first"], [64, 32, 16])])
 def test_groups_start_cheapest_first_or_with_largest_first_costliest_first(tmp_path, monkeypatch,
                                                                            flag, widths):
-    from hla_bench.recall import command as recall_command
+    from hla_bench.recall import pool as recall_pool
 
     started = []
 
@@ -1188,13 +1189,13 @@ def test_groups_start_cheapest_first_or_with_largest_first_costliest_first(tmp_p
         started.extend(group[0]["d_model"] for group in groups)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(recall_command, "run_groups", record)
+    monkeypatch.setattr(recall_pool, "run_groups", record)
     result = CliRunner().invoke(main, recall_args(tmp_path, "--d-model", "32,64,16", *flag))
     assert result.exit_code == 130 and started == widths, result.output
 
 
 def test_order_groups_by_width_times_length_keeps_the_plan_order_of_a_size():
-    from hla_bench.recall.command import order_groups
+    from hla_bench.recall.plan import order_groups
 
     def group(d_model, seq_len, tag):
         return [{"d_model": d_model, "task": "mqar", "tag": tag,

@@ -1,15 +1,16 @@
 """`hla-bench recall`: train and score mixers on synthetic recall tasks.
 
-The sweep's config and its runs come from `hla_bench.recall.plan`; runs that differ only
-in learning rate, weight decay and seed train together as one stacked model
-(`hla_bench.recall.pool`, `hla_bench.recall.train`); finished runs go to a locked results
-store as each group ends, so a killed or cut sweep keeps them and `--resume` goes on from
+The options become a plan in one call (`hla_bench.recall.plan.plan_sweep`: every check and
+lookup, the runs and their groups); a dry run prints it. Otherwise the command opens a locked
+results store and hands the groups still missing there to the worker pool
+(`hla_bench.recall.pool.run_sweep`): runs that differ only in learning rate, weight decay and
+seed train together as one stacked model (`hla_bench.recall.train`), and finished runs go to
+the store as each group ends, so a killed or cut sweep keeps them and `--resume` goes on from
 there.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -20,47 +21,22 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hla_bench import configs, registry
 from hla_bench.gpu_use import GpuUse
-from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.processes import cuda_mps_active
-from hla_bench.recall.plan import (ConfigError, check_given_params, check_layers,
-                                   check_mixer_options, check_recall_file, load_config,
-                                   option_conflicts, plan_rows, plan_runs, run_key,
-                                   validate_config)
+from hla_bench.recall.plan import (ConfigError, check_recall_file, check_repeats, kept_keys,
+                                   plan_sweep, protocol, run_key)
 from hla_bench.recall.report import render_recall, summarize
 from hla_bench.recall.schema import with_config_options
 from hla_bench.results.load import RecallFileError
-from hla_bench.results.store import (ResultsStore, StoreError, default_out_path, exit_on_interrupt,
-                                     read_resumable)
+from hla_bench.results.store import ResultsStore, StoreError, default_out_path, exit_on_interrupt
 from hla_bench.results.tables import print_table
 from hla_bench.options import comma_list, parse_params
 from hla_bench.safe_files import refuse_symlink
-from hla_bench.recall.pool import (STOP_GRACE_S, assign_devices, default_workers,
-                                   failed_result, plan_groups, remove_checkpoints, run_groups,
-                                   run_groups_dask, seq_len_of, step_flops)
+from hla_bench.recall.pool import STOP_GRACE_S, remove_checkpoints, run_sweep
 
 SCHEMA_VERSION = 2
 
 # --- the results file --------------------------------------------------------------------
-
-# What a resumed sweep must share with its file: runs of another protocol would mix.
-PROTOCOL_KEYS = ("model", "train", "mixer_model")
-
-
-def store_mode(out: str | None, resume: bool, overwrite: bool) -> str:
-    """The results store's mode for --out with --resume / --overwrite."""
-    if out is not None and not out.strip():
-        raise ConfigError("--out is empty: give a file, or leave --out out for a new file in "
-                          "runs/")
-    if resume and overwrite:
-        raise ConfigError("give --resume or --overwrite, not both")
-    if out is None and (resume or overwrite):
-        flag = "--resume" if resume else "--overwrite"
-        raise ConfigError(f"{flag} needs --out: the results file to "
-                          f"{'continue' if resume else 'replace'}")
-    return "resume" if resume else "overwrite" if overwrite else "new"
-
 
 def open_results(out: str | None, mode: str, config: dict, device: str, workers: int,
                  env: dict) -> ResultsStore:
@@ -73,43 +49,10 @@ def open_results(out: str | None, mode: str, config: dict, device: str, workers:
               "environment": env, "seconds": 0.0}
     try:
         return ResultsStore.open(path, kind="recall", key=run_key, mode=mode, header=header,
-                                 settings={key: config[key] for key in PROTOCOL_KEYS},
+                                 settings=protocol(config),
                                  validate=check_recall_file)
     except StoreError as error:
         raise ConfigError(str(error)) from None
-
-
-def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> None:
-    """ConfigError when the file's runs hold one that the plan repeats under other mixer
-    options (plan.option_conflicts): both would count in one cell."""
-    conflicts = option_conflicts(records, specs)
-    if conflicts:
-        raise ConfigError(f"{path} holds {len(conflicts)} run(s) that the plan repeats with "
-                          "other mixer options; both would count in one cell. Write the new "
-                          "plan to another --out. First: " + conflicts[0])
-
-
-def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
-    """The keys of the runs finished (FINISHED_STATUSES) in the results file `out`, read
-    without taking its lock, after the checks a resume makes (ConfigError otherwise)."""
-    try:
-        data = read_resumable(out, "recall", {key: config[key] for key in PROTOCOL_KEYS},
-                              check_recall_file)
-    except StoreError as error:
-        raise ConfigError(str(error)) from None
-    check_repeats(out, data["runs"], specs)
-    return kept_keys(data["runs"])
-
-
-# A run's outcomes that a resume keeps: trained, or refused by its mixer at its shape (a
-# NotImplementedError, such as a head dim a kernel does not take), which another try repeats
-FINISHED_STATUSES = ("ok", "unsupported")
-
-
-def kept_keys(records: list[dict]) -> set[str]:
-    """The keys of the runs among `records` that finished (FINISHED_STATUSES): a resume
-    keeps them."""
-    return {run_key(run) for run in records if run.get("status") in FINISHED_STATUSES}
 
 
 def part_record(env: dict, seconds: float, runs: int) -> dict:
@@ -136,19 +79,6 @@ def environment(device: str) -> dict:
     from hla_bench.results.bench_files import capture_environment
 
     return capture_environment(device)
-
-
-def device_visible(device: str) -> bool:
-    """Whether a config's device ("auto", "cpu", "cuda", "cuda:N") can run here."""
-    return not device.startswith("cuda") or torch.cuda.is_available()
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not device_visible(device):
-        raise ConfigError("device cuda asked for, but no CUDA device is visible")
-    return device
 
 
 # --- the command -------------------------------------------------------------------------
@@ -229,9 +159,7 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             progress.advance(overall, len(results))
             on_results(results)
 
-        if client is not None:
-            return run_groups_dask(client, groups, on_event, on_group, **options)
-        return run_groups(groups, workers, on_event, on_group, **options)
+        return run_sweep(groups, workers, on_event, on_group, client=client, **options)
 
 
 @click.command()
@@ -286,94 +214,18 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
     with its spread over seeds, beside the one chosen on test as Zoology (or MAD-lab) does."""
     console = Console()
     try:
-        if config_file is not None:
-            try:
-                config_file = str(configs.find(config_file))
-            except ValueError as error:
-                raise ConfigError(f"--config {error}") from None
-        if task is not None and not task.strip():
-            raise ConfigError("--task is empty: give a task name (hla-bench tasks list)")
-        config = load_config(config_file, options)
         params = {key: value for key, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                                                 ("vocab_size", vocab_size)) if value is not None}
-        given = {key: f"--{key.replace('_', '-')} {value}" for key, value in params.items()}
-        given.update({key: f"--param {key}={value}" for key, value in extra_params.items()})
-        params.update(extra_params)
-        if task:  # one setting of this task instead of the config's
-            config["settings"] = [{"task": task, "params": params}]
-        elif params:  # these parameters in every setting of the config
-            config["settings"] = [{**setting, "params": {**setting["params"], **params}}
-                                  for setting in config["settings"]]
-        if only_tasks:
-            if task:
-                raise ConfigError("give --task (one setting) or --only-tasks (the config's "
-                                  "settings of those tasks), not both")
-            present = list(dict.fromkeys(setting["task"] for setting in config["settings"]))
-            missing = [name for name in only_tasks if name not in present]
-            if missing:
-                raise ConfigError(f"--only-tasks {missing[0]!r}: no setting of the config has "
-                                  f"that task (its tasks: {', '.join(present)})")
-            config["settings"] = [setting for setting in config["settings"]
-                                  if setting["task"] in only_tasks]
-        if task or params:
-            check_given_params(config["settings"], given, task,
-                               config_file or "the default recall config")
-            config = validate_config(config, config_file or "options")
-        if time_limit is not None and not 0 < time_limit < math.inf:
-            raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got "
-                              f"{time_limit}")
-        if scheduler and executor != "dask":
-            raise ConfigError("--scheduler needs --executor dask")
-        if dashboard and (executor != "dask" or scheduler):
-            raise ConfigError("--dashboard is the dashboard of the local Dask cluster: it "
-                              "needs --executor dask without --scheduler")
-        if executor == "dask":
-            from hla_bench.dask_executor import executor_problem
-
-            problem = executor_problem(scheduler)
-            if problem:
-                raise ConfigError(problem)
-        # a dry run plans for the config's device without needing it (a GPU grid is planned
-        # on a laptop); its layers' options are then not tried
-        absent = dry_run and not device_visible(config["device"])
-        device = config["device"] if absent else resolve_device(config["device"])
-        if not absent:
-            check_mixer_options(config, device)
-            if not device.startswith("cuda"):
-                if options.get("graphs"):
-                    raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
-                config["graphs"] = False  # nothing is replayed off CUDA: the header says so
-        specs = assign_devices(plan_runs(config, device), device)
-        check_layers(specs)
-        mode = store_mode(out, resume, overwrite)
-        problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
-        if plots_dir is not None and not problem:  # a plot there that is a symbolic link
-            problem = planned_plots_problem([("recall", "recall", {})], plots_dir, "png")
-        if problem:
-            raise ConfigError(problem)
+        plan = plan_sweep(config_file, options, task=task, only_tasks=only_tasks, params=params,
+                          extra_params=extra_params, out=out, resume=resume,
+                          overwrite=overwrite, time_limit=time_limit, executor=executor,
+                          scheduler=scheduler, dashboard=dashboard, plots_dir=plots_dir,
+                          dry_run=dry_run, largest_first=largest_first, busy=console.status)
+        config, device, specs, workers = plan.config, plan.device, plan.specs, plan.workers
         if dry_run:
-            left = specs
-            if mode == "resume" and Path(out).exists():
-                finished = finished_keys(out, config, specs)
-                left = [spec for spec in specs if run_key(spec) not in finished]
-                console.print(f"resuming {out}: {len(specs) - len(left)} of the {len(specs)} "
-                              f"planned runs finished there; the plan below is the "
-                              f"{len(left)} left", soft_wrap=True)
-            with console.status("counting each step shape's FLOPs"):  # one traced step a shape
-                rows = plan_rows(left, config["max_group"], step_flops)
-            print_table(console, plan_table(rows), lambda: plan_lines(rows))
-            uncounted = sorted({mixer for row in rows for mixer in row["uncounted"]})
-            console.print("FLOPs: the matmuls of a training step (forward and backward) as "
-                          "the mixers' PyTorch forms compute them, times the steps"
-                          + (f"; not counted: {', '.join(uncounted)} (not runnable on the "
-                             "CPU here)" if uncounted else ""), soft_wrap=True)
-            if absent:
-                console.print(f"[yellow]note[/]: planned for {device}, which is not visible "
-                              "here: the mixer options were not tried on it, and mixers "
-                              "whose packages are missing here count as unstacked")
+            print_plan(console, plan, out)
             return
-        workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
-        store = open_results(out, mode, config, device, workers, environment(device))
+        store = open_results(out, plan.mode, config, device, workers, environment(device))
     except (ConfigError, RecallFileError, OSError) as error:
         raise click.UsageError(str(error)) from None
 
@@ -396,17 +248,11 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
                           f"{escape(str(checkpoints))}: {escape(str(store.path))} starts afresh",
                           soft_wrap=True, highlight=False)
         finished = kept_keys(store.records())
-        runnable = []
-        for spec in specs:
-            reason = registry.get(spec["mixer"]).unavailable_reason(spec["mixer_options"])
-            if run_key(spec) in finished:
-                continue
-            if reason:
-                store.add(failed_result(spec, "unavailable", reason))
-            else:
-                runnable.append(spec)
-        groups = order_groups(plan_groups(runnable, config["max_group"]), largest_first)
-        console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({len(runnable)} to train in "
+        left = plan.left(finished)
+        for record in left.failed:
+            store.add(record)
+        groups = left.groups
+        console.print(f"[bold]recall sweep[/]: {len(specs)} runs ({left.runs} to train in "
                       f"{len(groups)} groups) on {device}, {workers} worker(s)")
         gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
         if gpus and min(workers, len(groups)) > gpus and not cuda_mps_active():
@@ -473,14 +319,25 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
         console.print("[yellow]stopped at --time-limit[/]: rerun with --resume to continue")
 
 
-def order_groups(groups: list[list[dict]], largest_first: bool = False) -> list[list[dict]]:
-    """The order groups start in: by width x sequence length, the cheapest first (or with
-    `largest_first` the costliest first); groups of one size keep the plan's order."""
-    def size(group: list[dict]) -> int:
-        spec = group[0]
-        return spec["d_model"] * seq_len_of(spec)
-
-    return sorted(groups, key=lambda group: -size(group) if largest_first else size(group))
+def print_plan(console: Console, plan, out: str | None) -> None:
+    """A dry run's plan (`plan_sweep` with `dry_run`): the runs --out lacks, the table of
+    `plan.rows` (lines on a narrow console), what the FLOPs count and what was not tried."""
+    if plan.resumed is not None:
+        finished, planned = plan.resumed
+        console.print(f"resuming {out}: {finished} of the {planned} "
+                      f"planned runs finished there; the plan below is the "
+                      f"{planned - finished} left", soft_wrap=True)
+    rows = plan.rows
+    print_table(console, plan_table(rows), lambda: plan_lines(rows))
+    uncounted = sorted({mixer for row in rows for mixer in row["uncounted"]})
+    console.print("FLOPs: the matmuls of a training step (forward and backward) as "
+                  "the mixers' PyTorch forms compute them, times the steps"
+                  + (f"; not counted: {', '.join(uncounted)} (not runnable on the "
+                     "CPU here)" if uncounted else ""), soft_wrap=True)
+    if plan.absent:
+        console.print(f"[yellow]note[/]: planned for {plan.device}, which is not visible "
+                      "here: the mixer options were not tried on it, and mixers "
+                      "whose packages are missing here count as unstacked")
 
 
 def _flops(flops: int) -> str:

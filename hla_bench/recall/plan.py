@@ -2,6 +2,10 @@
 every key and value checked before any run starts), the labels of its task settings, and the
 runs it plans.
 
+`plan_sweep` is the one way from a config file and the command's options to a sweep's
+plan (`SweepPlan`): every check, every registry lookup, the runs, their groups and a dry
+run's table rows, before any work starts.
+
 A config names the mixers, widths, learning rates, weight decays, seeds, the model (with
 per-mixer overrides in `mixer_model`), the training protocol and the task settings
 (configs/: recall-cpu, zoology-*, mad); its keys, their defaults and checks are declared in
@@ -14,9 +18,13 @@ is its `name`, else the task with its params and its `train` / `model` overrides
 from __future__ import annotations
 
 import copy
+import math
+import os
 from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import yaml
@@ -24,10 +32,12 @@ import yaml
 import tasks
 from hla_bench import configs, registry
 from hla_bench.results.load import validate_recall
-from hla_bench.recall.pool import plan_groups
+from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
+from hla_bench.results.store import StoreError, read_resumable
+from hla_bench.recall.pool import failed_result, plan_groups, seq_len_of, step_flops
 from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
                                      default_config, int_from, nonempty_text)
-from hla_bench.recall.train import RunSpec, steps_per_epoch
+from hla_bench.recall.train import RunSpec, group_key, steps_per_epoch
 
 
 class ConfigError(ValueError):
@@ -306,30 +316,33 @@ def check_mixer_options(config: dict, device: str) -> None:
             raise ConfigError(f"{where}: the layer rejects {options}: {problem}")
 
 
-def check_layers(specs: list[dict]) -> None:
+def check_layers(specs: list[dict]) -> dict[int, str]:
     """Every (mixer, d_model, n_heads, options) the plan trains builds its layer (on the meta
     device), or the layer's ValueError or TypeError (say d_model 64 in 3 heads, or a head dim its kernel
     refuses) is a ConfigError before any run. Mixers that cannot run here are skipped: the
-    sweep records them as unavailable; so are shapes a layer says it does not implement (a
-    NotImplementedError, say a head dim above its kernel's largest), recorded as unsupported."""
-    seen = set()
+    sweep records them as unavailable (returned: run_id -> why, for each such run); so are
+    shapes a layer says it does not implement (a NotImplementedError, say a head dim above its
+    kernel's largest), recorded as unsupported."""
+    reasons: dict[tuple, str | None] = {}  # shape -> why its mixer cannot run here
+    unavailable = {}
     for spec in specs:
         options = spec["mixer_options"]
         shape = (spec["mixer"], spec["d_model"], spec["n_heads"], repr(sorted(options.items())))
-        if shape in seen:
-            continue
-        seen.add(shape)
-        entry = registry.get(spec["mixer"])
-        if entry.unavailable_reason(options):
-            continue
-        try:
-            with torch.device("meta"):  # shapes and checks only: no memory, any width
-                entry.layer(spec["d_model"], spec["n_heads"], **options)
-        except NotImplementedError:
-            continue
-        except (ValueError, TypeError) as error:
-            raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
-                              f"{spec['n_heads']} head(s): {error}") from None
+        if shape not in reasons:
+            entry = registry.get(spec["mixer"])
+            reasons[shape] = entry.unavailable_reason(options)
+            if not reasons[shape]:
+                try:
+                    with torch.device("meta"):  # shapes and checks only: no memory, any width
+                        entry.layer(spec["d_model"], spec["n_heads"], **options)
+                except NotImplementedError:
+                    pass
+                except (ValueError, TypeError) as error:
+                    raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
+                                      f"{spec['n_heads']} head(s): {error}") from None
+        if reasons[shape]:
+            unavailable[spec["run_id"]] = reasons[shape]
+    return unavailable
 
 
 def load_config(path: str | None, overrides: dict) -> dict:
@@ -522,3 +535,242 @@ def plan_rows(specs: list[dict], max_group: int,
             row.update(flops=flops, uncounted=sorted(uncounted))
         rows.append(row)
     return rows
+
+
+# --- a sweep from the command line -------------------------------------------------------
+
+# What a resumed sweep must share with its file: runs of another protocol would mix.
+PROTOCOL_KEYS = ("model", "train", "mixer_model")
+
+# A run's outcomes that a resume keeps: trained, or refused by its mixer at its shape (a
+# NotImplementedError, such as a head dim a kernel does not take), which another try repeats
+FINISHED_STATUSES = ("ok", "unsupported")
+
+
+def protocol(config: dict) -> dict:
+    """The keys of `config` that a resumed results file must hold alike (PROTOCOL_KEYS)."""
+    return {key: config[key] for key in PROTOCOL_KEYS}
+
+
+def store_mode(out: str | None, resume: bool, overwrite: bool) -> str:
+    """The results store's mode for --out with --resume / --overwrite."""
+    if out is not None and not out.strip():
+        raise ConfigError("--out is empty: give a file, or leave --out out for a new file in "
+                          "runs/")
+    if resume and overwrite:
+        raise ConfigError("give --resume or --overwrite, not both")
+    if out is None and (resume or overwrite):
+        flag = "--resume" if resume else "--overwrite"
+        raise ConfigError(f"{flag} needs --out: the results file to "
+                          f"{'continue' if resume else 'replace'}")
+    return "resume" if resume else "overwrite" if overwrite else "new"
+
+
+def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> None:
+    """ConfigError when the file's runs hold one that the plan repeats under other mixer
+    options (`option_conflicts`): both would count in one cell."""
+    conflicts = option_conflicts(records, specs)
+    if conflicts:
+        raise ConfigError(f"{path} holds {len(conflicts)} run(s) that the plan repeats with "
+                          "other mixer options; both would count in one cell. Write the new "
+                          "plan to another --out. First: " + conflicts[0])
+
+
+def kept_keys(records: list[dict]) -> set[str]:
+    """The keys of the runs among `records` that finished (FINISHED_STATUSES): a resume
+    keeps them."""
+    return {run_key(run) for run in records if run.get("status") in FINISHED_STATUSES}
+
+
+def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
+    """The keys of the runs finished (FINISHED_STATUSES) in the results file `out`, read
+    without taking its lock, after the checks a resume makes (ConfigError otherwise)."""
+    try:
+        data = read_resumable(out, "recall", protocol(config), check_recall_file)
+    except StoreError as error:
+        raise ConfigError(str(error)) from None
+    check_repeats(out, data["runs"], specs)
+    return kept_keys(data["runs"])
+
+
+def device_visible(device: str) -> bool:
+    """Whether a config's device ("auto", "cpu", "cuda", "cuda:N") can run here."""
+    return not device.startswith("cuda") or torch.cuda.is_available()
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not device_visible(device):
+        raise ConfigError("device cuda asked for, but no CUDA device is visible")
+    return device
+
+
+def default_workers(device: str, workers_per_gpu: int = 2) -> int:
+    """Workers for a sweep: `workers_per_gpu` per visible GPU on CUDA, one per 2 cores on CPU."""
+    if device.startswith("cuda"):
+        return max(1, torch.cuda.device_count()) * workers_per_gpu
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def assign_devices(specs: list[dict], device: str) -> list[dict]:
+    """Spread groups over the visible GPUs round-robin when `device` is plain "cuda" (the
+    runs of one group stay on one device)."""
+    if device != "cuda":
+        return [{**spec, "device": device} for spec in specs]
+    count = max(1, torch.cuda.device_count())
+    keys: dict[str, int] = {}
+    placed = []
+    for spec in specs:
+        slot = keys.setdefault(group_key(spec), len(keys))
+        placed.append({**spec, "device": f"cuda:{slot % count}"})
+    return placed
+
+
+def order_groups(groups: list[list[dict]], largest_first: bool = False) -> list[list[dict]]:
+    """The order groups start in: by width x sequence length, the cheapest first (or with
+    `largest_first` the costliest first); groups of one size keep the plan's order."""
+    def size(group: list[dict]) -> int:
+        spec = group[0]
+        return spec["d_model"] * seq_len_of(spec)
+
+    return sorted(groups, key=lambda group: -size(group) if largest_first else size(group))
+
+
+@dataclass
+class SweepPlan:
+    """A recall sweep as `plan_sweep` planned it, every check passed."""
+
+    config: dict  # the checked config, as the results file's header holds it
+    device: str  # where the runs train (a dry run's may be a device not visible here)
+    mode: str  # the results store's: "new", "resume" or "overwrite"
+    specs: list[dict]  # every planned run, each on its device
+    # run_id -> why the run's mixer cannot run here (`check_layers`)
+    unavailable: dict[int, str] = field(default_factory=dict)
+    workers: int = 0  # the worker processes
+    largest_first: bool = False  # groups start costliest first
+    # a dry run: the planned device is not visible here (its layers' options were not tried)
+    absent: bool = False
+    # a dry run of --resume: (runs finished in --out, runs planned); None otherwise
+    resumed: tuple[int, int] | None = None
+    rows: list[dict] = field(default_factory=list)  # a dry run's `plan_rows` (with FLOPs)
+
+    def left(self, finished: set[str]) -> "RunsLeft":
+        """What the runs not in `finished` (their `run_key`s) come to: the failed records of
+        those whose mixer cannot run here, and the groups of the others in start order."""
+        failed, runnable = [], []
+        for spec in self.specs:
+            if run_key(spec) in finished:
+                continue
+            reason = self.unavailable.get(spec["run_id"])
+            if reason:
+                failed.append(failed_result(spec, "unavailable", reason))
+            else:
+                runnable.append(spec)
+        groups = order_groups(plan_groups(runnable, self.config["max_group"]),
+                              self.largest_first)
+        return RunsLeft(failed=failed, groups=groups, runs=len(runnable))
+
+
+@dataclass
+class RunsLeft:
+    """The part of a plan that a results file still lacks (`SweepPlan.left`)."""
+
+    failed: list[dict]  # records of runs whose mixer cannot run here, to store as they are
+    groups: list[list[dict]]  # the runs to train, grouped, in the order they start
+    runs: int  # the runs in `groups`
+
+
+def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = None,
+               only_tasks: list[str] | None = None, params: dict | None = None,
+               extra_params: dict | None = None, out: str | None = None, resume: bool = False,
+               overwrite: bool = False, time_limit: float | None = None,
+               executor: str = "local", scheduler: str | None = None, dashboard: bool = False,
+               plots_dir: str | None = None, dry_run: bool = False,
+               largest_first: bool = False,
+               busy: Callable[[str], ContextManager] = lambda _: nullcontext()) -> SweepPlan:
+    """The plan of `hla-bench recall`: the config (`config_file`, a file or a shipped
+    config's name, then `overrides`, the config options given), one setting of `task` or
+    the config's settings of `only_tasks`, task `params` (the named options given,
+    parameter -> value) and `extra_params` (--param) in each, every option checked, the runs
+    and, for a dry run, its table rows (`busy(message)` is held while the FLOPs are
+    counted). Every problem is a ConfigError (or a RecallFileError, an OSError) raised here,
+    before any work starts, in the order the options are documented."""
+    if config_file is not None:
+        try:
+            config_file = str(configs.find(config_file))
+        except ValueError as error:
+            raise ConfigError(f"--config {error}") from None
+    if task is not None and not task.strip():
+        raise ConfigError("--task is empty: give a task name (hla-bench tasks list)")
+    config = load_config(config_file, overrides)
+    params = dict(params or {})
+    extra_params = extra_params or {}
+    given = {key: f"--{key.replace('_', '-')} {value}" for key, value in params.items()}
+    given.update({key: f"--param {key}={value}" for key, value in extra_params.items()})
+    params.update(extra_params)
+    if task:  # one setting of this task instead of the config's
+        config["settings"] = [{"task": task, "params": params}]
+    elif params:  # these parameters in every setting of the config
+        config["settings"] = [{**setting, "params": {**setting["params"], **params}}
+                              for setting in config["settings"]]
+    if only_tasks:
+        if task:
+            raise ConfigError("give --task (one setting) or --only-tasks (the config's "
+                              "settings of those tasks), not both")
+        present = list(dict.fromkeys(setting["task"] for setting in config["settings"]))
+        missing = [name for name in only_tasks if name not in present]
+        if missing:
+            raise ConfigError(f"--only-tasks {missing[0]!r}: no setting of the config has "
+                              f"that task (its tasks: {', '.join(present)})")
+        config["settings"] = [setting for setting in config["settings"]
+                              if setting["task"] in only_tasks]
+    if task or params:
+        check_given_params(config["settings"], given, task,
+                           config_file or "the default recall config")
+        config = validate_config(config, config_file or "options")
+    if time_limit is not None and not 0 < time_limit < math.inf:
+        raise ConfigError(f"--time-limit must be a finite number of seconds > 0, got "
+                          f"{time_limit}")
+    if scheduler and executor != "dask":
+        raise ConfigError("--scheduler needs --executor dask")
+    if dashboard and (executor != "dask" or scheduler):
+        raise ConfigError("--dashboard is the dashboard of the local Dask cluster: it "
+                          "needs --executor dask without --scheduler")
+    if executor == "dask":
+        from hla_bench.dask_executor import executor_problem
+
+        problem = executor_problem(scheduler)
+        if problem:
+            raise ConfigError(problem)
+    # a dry run plans for the config's device without needing it (a GPU grid is planned
+    # on a laptop); its layers' options are then not tried
+    absent = dry_run and not device_visible(config["device"])
+    device = config["device"] if absent else resolve_device(config["device"])
+    if not absent:
+        check_mixer_options(config, device)
+        if not device.startswith("cuda"):
+            if overrides.get("graphs"):
+                raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
+            config["graphs"] = False  # nothing is replayed off CUDA: the header says so
+    specs = assign_devices(plan_runs(config, device), device)
+    unavailable = check_layers(specs)
+    mode = store_mode(out, resume, overwrite)
+    problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
+    if plots_dir is not None and not problem:  # a plot there that is a symbolic link
+        problem = planned_plots_problem([("recall", "recall", {})], plots_dir, "png")
+    if problem:
+        raise ConfigError(problem)
+    workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
+    plan = SweepPlan(config=config, device=device, mode=mode, specs=specs,
+                     unavailable=unavailable, workers=workers, largest_first=largest_first,
+                     absent=absent)
+    if dry_run:
+        left = specs
+        if mode == "resume" and Path(out).exists():
+            finished = finished_keys(out, config, specs)
+            left = [spec for spec in specs if run_key(spec) not in finished]
+            plan.resumed = (len(specs) - len(left), len(specs))
+        with busy("counting each step shape's FLOPs"):  # one traced step a shape
+            plan.rows = plan_rows(left, config["max_group"], step_flops)
+    return plan

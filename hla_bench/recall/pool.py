@@ -3,8 +3,9 @@ of worker processes, and the summary of a sweep's runs.
 
 `hla_bench.recall.train.train_group` trains one group (runs that differ only in lr, weight
 decay and seed) as one stacked model. Here a sweep's runs are planned into groups
-(`plan_groups`), the groups go to worker processes (spawned: CUDA needs it), and every
-finished run comes back as an event so the caller can store it at once. A group that runs
+(`plan_groups`), the groups go to worker processes (spawned: CUDA needs it) or to a Dask
+cluster (`run_sweep`, the one entry for either), and every finished run comes back as an
+event so the caller can store it at once. A group that runs
 out of memory beside other groups waits for them: it goes back to the head of the queue and,
 until it has finished, the pool starts no more groups at once than were still running
 (memory, not the worker count, then bounds the groups on a GPU; the smaller groups after it
@@ -560,25 +561,16 @@ def _drain(events, notify) -> None:
         notify(ids, event)
 
 
-def default_workers(device: str, workers_per_gpu: int = 2) -> int:
-    """Workers for a sweep: `workers_per_gpu` per visible GPU on CUDA, one per 2 cores on CPU."""
-    if device.startswith("cuda"):
-        return max(1, torch.cuda.device_count()) * workers_per_gpu
-    return max(1, (os.cpu_count() or 2) // 2)
-
-
-def assign_devices(specs: list[dict], device: str) -> list[dict]:
-    """Spread groups over the visible GPUs round-robin when `device` is plain "cuda" (the
-    runs of one group stay on one device)."""
-    if device != "cuda":
-        return [{**spec, "device": device} for spec in specs]
-    count = max(1, torch.cuda.device_count())
-    keys: dict[str, int] = {}
-    placed = []
-    for spec in specs:
-        slot = keys.setdefault(group_key(spec), len(keys))
-        placed.append({**spec, "device": f"cuda:{slot % count}"})
-    return placed
+def run_sweep(groups: list[list[dict]], workers: int,
+              on_event: Callable[[list[int], dict], None],
+              on_results: Callable[[list[dict]], None], *, client=None,
+              **options) -> bool:
+    """A sweep's groups, in their order: on `workers` local worker processes
+    (`run_groups`), or on the Dask cluster of `client` (`run_groups_dask`); `options` are
+    theirs (deadline, checkpoint_dir, graphs, compile). False when the deadline left work."""
+    if client is not None:
+        return run_groups_dask(client, groups, on_event, on_results, **options)
+    return run_groups(groups, workers, on_event, on_results, **options)
 
 
 # --- on a Dask cluster (`--executor dask`) ------------------------------------------------

@@ -27,6 +27,8 @@ from dataclasses import MISSING, Field, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import yaml
+
 from hla_bench import registry
 from hla_bench.configs import read_yaml
 from hla_bench.options import MixerSpec, config_field, field_default, is_required
@@ -439,6 +441,16 @@ def load_config(path: str | Path) -> tuple[dict[str, Any], list[SweepConfig]]:
     """The raw mapping (kept verbatim in results) and the parsed sweeps."""
     data = read_yaml(path)
     return data, parse_config(data)
+
+
+def looks_like_recall(path: str | Path) -> bool:
+    """Whether a config file has the keys of a recall config (settings, lrs, d_model): a
+    file `load_config` refuses is then named for `hla-bench recall`."""
+    try:
+        data = read_yaml(path)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and bool({"settings", "lrs", "d_model"} & set(data))
 
 
 def settings_of(sweeps: list[SweepConfig]) -> dict[str, Any]:
