@@ -29,7 +29,7 @@ import yaml
 
 from mixers.hla.ahla2 import ahla2, ahla2_step
 from mixers.hla.hla3 import hla3, hla3_step
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 H = 2
 OPS = {

@@ -37,7 +37,7 @@ import yaml
 from hla_bench.speed.timing import median_ms
 from hla_bench.results.bench_files import git_commit
 from mixers.hla.hla2.naive import hla2_naive, hla2_naive_final_state
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 TOKENS, HEADS = 65536, 16
 SEQ_LENS = (2048, 8192, 32768, 65536)

@@ -37,7 +37,7 @@ from hla_bench import registry, verify
 from mixers.common import check_decay
 from mixers.hla.hla2 import hla2
 from mixers.hla.hla2.triton import hla2_triton, plan_call
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 
 def forced(plan, from_chunk):

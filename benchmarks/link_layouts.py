@@ -107,7 +107,7 @@ def agreement(q, k, v, plans: dict) -> list[dict]:
     """Each plan's float32 outputs and final state against the default chunk layout's (the
     kernels `hla-bench verify` checks), and its outputs against fla's where it imports:
     max relative errors (largest difference over the reference's largest magnitude)."""
-    from mixers.reference import relative_error
+    from mixers.errors import relative_error
 
     want_out, want_S1, _ = forward(q, k, v, None, None, False, plan_chain(
         q.shape[-1], v.shape[-1], torch.bfloat16), torch.float32)

@@ -4,7 +4,7 @@ installed package runs them as a checkout does.
 
 A CONFIG given to `hla-bench run` or `hla-bench recall --config` is a path to a YAML file,
 or the name of a shipped config (`gpu-kernels` or `gpu-kernels.yaml`); a file at that
-path comes first. `reference/` holds published scores the report compares against, not
+path comes first. `published/` holds published scores the report compares against, not
 configs.
 """
 
@@ -57,9 +57,9 @@ def find(text: str) -> Path:
                          f"(shipped: {', '.join(names())})") from None
 
 
-def reference(name: str) -> Path:
-    """A file of `reference/` (published scores)."""
-    return folder() / "reference" / name
+def published(name: str) -> Path:
+    """A file of `published/`: scores other projects published, read from their figures."""
+    return folder() / "published" / name
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -33,7 +33,7 @@ from hla_bench import registry
 from hla_bench.results.load import file_kind
 from hla_bench.results.store import StoreError, atomic_write_text, check_out, check_writable
 from hla_bench.results.tables import pack, print_table
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Max relative error (max |o - ref| / max |ref|) allowed against the float64 reference.

@@ -8,7 +8,7 @@ import torch
 
 from hla_inputs import random_qkv
 from mixers.hla.ahla2 import ahla2, ahla2_flops, ahla2_naive, ahla2_state_bytes, ahla2_step
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 B, T, H, D, DV = 2, 13, 3, 4, 5
 DECAYS = {"none": None, "float": 0.9, "per_head": torch.tensor([0.5, 0.8, 1.0], dtype=torch.float64)}

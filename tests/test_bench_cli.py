@@ -292,9 +292,9 @@ def test_shipped_configs_are_the_checkouts_configs_folder_and_the_wheels_package
     assert configs.INSTALLED.parent == Path(configs.__file__).parent
     assert configs.shipped("cpu-smoke") == folder / "cpu-smoke.yaml"
     assert configs.shipped("cpu-smoke.yaml").is_file()
-    assert configs.reference("mad-lab.yaml").is_file()
+    assert configs.published("mad-lab.yaml").is_file()
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    data = {"hla_bench.shipped_configs": "", "hla_bench.shipped_configs.reference": "reference/"}
+    data = {"hla_bench.shipped_configs": "", "hla_bench.shipped_configs.published": "published/"}
     assert setuptools["package-dir"] == {"hla_bench.shipped_configs": "configs"}
     assert sorted(setuptools["packages"]) == sorted(
         find_packages(str(root), include=["hla_bench*", "mixers*", "tasks*"]) + list(data))
@@ -314,7 +314,7 @@ def test_config_argument_is_a_file_or_a_shipped_name(runner, tmp_path, monkeypat
     assert unknown.exit_code == 2 and "no shipped config of that name" in unknown.output
     assert "cpu-smoke" in unknown.output
     with pytest.raises(ValueError, match="no shipped config"):
-        configs.shipped("reference/mad-lab")
+        configs.shipped("published/mad-lab")
 
 
 # ---------------------------------------------------------------- the results file

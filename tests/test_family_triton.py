@@ -14,7 +14,7 @@ from mixers.hla.ahla2.triton import plan_launch, unsupported_reason
 from mixers.hla.hla3.triton import HLA3Plan
 from mixers.hla.hla3.triton import plan_launch as hla3_plan_launch
 from mixers.hla.hla3 import hla3, hla3_naive, hla3_step
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 H = 2
 PER_HEAD = torch.tensor([0.6, 0.97], dtype=torch.float64)

@@ -13,7 +13,7 @@ from grids import pairs, parametrize
 from hla_inputs import random_qkv
 from mixers.hla import hla2, hla2_step
 from mixers.hla.hla2 import hla2_flops, hla2_naive, hla2_naive_final_state, hla2_state_bytes
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 B, H, D, DV = 2, 2, 4, 5
 PER_HEAD = "per-head"

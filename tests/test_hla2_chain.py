@@ -9,7 +9,7 @@ import torch
 from grids import parametrize
 from mixers.dispatch import noting
 from mixers.hla.hla2 import hla2, hla2_naive, hla2_naive_final_state
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 B, H = 2, 2
 DECAY = torch.tensor([0.6, 0.97], dtype=torch.float64)

@@ -28,7 +28,7 @@ from mixers.hla.hla2.triton import (ScanPlan, hla2_step_triton, hla2_triton, pla
 from mixers.hla.hla2.triton import backward as backward_stage
 from mixers.hla.hla2.triton import chunked, common, increments, output, paper, scans
 from mixers.hla.hla2.triton import plan as planning
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1")

@@ -6,7 +6,7 @@ import torch
 
 from hla_inputs import random_qkv
 from mixers.hla.hla3 import hla3, hla3_flops, hla3_naive, hla3_state_bytes, hla3_step
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 B, T, H, D, DV = 2, 11, 2, 3, 4
 FORMS = {"causal": ("serial", "scan", "chunk", "parallel"), "paper": ("serial", "scan")}

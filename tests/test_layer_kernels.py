@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from grids import parametrize
 from mixers.short_conv import stacked_causal_conv
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 from hla_bench.recall.kernels.adamw import adamw_step_
 from mixers.short_conv import conv_split_norm
 from hla_bench.recall.stacked import FlatAdamW, StackedLM

@@ -12,7 +12,7 @@ import torch
 
 from grids import parametrize
 from mixers.chain import ChainPlan, backward, forward, launch, plan_chain
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 
 B, H = 2, 2
 DECAY = torch.tensor([0.6, 0.97], dtype=torch.float64)

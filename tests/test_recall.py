@@ -636,7 +636,7 @@ def test_mad_score_view_means_the_best_run_of_each_setting_over_a_tasks_settings
     assert entry["test"] == pytest.approx((0.95 + 0.5) / 2)  # MAD-lab's pick per setting
     assert entry["rule"] == "mad-lab" and (entry["settings"], entry["expected"]) == (2, 11)
     assert set(scores[("hla2", 128)]) == {"in_context_recall", "memorization"}
-    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
+    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "published" /
                                 "mad-lab.yaml").read_text())
     console = Console(record=True, width=250)
     console.print(mad_table(scores, reference))
@@ -765,7 +765,7 @@ def test_recall_tables_choose_the_setting_or_the_reference_views(tmp_path):
 
 
 def test_zoology_reference_is_consistent():
-    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "reference" /
+    reference = yaml.safe_load((Path(__file__).parents[1] / "configs" / "published" /
                                 "zoology-fig2.yaml").read_text())
     assert {"source", "metric", "precision", "settings", "scores",
             "architectures_in_hla_bench"} <= set(reference)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mixers.reference import relative_error
+from mixers.errors import relative_error
 from tasks import IGNORE
 from hla_bench.recall.kernels import cross_entropy, labelled_cross_entropy, norm, stacked_norm
 from hla_bench.recall.model import at_least_float32

@@ -363,7 +363,7 @@ def test_mad_config_runs_mad_labs_protocol():
 
 
 def test_mad_lab_reference_scores_are_consistent():
-    reference = yaml.safe_load((ROOT / "configs" / "reference" / "mad-lab.yaml").read_text())
+    reference = yaml.safe_load((ROOT / "configs" / "published" / "mad-lab.yaml").read_text())
     assert {"source", "metric", "precision", "scores", "architectures_in_hla_bench"} <= set(reference)
     for architecture, scores in reference["scores"].items():
         assert set(scores) == set(mad.MAD_TASKS) | {"mean"}, architecture

@@ -14,11 +14,11 @@ cell shows the mean over seeds with the sample standard deviation.
 Zoology view (`zoology_rows`): for a setting that is a panel of Zoology's Figure 2 (MQAR,
 vocab 8192, its sequence length and key-value pairs, zero fillers), the test-picked accuracy
 of each mixer by d_model (Zoology's own pick) beside the accuracies Zoology publishes there
-(configs/reference/zoology-fig2.yaml, read from its figure).
+(configs/published/zoology-fig2.yaml, read from its figure).
 
 MAD score view (`mad_scores`): per task of the MAD suite, the mean over its settings of the
 cells' scores, val-picked and test-picked, beside MAD-lab's published scores
-(configs/reference/mad-lab.yaml): under its mixer where the file maps an architecture to one,
+(configs/published/mad-lab.yaml): under its mixer where the file maps an architecture to one,
 after every mixer otherwise.
 """
 
@@ -41,8 +41,8 @@ from hla_bench.results.plots import RECALL_PLOT_NAMES, plot_path, pyplot_for
 from hla_bench.results.tables import print_table, table_lines
 from tasks.mad import MAD_TASKS, mad_settings
 
-MAD_REFERENCE = configs.reference("mad-lab.yaml")
-ZOOLOGY_REFERENCE = configs.reference("zoology-fig2.yaml")
+MAD_REFERENCE = configs.published("mad-lab.yaml")
+ZOOLOGY_REFERENCE = configs.published("zoology-fig2.yaml")
 METRIC_NAMES = {"micro": "accuracy over the labelled positions",
                 "mad-macro": "MAD-lab's macro accuracy per batch of 128, averaged"}
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def setting_markdown(setting: str, by_mixer: dict) -> str:
 
 
 def load_reference(path: str | Path) -> dict | None:
-    """Published scores (a file of configs/reference/), or None without the file."""
+    """Published scores (a file of configs/published/), or None without the file."""
     try:
         return yaml.safe_load(Path(path).read_text())
     except OSError:
@@ -301,7 +301,7 @@ def zoology_rows(runs: list[dict], summary: dict, reference: dict) -> dict[str, 
 def _zoology_caption(reference: dict) -> str:
     return ("test-picked accuracy by d_model (the best final test accuracy over the "
             "learning rates, as Zoology picks) beside Zoology's Figure 2, read from its "
-            f"figure (±{reference['precision']}; configs/reference/zoology-fig2.yaml); "
+            f"figure (±{reference['precision']}; configs/published/zoology-fig2.yaml); "
             "-: not run, or a hidden marker")
 
 
@@ -327,7 +327,7 @@ def zoology_markdown(setting: str, d_models: list[int], rows: list[list[str]], r
 # --- the MAD score view ---------------------------------------------------------------------
 
 def load_mad_reference(path: str | Path = MAD_REFERENCE) -> dict | None:
-    """MAD-lab's published scores (configs/reference/mad-lab.yaml), or None without the file."""
+    """MAD-lab's published scores (configs/published/mad-lab.yaml), or None without the file."""
     return load_reference(path)
 
 
@@ -406,10 +406,10 @@ def _mad_layout(scores: dict, reference: dict | None):
                + " or ".join(TEST_RULES[rule] for rule in sorted(rules))
                + "); (n/m): n of MAD-lab's m settings scored")
     if reference is None:
-        caption += "; MAD-lab's published scores: configs/reference/mad-lab.yaml not found"
+        caption += "; MAD-lab's published scores: configs/published/mad-lab.yaml not found"
     elif published:
         caption += ("; MAD-lab rows: its published scores, a task's mean over all its settings "
-                    "(configs/reference/mad-lab.yaml, read from its figure); "
+                    "(configs/published/mad-lab.yaml, read from its figure); "
                     + ("(= MIXER) marks the hla-bench mixer of the same architecture"
                        if matches else "none of its architectures is an hla-bench mixer"))
         absent = sorted(set(matches.values()) - {mixer for mixer, _ in scores})
