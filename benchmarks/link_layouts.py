@@ -45,6 +45,7 @@ import sys
 import torch
 import yaml
 
+from chain_plans import fla_calls
 from hla_bench.speed.timing import percentile, spread, time_calls
 from mixers.chain import backward, forward, plan_chain
 
@@ -82,23 +83,6 @@ def link_calls(q, k, v, plan):
         dq, dk, dv = (torch.zeros(B, T, H, D, device=q.device) for _ in range(3))
         backward(q, k, v, None, False, starts, grad_out, None, dq, dk, dv, plan,
                  want_dS0=False)
-
-    return {"fwd": fwd, "fwdbwd": fwdbwd}
-
-
-def fla_calls(q, k, v):
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn
-    except ImportError:
-        return None
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-
-    def fwd():
-        chunk_linear_attn(*leaves, normalize=False)
-
-    def fwdbwd():
-        o, _ = chunk_linear_attn(*leaves, normalize=False)
-        o.sum().backward()
 
     return {"fwd": fwd, "fwdbwd": fwdbwd}
 
@@ -196,7 +180,7 @@ def main() -> int:
                      if name in chosen}
             fla = fla_calls(q, k, v)
             if fla is not None:
-                calls = {"fla chunk_linear_attn": fla, **calls}
+                calls = {"fla chunk_linear_attn": dict(zip(("fwd", "fwdbwd"), fla)), **calls}
             for mode in modes:
                 reference = None
                 for name, fns in calls.items():
