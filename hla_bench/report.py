@@ -21,7 +21,7 @@ from rich.table import Table
 
 from hla_bench.results import store
 from hla_bench.results.records import iter_groups
-from hla_bench.results.load import load_checked
+from hla_bench.results.checked import load_checked
 from hla_bench.results.plots import PLOT_FORMATS, planned_plots_problem, plots_dir_problem, select
 from hla_bench.recall.report import RECALL_TABLES, render_recall
 from hla_bench.results.tables import (STATUS_LABELS, fit, format_seq_len, format_value, pack,

@@ -203,7 +203,7 @@ def test_report_marks_an_incomplete_file(synthetic, tmp_path):
 
 
 def test_report_calls_the_recall_validation_when_it_exists(tmp_path, monkeypatch):
-    from hla_bench.results import load
+    from hla_bench.results import checked
 
     path = tmp_path / "recall.yaml"
     path.write_text("kind: recall\nschema_version: 1\nruns: [{status: ok}]\n")
@@ -211,7 +211,7 @@ def test_report_calls_the_recall_validation_when_it_exists(tmp_path, monkeypatch
     def validate_recall(data, run_key=None):
         raise ValueError("runs[0].setting: missing field")
 
-    monkeypatch.setattr(load, "validate_recall", validate_recall)
+    monkeypatch.setattr(checked, "validate_recall", validate_recall)
     result = CliRunner().invoke(report.report, [str(path)])
     assert result.exit_code == 2 and f"{path}: runs[0].setting: missing field" in \
         " ".join(result.output.split())

@@ -228,28 +228,3 @@ def validate_recall(data: Any, run_key: Callable[[dict], str] | None = None) -> 
                 "same spec): a run is recorded once per file, and reading it would replace "
                 "the first without a word")
         first[key] = index
-
-
-# What identifies a recall run in a file (the recall wing's `hla_bench.recall.plan.run_key`).
-RunKey = Callable[[dict], str]
-
-
-def load_checked(path: str | Path, run_key: RunKey | None = None) -> dict[str, Any]:
-    """A results file of any kind, checked: the structure every results file has
-    (`check_structure`, the completion marker), then the kind's own schema (bench:
-    `bench_files.validate`; recall: `validate_recall`, with `run_key` what identifies
-    a recall run, so that no two runs share one). Any problem is a ValueError whose message
-    starts with the path."""
-    try:
-        data = load(path)
-        if data["kind"] == "bench":
-            from hla_bench.results import bench_files  # it reads files through load()
-
-            bench_files.validate(data)
-        else:
-            validate_recall(data, run_key)
-    except ValueError as error:
-        message = str(error)
-        raise ValueError(message if message.startswith(str(path))
-                         else f"{path}: {message}") from None
-    return data
