@@ -47,17 +47,18 @@ def variants(D: int) -> dict:
                                                              warps=8)}
 
 
-def link_calls(q, k, v, plan):
-    """(forward, forward + backward) of one link, as calls without arguments."""
+def link_calls(q, k, v, plan, out_dtype=None):
+    """(forward, forward + backward) of one link, as calls without arguments (outputs in
+    `out_dtype`, float32 by default)."""
     B, T, H, D = q.shape
     grad_out = torch.randn(B, T, H, D, device=q.device, dtype=torch.float32)
 
     def fwd():
-        forward(q, k, v, None, None, False, plan, torch.float32)
+        forward(q, k, v, None, None, False, plan, torch.float32, out_dtype=out_dtype)
 
     def fwdbwd():
         _, _, starts = forward(q, k, v, None, None, False, plan, torch.float32,
-                               keep_starts=True)
+                               keep_starts=True, out_dtype=out_dtype)
         dq, dk = (torch.zeros(B, T, H, D, device=q.device) for _ in range(2))
         dv = torch.zeros_like(dq)
         backward(q, k, v, None, False, starts, grad_out, None, dq, dk, dv, plan,

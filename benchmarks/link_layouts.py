@@ -39,15 +39,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import subprocess
 import sys
 
 import torch
 import yaml
 
-from chain_plans import fla_calls
-from hla_bench.speed.timing import percentile, spread, time_calls
-from mixers.chain import backward, forward, plan_chain
+from chain_plans import fla_calls, link_calls, measure
+from hla_bench.results.bench_files import git_commit
+from mixers.chain import forward, plan_chain
 
 TOKENS, HEADS = 65536, 16
 PROFILED_CALLS = 5
@@ -67,24 +66,6 @@ def layouts(D: int) -> dict:
         table["fla bf16 narrow 128-blocks 8-warps"] = dataclasses.replace(
             fla_bf16, narrow_starts=True, block_k=128, block_v=128, warps=8, stages=3)
     return table
-
-
-def link_calls(q, k, v, plan):
-    """(forward, forward + backward) of one link, as calls without arguments."""
-    B, T, H, D = q.shape
-    grad_out = torch.randn(B, T, H, D, device=q.device, dtype=torch.float32)
-
-    def fwd():
-        forward(q, k, v, None, None, False, plan, torch.float32, out_dtype=q.dtype)
-
-    def fwdbwd():
-        _, _, starts = forward(q, k, v, None, None, False, plan, torch.float32,
-                               keep_starts=True, out_dtype=q.dtype)
-        dq, dk, dv = (torch.zeros(B, T, H, D, device=q.device) for _ in range(3))
-        backward(q, k, v, None, False, starts, grad_out, None, dq, dk, dv, plan,
-                 want_dS0=False)
-
-    return {"fwd": fwd, "fwdbwd": fwdbwd}
 
 
 def agreement(q, k, v, plans: dict) -> list[dict]:
@@ -112,12 +93,6 @@ def agreement(q, k, v, plans: dict) -> list[dict]:
     return rows
 
 
-def measure(fn) -> dict:
-    times = time_calls(fn, warmup=3, repeats=5, device="cuda", min_time_s=0.25,
-                       flush_cache=True)
-    return {"median_ms": round(percentile(times, 50), 4), "spread": spread(times)}
-
-
 def kernel_times(fn) -> list[dict]:
     """GPU ms per call of each kernel fn launches (the costliest first)."""
     from torch.profiler import ProfilerActivity, profile
@@ -134,17 +109,6 @@ def kernel_times(fn) -> list[dict]:
                                                    / PROFILED_CALLS, 4),
              "launches": round(e.count / PROFILED_CALLS)}
             for e in events if e.self_device_time_total > 0]
-
-
-def commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main() -> int:
@@ -168,7 +132,7 @@ def main() -> int:
         print("link_layouts.py needs a CUDA device", file=sys.stderr)
         return 2
     report = {"gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),
-              "commit": commit(), "dtype": "bfloat16", "heads": HEADS, "tokens": TOKENS,
+              "commit": git_commit(), "dtype": "bfloat16", "heads": HEADS, "tokens": TOKENS,
               "rows": [], "agreement": [], "kernels": []}
     for D in (int(d) for d in args.head_dims.split(",")):
         for T in (int(t) for t in args.seq_lens.split(",")):
@@ -176,8 +140,8 @@ def main() -> int:
             gen = torch.Generator(device="cuda").manual_seed(0)
             q, k, v = (torch.randn(TOKENS // T, T, HEADS, D, device="cuda", generator=gen,
                                    dtype=torch.bfloat16).div_(D ** 0.5) for _ in range(3))
-            calls = {name: link_calls(q, k, v, plan) for name, plan in layouts(D).items()
-                     if name in chosen}
+            calls = {name: dict(zip(("fwd", "fwdbwd"), link_calls(q, k, v, plan, q.dtype)))
+                     for name, plan in layouts(D).items() if name in chosen}
             fla = fla_calls(q, k, v)
             if fla is not None:
                 calls = {"fla chunk_linear_attn": dict(zip(("fwd", "fwdbwd"), fla)), **calls}
