@@ -146,10 +146,10 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
 
 def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: int = 16) -> dict:
     """Where one stacked step's GPU time goes, the group alone on the GPU (once every group
-    has warmed up, one group at a time): the wall time of a replayed graph step, the time its matmul FLOPs take at `gemm` TFLOP/s
-    (hla_bench.recall.pool.step_flops per run), then torch.profiler over `steps` steps of the
-    same trainer without the graph (the graph replays the same kernels): its `rows`
-    costliest kernels."""
+    has warmed up, one group at a time): the wall time of a replayed graph step, the time
+    its matmul FLOPs take at `gemm` TFLOP/s (hla_bench.recall.pool.step_flops per run),
+    then torch.profiler over `steps` steps of the same trainer without the graph (the graph
+    replays the same kernels): its `rows` costliest kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
