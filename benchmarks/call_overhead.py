@@ -103,7 +103,7 @@ def main():
             for mode in sweep.modes:
                 key = f"{spec.label} D={D} T={T} {mode}"
                 try:
-                    point = Point(sweep, spec, mode, T)
+                    point = Point(sweep, spec, mode, T, sweep.graph_timed(mode))
                     record, prepared = prepare(point, None)
                     if prepared is None:
                         rows[key] = {"status": record["status"], "reason": record["reason"]}

@@ -24,7 +24,7 @@ from rich.table import Table
 from hla_bench import configs, registry
 from hla_bench.results import bench_files as results_io
 from hla_bench.options import is_required, option_flag, with_field_options
-from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text,
+from hla_bench.speed.sweeps import (MAX_COUNT, MAX_SECONDS, SweepConfig, default_text, plan,
                                      load_config, looks_like_recall, settings_of,
                                      parse_mixer_specs, parse_modes, parse_seq_lens,
                                      setting_fields)
@@ -96,9 +96,9 @@ def _check(sweeps: list[SweepConfig]) -> None:
 
     for sweep in sweeps:
         try:
-            sweep.check_mixers()
             sweep.check_device()
-            check_options(sweep)
+            mixers = sweep.check_mixers()
+            check_options(sweep, mixers)
         except ValueError as error:
             raise click.UsageError(str(error)) from None
 
@@ -159,18 +159,19 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
     """Check everything, run the sweeps with a progress bar, keeping the results file
     current after every point; print tables or data. `isolate` None: isolated when a CPU
     point is big enough to need the memory watchdog (`hla_bench.speed.isolate`)."""
-    from hla_bench.speed.runner import run_sweeps
+    from hla_bench.speed.runner import run_points
 
     _check_executor(executor, scheduler, dashboard)
     mode = _mode(out, resume, overwrite)
     _check(sweeps)
+    points = plan(sweeps)
     errors = Console(stderr=True)
     if isolate is None:
         isolate = False
         if executor == "local":
             from hla_bench.speed.isolate import watch_threshold_bytes, watched_points
 
-            watched = watched_points(sweeps)
+            watched = watched_points(points)
             if watched:
                 isolate = True
                 errors.print(f"{len(watched)} CPU point(s), the first {watched[0].describe()}, "
@@ -216,23 +217,23 @@ def execute(config: dict[str, Any], sweeps: list[SweepConfig], out: str | None, 
                 progress.update(task, completed=index, total=total, description=escape(point.describe()))
 
             if executor == "dask":
-                from hla_bench.speed.isolate import run_sweeps_dask
+                from hla_bench.speed.isolate import run_points_dask
 
                 def on_connected(client) -> None:
                     if dashboard:
                         errors.print(f"dask dashboard: {client.dashboard_link}",
                                      highlight=False)
 
-                planned = run_sweeps_dask(sweeps, scheduler, previous=store.records(),
+                planned = run_points_dask(points, scheduler, previous=store.records(),
                                           on_measured=on_measured, dashboard=dashboard,
                                           on_connected=on_connected)
             elif isolate:
-                from hla_bench.speed.isolate import run_sweeps_isolated
+                from hla_bench.speed.isolate import run_points_isolated
 
-                planned = run_sweeps_isolated(sweeps, previous=store.records(),
+                planned = run_points_isolated(points, previous=store.records(),
                                               on_measured=on_measured, on_point=on_point)
             else:
-                planned = run_sweeps(sweeps, on_point, previous=store.records(),
+                planned = run_points(points, on_point, previous=store.records(),
                                      on_measured=on_measured)
             progress.update(task, completed=len(planned))
         store.update_header({"environment": {

@@ -3,7 +3,7 @@
 The client process plans the work and owns the results file; Dask workers run the tasks:
 a recall group (`hla_bench.recall.pool.run_groups_dask`) or a bench point group (one
 mixer's points of one sweep, measured in a fresh process on its worker:
-`hla_bench.speed.isolate.run_sweeps_dask`). Every finished task comes back to the client,
+`hla_bench.speed.isolate.run_points_dask`). Every finished task comes back to the client,
 which stores its records at once, as the local executor does, so `--resume` works across
 executors. This module is what both wings share: the cluster (`connect`), its checks and
 its description; it imports neither wing.

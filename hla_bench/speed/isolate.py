@@ -31,9 +31,9 @@ from typing import Any, Callable
 import torch
 
 from hla_bench.results.tables import format_seq_len
-from hla_bench.speed.sweeps import SweepConfig
+from hla_bench.speed.sweeps import Point, point_groups
 from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
-from hla_bench.speed.runner import Point, plan, run_sweeps
+from hla_bench.speed.runner import run_points
 from hla_bench.processes import exit_with_parent, how_it_ended
 
 # Files with an `oom_kill N` line: the kernel's count of processes its out-of-memory killer
@@ -100,11 +100,11 @@ def point_bytes(point: Point) -> int:
     return record["batch"] * point.seq_len * per_token * (2 if point.mode == "fwdbwd" else 1)
 
 
-def watched_points(sweeps: list[SweepConfig]) -> list[Point]:
-    """The CPU points of `sweeps` big enough to be measured under the watchdog, in plan
-    order: a kernel out-of-memory kill there would otherwise end the command."""
+def watched_points(points: list[Point]) -> list[Point]:
+    """The planned CPU points big enough to be measured under the watchdog, in plan order:
+    a kernel out-of-memory kill there would otherwise end the command."""
     limit = watch_threshold_bytes()
-    return [point for point in plan(list(sweeps))
+    return [point for point in points
             if not str(point.sweep.resolved_device()).startswith("cuda")
             and point_bytes(point) >= limit]
 
@@ -117,38 +117,22 @@ def _first_to_kill() -> None:
         pass
 
 
-def point_groups(sweeps: list[SweepConfig]) -> list[dict[str, Any]]:
-    """One sweep per (sweep, mixer spec), as a config mapping: the unit measured alone."""
-    groups = []
-    for sweep in sweeps:
-        data = sweep.to_dict()
-        for spec in sweep.mixers:
-            groups.append({**data, "mixers": [spec.to_dict()]})
-    return groups
-
-
-def group_records(group: dict[str, Any], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of `records` that belong to the point group `group`."""
-    return [r for r in records if r.get("sweep") == group["name"]
-            and r.get("mixer") == group["mixers"][0]["label"]]
-
-
-def _measure_in_child(group: dict[str, Any], previous: list[dict[str, Any]], send,
+def _measure_in_child(points: list[Point], previous: list[dict[str, Any]], send,
                       parent: int) -> None:
     exit_with_parent(parent)
     _first_to_kill()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    run_sweeps([SweepConfig.from_dict(group)], previous=previous, on_measured=send.send)
+    run_points(points, previous=previous, on_measured=send.send)
     send.close()
 
 
-def _run_child(context, group: dict[str, Any], previous: list[dict[str, Any]],
+def _run_child(context, points: list[Point], previous: list[dict[str, Any]],
                arrived: Callable[[dict[str, Any]], None]) -> int | None:
-    """Measure the point group in a new child, passing each record to `arrived` as it comes;
-    the child's exit code (negative: the signal that ended it)."""
+    """Measure the points of one group in a new child, passing each record to `arrived` as
+    it comes; the child's exit code (negative: the signal that ended it)."""
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_measure_in_child, daemon=True,
-                              args=(group, previous, send, os.getpid()))
+                              args=(points, previous, send, os.getpid()))
     process.start()
     send.close()
     try:
@@ -166,17 +150,18 @@ def _run_child(context, group: dict[str, Any], previous: list[dict[str, Any]],
     return process.exitcode
 
 
-def run_sweeps_isolated(sweeps: list[SweepConfig], *, previous: list[dict[str, Any]] = (),
+def run_points_isolated(points: list[Point], *, previous: list[dict[str, Any]] = (),
                         on_measured: Callable[[dict[str, Any]], None] | None = None,
                         on_point: Callable[[int, int, Point], None] | None = None,
                         ) -> list[dict[str, Any]]:
-    """`hla_bench.speed.runner.run_sweeps` with each (sweep, mixer) point group in a fresh
+    """`hla_bench.speed.runner.run_points` with each (sweep, mixer) point group in a fresh
     process; `on_point(index, total, point)` as each measured record arrives. Returns every
     record of the plan (kept and measured), in plan order."""
     context = multiprocessing.get_context("spawn")
+    keys = [point_key(empty_record(point)) for point in points]
+    index = {key: i for i, key in enumerate(keys)}
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
-    planned = plan(list(sweeps))
-    index = {point_key(empty_record(point)): i for i, point in enumerate(planned)}
+    earlier = {point_key(r): r for r in previous}
     records: dict[str, dict[str, Any]] = {}
 
     def arrived(record: dict[str, Any]) -> None:
@@ -185,22 +170,21 @@ def run_sweeps_isolated(sweeps: list[SweepConfig], *, previous: list[dict[str, A
         if on_measured is not None:
             on_measured(record)
         if on_point is not None and key in index:
-            on_point(index[key], len(planned), planned[index[key]])
+            on_point(index[key], len(points), points[index[key]])
 
-    for group in point_groups(list(sweeps)):
-        label = group["mixers"][0]["label"]
-        group_plan = plan([SweepConfig.from_dict(group)])
+    position = {id(point): i for i, point in enumerate(points)}
+    for group in point_groups(points):
+        group_keys = [keys[position[id(point)]] for point in group]
+        label = group[0].spec.label
         while True:  # a new child after each out-of-memory kill, for the points left
-            known = {point_key(r): r for r in group_records(group, list(previous))}
-            known.update((key, records[key]) for key in
-                         map(point_key, map(empty_record, group_plan)) if key in records)
+            known = [records.get(key) or earlier[key] for key in group_keys
+                     if key in records or key in earlier]
             before = oom_kills()
-            exitcode = _run_child(context, group, list(known.values()), arrived)
+            exitcode = _run_child(context, group, known, arrived)
             if exitcode == 0:
                 break
-            left = [point for point in group_plan
-                    if point_key(empty_record(point)) not in records
-                    and point_key(empty_record(point)) not in kept]
+            left = [point for point, key in zip(group, group_keys)
+                    if key not in records and key not in kept]
             if not left:
                 break
             after = oom_kills() if exitcode == -signal.SIGKILL else None
@@ -212,76 +196,73 @@ def run_sweeps_isolated(sweeps: list[SweepConfig], *, previous: list[dict[str, A
                     f"({how_it_ended(exitcode)}; its count of such kills went from {before} "
                     f"to {after})")})
                 continue
-            reason = (f"the process measuring mixer {label!r} of sweep {group['name']!r} "
+            reason = (f"the process measuring mixer {label!r} of sweep {group[0].sweep.name!r} "
                       f"ended ({how_it_ended(exitcode)}) before this point was measured")
             for point in left:
                 arrived({**empty_record(point), "status": "error", "reason": reason})
             break
     return [records.get(key) or kept.get(key) or empty_record(point)
-            for key, point in ((point_key(empty_record(p)), p) for p in planned)]
+            for key, point in zip(keys, points)]
 
 
 # --- on a Dask cluster (`--executor dask`) ------------------------------------------------
 
-def _bench_task(sweep: dict, previous: list[dict]) -> list[dict]:
+def _bench_task(points: list[Point], previous: list[dict]) -> list[dict]:
     """A bench point group on a worker, measured in a fresh child process
-    (`hla_bench.speed.isolate`): a fault there (an illegal address, a hung kernel, a
+    (`run_points_isolated`): a fault there (an illegal address, a hung kernel, a
     poisoned CUDA context, a kill for memory) stays out of the worker and of the other
     mixers' points, and the child dies with its worker. The points it measured before a
     crash come back with the ones the crash cost (errors, or `oom` for a memory kill)."""
     measured: list[dict] = []
-    run_sweeps_isolated([SweepConfig.from_dict(sweep)], previous=previous,
-                        on_measured=measured.append)
+    run_points_isolated(points, previous=previous, on_measured=measured.append)
     return measured
 
 
-def run_sweeps_dask(sweeps, scheduler: str | None, *, previous: list[dict],
+def run_points_dask(points: list[Point], scheduler: str | None, *, previous: list[dict],
                     on_measured: Callable[[dict], None], dashboard: bool = False,
                     on_connected: Callable[[Any], Any] | None = None) -> list[dict]:
-    """`run_sweeps` on a Dask cluster (`hla_bench.dask_executor`): each (sweep, mixer)
+    """`run_points` on a Dask cluster (`hla_bench.dask_executor`): each (sweep, mixer)
     point group is one task; its measured points reach `on_measured` as the task finishes.
-    A task whose worker died twice is recorded as an error point per planned point. A local
-    cluster (no `scheduler`) serves a dashboard when `dashboard` (see `connect`);
-    `on_connected(client)` is called once connected. Returns every record of the plan (kept
-    and measured), as run_sweeps does."""
+    A task whose worker died twice is recorded as an error point per planned point not kept
+    before. A local cluster (no `scheduler`) serves a dashboard when `dashboard` (see
+    `connect`); `on_connected(client)` is called once connected. Returns every record of
+    the plan (kept and measured), as run_points does."""
     from hla_bench.dask_executor import connect, cuda_device_count, load_distributed
 
     distributed = load_distributed()
-    groups = point_groups(sweeps)
-    cuda = any(str(sweep.resolved_device()).startswith("cuda") for sweep in sweeps)
+    empty = [empty_record(point) for point in points]
+    keys = [point_key(record) for record in empty]
+    kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
+    earlier = {point_key(r): r for r in previous}
+    tasks = []  # (points, their earlier records, their empty records, on a GPU)
+    position = {id(point): i for i, point in enumerate(points)}
+    for group in point_groups(points):
+        at = [position[id(point)] for point in group]
+        tasks.append((group, [earlier[keys[i]] for i in at if keys[i] in earlier],
+                      [empty[i] for i in at],
+                      str(group[0].sweep.resolved_device()).startswith("cuda")))
     # timings do not share a GPU: one worker per GPU
-    gpus = cuda_device_count() if cuda else 0
+    gpus = cuda_device_count() if any(task[3] for task in tasks) else 0
     client = connect(scheduler, gpus=gpus,
-                     workers=gpus or min(len(groups), max(1, (os.cpu_count() or 2) // 2)),
+                     workers=gpus or min(len(tasks), max(1, (os.cpu_count() or 2) // 2)),
                      dashboard=dashboard)
     if on_connected is not None:
         on_connected(client)
-    kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     records: dict = {}
     try:
-        futures = {}
-        for group in groups:
-            on_gpu = str(SweepConfig.from_dict(group).resolved_device()).startswith("cuda")
-            futures[client.submit(_bench_task, group, group_records(group, previous), pure=False,
-                                  resources={"GPU": 1} if on_gpu else None)] = group
+        futures = {client.submit(_bench_task, group, before, pure=False,
+                                 resources={"GPU": 1} if on_gpu else None): planned
+                   for group, before, planned, on_gpu in tasks}
         for future in distributed.as_completed(list(futures)):
-            group = futures[future]
             try:
                 measured = future.result()
             except Exception as error:  # noqa: BLE001 - its worker died twice
                 reason = f"{type(error).__name__}: {error}"
-                measured = []
-                for point in plan([SweepConfig.from_dict(group)]):
-                    record = empty_record(point)
-                    if point_key(record) not in kept:
-                        measured.append({**record, "status": "error", "reason": reason})
+                measured = [{**record, "status": "error", "reason": reason}
+                            for record in futures[future] if point_key(record) not in kept]
             for record in measured:
                 records[point_key(record)] = record
                 on_measured(record)
     finally:
         client.close()
-    planned = []
-    for point in plan(list(sweeps)):
-        key = point_key(empty_record(point))
-        planned.append(records.get(key) or kept.get(key) or empty_record(point))
-    return planned
+    return [records.get(key) or kept.get(key) or record for key, record in zip(keys, empty)]

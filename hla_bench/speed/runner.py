@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -29,7 +28,7 @@ import torch
 from hla_bench import registry
 from hla_bench.results.tables import format_seq_len
 from hla_bench.options import MixerSpec
-from hla_bench.speed.sweeps import SweepConfig
+from hla_bench.speed.sweeps import Point, SweepConfig, plan
 from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
 from hla_bench.speed.timing import (ESTIMATE_CALLS, CacheFlusher, PointTimeout, Sampling,
                                      cuda_graph_replay, peak_memory_bytes, sample_rounds,
@@ -38,27 +37,6 @@ from mixers import dispatch
 
 # (sweep name, mixer label, mode) -> the smallest T that ran out of memory
 OomAt = dict[tuple[str, str, str], int]
-
-
-@dataclass(frozen=True)
-class Point:
-    """One planned measurement."""
-
-    sweep: SweepConfig
-    spec: MixerSpec
-    mode: str
-    seq_len: int
-
-    def describe(self) -> str:
-        return f"{self.sweep.name} {self.spec.label} {self.mode} T={format_seq_len(self.seq_len)}"
-
-
-def plan(sweeps: list[SweepConfig]) -> list[Point]:
-    """Every point, in run order: sweep, mode, increasing T, then the sweep's mixers (the
-    points of one shape are timed together)."""
-    return [Point(sweep, spec, mode, seq_len)
-            for sweep in sweeps for mode in sweep.modes for seq_len in sorted(sweep.seq_lens)
-            for spec in sweep.mixers]
 
 
 def sampling(sweep: SweepConfig) -> Sampling:
@@ -164,7 +142,7 @@ def build_call(point: Point, mixer: registry.Mixer, options: dict[str, Any],
     cuda = device.startswith("cuda")
     with dispatch.noting() as notes:
         estimate = warm_up(call, how, cuda)
-        graph = sweep.graph_timed(point.mode)
+        graph = point.graph_timed
         record["cuda_graph"] = graph
         if graph:
             call = cuda_graph_replay(call, f"the {point.mode} call")
@@ -216,52 +194,59 @@ def _fill_times(point: Point, mixer: registry.Mixer, options: dict[str, Any], re
 # ---------------------------------------------------------------- option checks
 
 
-def check_options(sweep: SweepConfig) -> None:
+def check_options(sweep: SweepConfig, mixers: list[registry.Mixer]) -> None:
     """Option values a mixer rejects raise ValueError before anything runs.
 
     Only the op (and, when the sweep has decode points, the decoder) can tell a bad
     value, so each spec with options is built and called once on a few tokens, on the
-    sweep's device and dtype. A ValueError or TypeError counts against the options only
+    sweep's device and dtype (`mixers`: the registry's mixer of each of the sweep's specs,
+    `SweepConfig.check_mixers`). A ValueError or TypeError counts against the options only
     when the same call with the mixer's defaults succeeds: a mixer that fails anyway
     is a result of its points, as in any sweep. Mixers that cannot run here (a missing
     package or device) are not probed; their points are recorded as unavailable."""
     modes = ("fwd", "decode") if "decode" in sweep.modes else ("fwd",)
-    for spec in sweep.mixers:
-        mixer = registry.get(spec.name)
+    for spec, mixer in zip(sweep.mixers, mixers):
         if not spec.options or mixer.unavailable_reason(spec.options):
             continue
         for mode in modes:
             if mode == "decode" and mixer.build_decoder is None:
                 continue
-            error = _probe(sweep, mixer, spec.options, mode)
-            if error is not None and _probe(sweep, mixer, {}, mode) is None:
+            error = _rejection(sweep, mixer, spec.options, mode)
+            if error is not None:
                 where = "its decoder" if mode == "decode" else "its op"
                 raise ValueError(f"sweep {sweep.name!r}: mixer {spec.label!r} "
                                  f"({spec.text()}): {where} rejects the options: {error}")
 
 
-def _probe(sweep: SweepConfig, mixer: registry.Mixer, options: dict[str, Any],
-           mode: str) -> str | None:
-    """The message of the ValueError or TypeError one small call raises, else None."""
+def _rejection(sweep: SweepConfig, mixer: registry.Mixer, options: dict[str, Any],
+               mode: str) -> str | None:
+    """The message of the ValueError or TypeError that one small call with `options` raises
+    where the same call with the mixer's defaults does not, else None."""
     device, dtype = sweep.resolved_device(), getattr(torch, sweep.resolved_dtype())
     heads, head_dim, value_dim = sweep.heads, sweep.head_dim, sweep.value_dim or sweep.head_dim
     seq_len = min(16, min(sweep.seq_lens))
-    generator = input_generator(device)
-    try:
-        with time_limit(sweep.point_timeout_s), torch.no_grad():
-            if mode == "decode":
-                decoder = mixer.decoder(**options)
-                state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, device,
-                                           dtype)
-                decoder.step(*_qkv((1, heads), head_dim, value_dim, device, dtype,
-                                   generator), state)
-            else:
-                mixer.op(**options)(*_qkv((1, seq_len, heads), head_dim, value_dim,
-                                          device, dtype, generator))
-    except (ValueError, TypeError) as error:
-        return f"{type(error).__name__}: {error}" if isinstance(error, TypeError) else str(error)
-    except Exception:  # not the options' fault: left to the points to record
-        free_memory()
+    prefix = (1, heads) if mode == "decode" else (1, seq_len, heads)
+    rejected = None
+    for each in (options, {}):
+        try:
+            inputs = _qkv(prefix, head_dim, value_dim, device, dtype, input_generator(device))
+            with time_limit(sweep.point_timeout_s), torch.no_grad():
+                if mode == "decode":
+                    decoder = mixer.decoder(**each)
+                    state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, device,
+                                               dtype)
+                    decoder.step(*inputs, state)
+                else:
+                    mixer.op(**each)(*inputs)
+        except (ValueError, TypeError) as error:
+            if rejected is not None:
+                return None  # the defaults fail alike: not the options' fault
+            rejected = (f"{type(error).__name__}: {error}" if isinstance(error, TypeError)
+                        else str(error))
+            continue
+        except Exception:  # not the options' fault: left to the points to record
+            free_memory()
+        return rejected  # None once the options ran; their message once the defaults ran
     return None
 
 
@@ -313,7 +298,7 @@ def prepare(point: Point, oom_at: OomAt | None) -> tuple[dict[str, Any], tuple |
         return {**record, "status": "unsupported", "reason": f"{mixer.name} has no decode form"}, None
     if point.sweep.level == "layer" and mixer.build_layer is None:
         return {**record, "status": "unsupported", "reason": f"{mixer.name} has no layer form"}, None
-    if point.sweep.graph_timed(point.mode) and not record["device"].startswith("cuda"):
+    if point.graph_timed and not record["device"].startswith("cuda"):
         setting = "cuda_graph" if point.sweep.cuda_graph else "decode_graph"
         return {**record, "status": "unsupported", "reason": f"{setting} needs a CUDA device"}, None
     if oom_at is not None and key in oom_at and point.seq_len > oom_at[key]:
@@ -440,19 +425,30 @@ def run_sweeps(sweeps: list[SweepConfig],
                previous: list[dict[str, Any]] = (),
                on_measured: Callable[[dict[str, Any]], None] | None = None,
                ) -> list[dict[str, Any]]:
-    """Run every planned point; `on_point(index, total, point)` is called before each,
+    """`run_points` over the plan of `sweeps`."""
+    return run_points(plan(sweeps), on_point, on_record, previous, on_measured)
+
+
+def run_points(points: list[Point],
+               on_point: Callable[[int, int, Point], None] | None = None,
+               on_record: Callable[[list[dict[str, Any]]], None] | None = None,
+               previous: list[dict[str, Any]] = (),
+               on_measured: Callable[[dict[str, Any]], None] | None = None,
+               ) -> list[dict[str, Any]]:
+    """Measure planned points (`hla_bench.speed.sweeps.plan`), in their order;
+    `on_point(index, total, point)` is called before each,
     `on_record(records_so_far)` after each, and `on_measured(record)` after each point
     measured here (not taken from `previous`), to save it as soon as it exists.
     A point with a record in `previous` (same key, a kept status) is not measured again:
     a sweep cut short can be resumed from its results file. The points of one shape are
     measured together, in rounds (see run_together)."""
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
-    points = plan(sweeps)
+    keys = [point_key(empty_record(point)) for point in points]
+    resumed = [kept[key] if key in kept else None for key in keys]
     oom_at: OomAt = {}
-    for point in points:  # a kept out-of-memory point still rules out the larger T
-        record = kept.get(point_key(empty_record(point)))
+    for point, record in zip(points, resumed):
         if record is not None and record["status"] == "oom":
-            _mark_oom(oom_at, point)
+            _mark_oom(oom_at, point)  # a kept out-of-memory point still rules out the larger T
     records: list[dict[str, Any]] = []
 
     def add(record: dict[str, Any], measured: bool) -> None:
@@ -463,12 +459,12 @@ def run_sweeps(sweeps: list[SweepConfig],
             on_record(records)
 
     for start, group in _timing_groups(points):
-        resumed = [kept.get(point_key(empty_record(p))) for p in group]
-        todo = [p for p, record in zip(group, resumed) if record is None]
+        group_resumed = resumed[start:start + len(group)]
+        todo = [p for p, record in zip(group, group_resumed) if record is None]
         measured = iter(run_together(
             todo, oom_at,
             on_point and (lambda p: on_point(start + group.index(p), len(points), p))))
-        for point, record in zip(group, resumed):
+        for point, record in zip(group, group_resumed):
             if record is None:
                 add(next(measured), True)
             else:
@@ -485,7 +481,7 @@ def _timing_groups(points: list[Point]) -> Iterator[tuple[int, list[Point]]]:
     while start < len(points):
         end = start + 1
         while (end < len(points) and _same_shape(points[end], points[start])
-               and not points[start].sweep.graph_timed(points[start].mode)):
+               and not points[start].graph_timed):
             end += 1
         yield start, points[start:end]
         start = end

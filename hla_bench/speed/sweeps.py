@@ -331,11 +331,12 @@ class SweepConfig:
             return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
         return self.dtype
 
-    def check_mixers(self) -> None:
-        """Unknown mixer names or options, and options only a layer uses, raise ValueError
-        before anything runs."""
-        for spec in self.mixers:
-            registry.get(spec.name).resolve_options(spec.options)
+    def check_mixers(self) -> list[registry.Mixer]:
+        """The registry's mixer of each spec; unknown mixer names or options, and options
+        only a layer uses, raise ValueError before anything runs."""
+        mixers = [registry.get(spec.name) for spec in self.mixers]
+        for spec, mixer in zip(self.mixers, mixers):
+            mixer.resolve_options(spec.options)
             layer_only = [key for key in spec.options if key in LAYER_ONLY_OPTIONS]
             if layer_only and self.level == "op":
                 raise ValueError(
@@ -344,6 +345,7 @@ class SweepConfig:
                     f"{spec.name!r} applies to layers only (the models of the recall command); "
                     "at level op the benchmarks time the op, which does not use it (level "
                     "layer times the layer)")
+        return mixers
 
     def check_device(self) -> None:
         """A malformed device, one whose work cannot be timed (meta computes nothing), or
@@ -456,3 +458,37 @@ def looks_like_recall(path: str | Path) -> bool:
 def settings_of(sweeps: list[SweepConfig]) -> dict[str, Any]:
     """What a resume must match: each sweep's shape and timing settings, by sweep name."""
     return {"sweeps": {sweep.name: sweep.settings() for sweep in sweeps}}
+
+
+# --- the plan: the points that a list of sweeps measures ----------------------------------
+
+@dataclass(frozen=True)
+class Point:
+    """One planned measurement. `graph_timed`: whether it times CUDA-graph replays (its
+    sweep's cuda_graph, or decode_graph for a decode point)."""
+
+    sweep: SweepConfig
+    spec: MixerSpec
+    mode: str
+    seq_len: int
+    graph_timed: bool = False
+
+    def describe(self) -> str:
+        return f"{self.sweep.name} {self.spec.label} {self.mode} T={format_seq_len(self.seq_len)}"
+
+
+def plan(sweeps: list[SweepConfig]) -> list[Point]:
+    """Every point, in run order: sweep, mode, increasing T, then the sweep's mixers (the
+    points of one shape are timed together)."""
+    return [Point(sweep, spec, mode, seq_len, sweep.graph_timed(mode))
+            for sweep in sweeps for mode in sweep.modes for seq_len in sorted(sweep.seq_lens)
+            for spec in sweep.mixers]
+
+
+def point_groups(points: list[Point]) -> list[list[Point]]:
+    """The points of each (sweep, mixer spec), in plan order: the unit that a process of
+    its own measures (`hla_bench.speed.isolate`)."""
+    groups: dict[tuple[str, str], list[Point]] = {}
+    for point in points:
+        groups.setdefault((point.sweep.name, point.spec.label), []).append(point)
+    return list(groups.values())
