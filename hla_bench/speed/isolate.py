@@ -150,6 +150,13 @@ def _run_child(context, points: list[Point], previous: list[dict[str, Any]],
     return process.exitcode
 
 
+def _keyed_groups(points: list[Point], keys: list[str]) -> list[tuple[list[Point], list[str]]]:
+    """`point_groups` of the planned points, each with its points' record keys (`keys`:
+    the key of each of `points`)."""
+    key_of = {id(point): key for point, key in zip(points, keys)}
+    return [(group, [key_of[id(point)] for point in group]) for group in point_groups(points)]
+
+
 def run_points_isolated(points: list[Point], *, previous: list[dict[str, Any]] = (),
                         on_measured: Callable[[dict[str, Any]], None] | None = None,
                         on_point: Callable[[int, int, Point], None] | None = None,
@@ -172,9 +179,7 @@ def run_points_isolated(points: list[Point], *, previous: list[dict[str, Any]] =
         if on_point is not None and key in index:
             on_point(index[key], len(points), points[index[key]])
 
-    position = {id(point): i for i, point in enumerate(points)}
-    for group in point_groups(points):
-        group_keys = [keys[position[id(point)]] for point in group]
+    for group, group_keys in _keyed_groups(points, keys):
         label = group[0].spec.label
         while True:  # a new child after each out-of-memory kill, for the points left
             known = [records.get(key) or earlier[key] for key in group_keys
@@ -232,14 +237,13 @@ def run_points_dask(points: list[Point], scheduler: str | None, *, previous: lis
     distributed = load_distributed()
     empty = [empty_record(point) for point in points]
     keys = [point_key(record) for record in empty]
+    empty_of = dict(zip(keys, empty))
     kept = {point_key(r): r for r in previous if r.get("status") in KEPT_STATUSES}
     earlier = {point_key(r): r for r in previous}
     tasks = []  # (points, their earlier records, their empty records, on a GPU)
-    position = {id(point): i for i, point in enumerate(points)}
-    for group in point_groups(points):
-        at = [position[id(point)] for point in group]
-        tasks.append((group, [earlier[keys[i]] for i in at if keys[i] in earlier],
-                      [empty[i] for i in at],
+    for group, group_keys in _keyed_groups(points, keys):
+        tasks.append((group, [earlier[key] for key in group_keys if key in earlier],
+                      [empty_of[key] for key in group_keys],
                       str(group[0].sweep.resolved_device()).startswith("cuda")))
     # timings do not share a GPU: one worker per GPU
     gpus = cuda_device_count() if any(task[3] for task in tasks) else 0

@@ -27,7 +27,6 @@ import torch
 
 from hla_bench import registry
 from hla_bench.results.tables import format_seq_len
-from hla_bench.options import MixerSpec
 from hla_bench.speed.sweeps import Point, SweepConfig, plan
 from hla_bench.results.records import KEPT_STATUSES, empty_record, point_key
 from hla_bench.speed.timing import (ESTIMATE_CALLS, CacheFlusher, PointTimeout, Sampling,
