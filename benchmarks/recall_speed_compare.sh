@@ -38,7 +38,8 @@ bench() {  # bench CODE_DIR OUTFILE ARGS...
 }
 # the earlier code names its own commit, whatever HLA_BENCH_GIT_COMMIT says of this one
 baseline_commit=$(git -C "$baseline" rev-parse --short HEAD 2> /dev/null || echo unknown)
-(cd "$baseline" && HLA_BENCH_GIT_COMMIT=$baseline_commit PYTHONPATH="$baseline$site" python3 benchmarks/recall_throughput.py \
+(cd "$baseline" && HLA_BENCH_GIT_COMMIT=$baseline_commit PYTHONPATH="$baseline$site" \
+    python3 benchmarks/recall_throughput.py \
     --config zoology-fig2 --cells "$cells" --mixers "$mixers" --modes stacked --compile \
     --steps 150 --out "$out/baseline-compiled.yaml") 2>&1 | grep -v -i warning | tail -4 | cut -c1-400
 bench "$PWD" "$out/stacked-compiled.yaml" --modes stacked --compile
