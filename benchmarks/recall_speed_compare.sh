@@ -42,12 +42,13 @@ baseline_commit=$(git -C "$baseline" rev-parse --short HEAD 2> /dev/null || echo
     python3 benchmarks/recall_throughput.py \
     --config zoology-fig2 --cells "$cells" --mixers "$mixers" --modes stacked --compile \
     --steps 150 --out "$out/baseline-compiled.yaml") 2>&1 | grep -v -i warning | tail -4 | cut -c1-400
-bench "$PWD" "$out/stacked-compiled.yaml" --modes stacked --compile
+bench "$PWD" "$out/stacked-compiled.yaml" --modes stacked --compile --embedding-backward dense
 bench "$PWD" "$out/stacked-compiled-sorted.yaml" --modes stacked --compile \
     --embedding-backward sorted
 echo quit | nvidia-cuda-mps-control 2> /dev/null || true
 if [[ -n ${PROFILE:-} ]]; then
-    bench "$PWD" "$out/profile-compiled.yaml" --modes profile --compile
+    bench "$PWD" "$out/profile-compiled.yaml" --modes profile --compile \
+        --embedding-backward dense
     bench "$PWD" "$out/profile-compiled-sorted.yaml" --modes profile --compile \
         --embedding-backward sorted
 fi

@@ -28,9 +28,10 @@ kernels. `--mixers all` names every mixer of the config.
 
 `--option MIXER.KEY=VALUE` sets a layer option of the config's mixer (`hla2.impl=parallel`
 trains hla2 through its parallel form), so two runs of the benchmark compare two ways of
-computing the same mixer. `--embedding-backward sorted` forms the stacked embedding's weight
-gradient by sorted row sums (hla_bench.recall.stacked.EMBEDDING_BACKWARD, every worker), so
-two runs time it against F.embedding's own backward ("dense", the default).
+computing the same mixer. `--embedding-backward dense|sorted` forms the stacked embedding's weight
+gradient by F.embedding's own backward or by sorted row sums (the default, as
+hla_bench.recall.stacked.EMBEDDING_BACKWARD; every worker), so two runs time one against
+the other.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ WARMUP_STEPS = 5
 
 _START = None  # with every item of a pool at once: the barrier its workers pass after warm-up
 _ALONE = None  # the lock a profiled group holds while it alone is timed on the GPU
-EMBEDDING_BACKWARD = "dense"  # every worker's stacked embedding backward (--embedding-backward)
+EMBEDDING_BACKWARD = "sorted"  # every worker's stacked embedding backward (--embedding-backward)
 
 
-def _init(threads: int, barrier=None, lock=None, embedding_backward: str = "dense") -> None:
+def _init(threads: int, barrier=None, lock=None, embedding_backward: str = "sorted") -> None:
     global _START, _ALONE
     from hla_bench.recall import stacked
 
@@ -322,7 +323,7 @@ def main() -> None:
     parser.add_argument("--option", action="append", default=[], metavar="MIXER.KEY=VALUE",
                         help="set a layer option of a mixer of the config (repeatable; the "
                              "value is read as YAML: hla2.impl=parallel, hla2.chunk_size=32)")
-    parser.add_argument("--embedding-backward", choices=("dense", "sorted"), default="dense",
+    parser.add_argument("--embedding-backward", choices=("dense", "sorted"), default="sorted",
                         help="stacked, profile and groups modes: the embedding's weight "
                              "gradient by F.embedding's own backward (dense) or by sorted "
                              "row sums without atomics (sorted; "

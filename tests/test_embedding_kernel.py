@@ -5,7 +5,7 @@ float64 (every row, repeated ids, ids never used, one id for every token, 1 and 
 on both paths (the Triton kernel under the interpreter on the CPU); float32 and bfloat16
 gradients lie within their rounding of the float64 sums; the Triton path equals the PyTorch
 path; bad arguments raise ValueError. With StackedLM.EMBEDDING_BACKWARD "sorted" the stacked
-loss and every gradient equal those of the default; torch.compile traces the op without a
+loss and every gradient equal those with F.embedding's own backward ("dense"); torch.compile traces the op without a
 graph break, its backward one opaque call.
 """
 
@@ -221,10 +221,11 @@ def _loss_and_grads(backward: str, monkeypatch):
     return loss.detach(), {name: p.grad.clone() for name, p in stack.params.items()}
 
 
-def test_stacked_switch_on_equals_switch_off(monkeypatch):
+def test_stacked_sorted_backward_equals_the_dense_one(monkeypatch):
     """float64, CPU: the loss and every parameter's gradient (the embedding's, tied to the
-    head, included) are the same with the sorted backward as with F.embedding's."""
-    assert stacked_module.EMBEDDING_BACKWARD == "dense"  # off by default
+    head, included) are the same with the sorted backward, the default, as with
+    F.embedding's."""
+    assert stacked_module.EMBEDDING_BACKWARD == "sorted"  # the default
     loss_off, grads_off = _loss_and_grads("dense", monkeypatch)
     loss_on, grads_on = _loss_and_grads("sorted", monkeypatch)
     torch.testing.assert_close(loss_on, loss_off, rtol=EXACT, atol=0)

@@ -49,11 +49,11 @@ warnings.filterwarnings("ignore", message="grad and param do not obey the gradie
 # backward (eagerly PyTorch's sort-based kernel, compiled inductor's atomic scatter-add), or
 # "sorted", recall.kernels.stacked_embedding (the ids sorted on the device and each row's
 # gradients summed by one program, every row written once; an opaque op under
-# torch.compile). Both give the same gradient up to the order of the additions. "dense"
-# until "sorted" is measured on a GPU (benchmarks/recall_throughput.py
-# --embedding-backward sorted); set this module attribute to switch.
+# torch.compile). Both give the same gradient up to the order of the additions. "sorted"
+# by default, the faster of the two on a GPU (docs/method.md; benchmarks/recall_throughput.py
+# --embedding-backward times both); set this module attribute to switch.
 EMBEDDING_BACKWARDS = ("dense", "sorted")
-EMBEDDING_BACKWARD = "dense"
+EMBEDDING_BACKWARD = "sorted"
 
 _ELEMENTWISE = {nn.GELU: lambda m, x: F.gelu(x, approximate=m.approximate),
                 nn.SiLU: lambda m, x: F.silu(x), nn.ReLU: lambda m, x: F.relu(x),
