@@ -194,6 +194,7 @@ def test_the_frontier_and_mad_budget_configs_plan_what_their_headers_state():
     rows = plan_rows(plan_runs(budget, "cuda"), budget["max_group"])
     assert sum(row["runs"] for row in rows) == 216
     assert sum(row["model_steps"] for row in rows) == 722_880  # the header's arithmetic
+    assert sum(row["groups"] for row in rows) == 132 and budget["compile"]
     assert len({row["setting"] for row in rows}) == 12
 
 
