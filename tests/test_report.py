@@ -396,3 +396,82 @@ def test_the_frontier_table_gives_each_mixers_best_accuracy_at_each_state_and_it
     text = console.export_text()
     assert "| mixer | state bytes per layer | accuracy | front |" in text
     assert "| hla2 | 16,384 | 0.700 |  |" in text and "| sdpa | 100,000 | 0.990 | * |" in text
+
+
+def _protocol_run(mixer, state, val, test, reference):
+    """A run of the frontier protocol: tested on the published file's test mix."""
+    slices = [{"slice": f"seq_len={t} num_kv_pairs={k}", "seq_len": t, "accuracy": test}
+              for t, k in reference["test_mix"]]
+    return {**_mix_run(mixer, 64, state, 1e-3, val, test), "setting": "frontier",
+            "test_slices": slices}
+
+
+def test_the_frontier_table_puts_the_published_points_after_their_mixers():
+    """A setting tested on the published file's test mix holds, after the last mixer of each
+    architecture the file maps (every sdpa:window=W for Sliding Window), that architecture's
+    points from both figures, per layer (the file's states are over 2 layers); a setting
+    tested on another mix holds none."""
+    from rich.console import Console
+
+    from hla_bench.recall.report import (FRONTIER_REFERENCE, frontier_rows, load_reference,
+                                         render_recall, summarize)
+
+    reference = load_reference(FRONTIER_REFERENCE)
+    runs = [_protocol_run(mixer, state, 0.9, accuracy, reference)
+            for mixer, state, accuracy in (("sdpa:window=16", 8192, 0.3), ("based", 70980, 0.9),
+                                           ("sdpa:window=32", 16384, 0.5), ("hla2", 4096, 0.8))]
+    rows = frontier_rows(runs, summarize(runs), reference)["frontier"]
+    names = [row[0] for row in rows]
+    based = reference["points"]["based-figure2"]["Based"]
+    sliding = (len(reference["points"]["based-figure2"]["Sliding Window"])
+               + len(reference["points"]["zoology-results"]["Sliding Window"]))
+    assert names[:2] == ["sdpa:window=16", "based"]
+    published_based = [row for row in rows if row[0] == "Based paper: Based"]
+    assert names[2:2 + len(based)] == ["Based paper: Based"] * len(based)
+    assert published_based[0] == ("Based paper: Based", round(min(s for s, _ in based) / 2),
+                                  min(based)[1], None)
+    after = names.index("sdpa:window=32")
+    assert set(names[after + 1:after + 1 + sliding]) == {"Based paper: Sliding Window",
+                                                          "Zoology: Sliding Window"}
+    assert names[-1] == "hla2" and not any(name.startswith("Zoology: Attention") for name in names)
+    other = [{**run, "test_slices": run["test_slices"][:3]} for run in runs]
+    assert all(row[3] is not None for row in frontier_rows(other, summarize(other),
+                                                           reference)["frontier"])
+    console = Console(record=True, width=200)
+    data = {"kind": "recall", "schema_version": 2, "config": {"name": "f"},
+            "environment": {}, "runs": runs}
+    render_recall(data, console, markdown=True, tables="reference")
+    text = console.export_text()
+    assert f"| Based paper: Based | {round(min(s for s, _ in based) / 2):,} |" in text
+    assert "| published |" in text and "configs/published/zoology-frontier.yaml" in text
+
+
+def test_the_published_frontier_states_are_this_projects_counts_over_two_layers():
+    """The published states, halved, are hla-bench's state_bytes of the same mixers within
+    the file's stated precision: Zoology's attention at d_model 32, its Based at d_model 64
+    and 128 with feature dim 16, the Based paper's sliding windows of 8 to 1024 tokens at
+    d_model 64; every hla-bench mixer the file names is registered."""
+    from hla_bench import registry
+    from hla_bench.recall.report import FRONTIER_REFERENCE, load_reference
+
+    reference = load_reference(FRONTIER_REFERENCE)
+    tolerance, layers = reference["precision"]["state"], reference["layers"]
+    points = reference["points"]
+
+    def near(published, counted):
+        return abs(published / layers - counted) <= tolerance * counted
+
+    assert near(points["zoology-results"]["Attention"][0][0],
+                registry.get("sdpa").state_bytes(32, 1, 1024))
+    based = registry.get("based")
+    zoology_based = [state for state, _ in points["zoology-results"]["Based"]]
+    for d_model in (64, 128):
+        counted = based.state_bytes(d_model, 1, 1024, feature_dim=16)
+        assert any(near(state, counted) for state in zoology_based), (d_model, counted)
+    windows = sorted(state for state, _ in points["based-figure2"]["Sliding Window"])
+    sdpa = registry.get("sdpa")
+    assert all(near(state, sdpa.state_bytes(64, 1, 1024, window=8 * 2 ** i))
+               for i, state in enumerate(windows))
+    known = {mixer.name for mixer in registry.all_mixers()}
+    for names in reference["architectures_in_hla_bench"].values():
+        assert all(name.rstrip(":") in known for name in names), names

@@ -43,6 +43,7 @@ from tasks.mad import MAD_TASKS, mad_settings
 
 MAD_REFERENCE = configs.published("mad-lab.yaml")
 ZOOLOGY_REFERENCE = configs.published("zoology-fig2.yaml")
+FRONTIER_REFERENCE = configs.published("zoology-frontier.yaml")
 METRIC_NAMES = {"micro": "accuracy over the labelled positions",
                 "mad-macro": "MAD-lab's macro accuracy per batch of 128, averaged"}
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -437,17 +438,61 @@ def mad_markdown(scores: dict, reference: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def frontier_rows(runs: list[dict], summary: dict) -> dict[str, list[tuple]]:
+def _mix_pairs(run: dict) -> set[tuple[int, int]]:
+    """(seq_len, num_kv_pairs) of each test slice of an MQAR run, from the slices' names."""
+    pairs = set()
+    for part in run.get("test_slices") or []:
+        fields = dict(item.split("=", 1) for item in str(part.get("slice", "")).split()
+                      if "=" in item)
+        if "seq_len" in fields and "num_kv_pairs" in fields:
+            pairs.add((int(fields["seq_len"]), int(fields["num_kv_pairs"])))
+    return pairs
+
+
+def _is_architecture(mixer: str, names: list[str]) -> bool:
+    """Whether `mixer` (a name or variant label) is one of an architecture's hla-bench mixers
+    (a name ending in ":" stands for every variant of that mixer)."""
+    return any(mixer == name or (name.endswith(":") and mixer.startswith(name))
+               for name in names)
+
+
+def published_points(reference: dict, architecture: str, per_layer: bool) -> list[tuple]:
+    """[(label, state bytes, accuracy)] of an architecture's points in every figure of a
+    published frontier file (configs/published/zoology-frontier.yaml), the state per layer
+    when `per_layer` (the file's states are over its `layers`), by state."""
+    points = []
+    for figure, by_architecture in reference["points"].items():
+        label = f"{reference['labels'][figure]}: {architecture}"
+        for state, accuracy in by_architecture.get(architecture) or []:
+            points.append((label, round(state / reference["layers"]) if per_layer else state,
+                           accuracy))
+    return sorted(points, key=lambda point: (point[0], point[1]))
+
+
+def frontier_rows(runs: list[dict], summary: dict, reference: dict | None = None,
+                  per_layer: bool = True) -> dict[str, list[tuple]]:
     """{setting: [(mixer, state bytes, best accuracy, on the front)]} for the settings whose
     runs were tested on a mix of more than one slice: per mixer (variant) and state size,
     the best val-picked accuracy over the mix among its d_models and knobs at that state,
     and whether that point is on the mixer's Pareto front (no smaller state scores as high).
-    State is per layer where the runs record it, else over the whole model."""
+    State is per layer where the runs record it (`per_layer`), else over the whole model.
+    With a published frontier `reference`, a setting tested on its `test_mix` also holds the
+    published points of each architecture it maps to a mixer of the setting, after that
+    architecture's last mixer, as rows (figure: architecture, state, accuracy, None)."""
     mixed = {run["setting"] for run in runs if len(run.get("test_slices") or []) > 1}
+    protocol = ({tuple(pair) for pair in reference["test_mix"]} if reference else set())
+    published = {run["setting"] for run in runs if protocol and _mix_pairs(run) == protocol}
+    architectures = (reference or {}).get("architectures_in_hla_bench") or {}
     table: dict[str, list[tuple]] = {}
     for setting, by_mixer in summary.items():
         if setting not in mixed:
             continue
+        last = {}  # architecture -> the last mixer of the setting that is one of its mixers
+        if setting in published:
+            for mixer in by_mixer:
+                for architecture, names in architectures.items():
+                    if _is_architecture(mixer, names):
+                        last[architecture] = mixer
         rows = []
         for mixer, cells in by_mixer.items():
             best: dict[int, float] = {}
@@ -459,9 +504,21 @@ def frontier_rows(runs: list[dict], summary: dict) -> dict[str, list[tuple]]:
             front = set(pareto_front(list(best.items())))
             rows += [(mixer, state, accuracy, (state, accuracy) in front)
                      for state, accuracy in sorted(best.items())]
+            for architecture in [a for a, m in last.items() if m == mixer]:
+                rows += [(*point, None)
+                         for point in published_points(reference, architecture, per_layer)]
         if rows:
             table[setting] = rows
     return table
+
+
+PUBLISHED_POINTS_NOTE = ("published: a point read from the Based paper's or Zoology's figure "
+                         "(the accuracy picked on their test mix, within 0.02; state within "
+                         "5%; configs/published/zoology-frontier.yaml)")
+
+
+def _front_mark(front: bool | None) -> str:
+    return "published" if front is None else "*" if front else ""
 
 
 def frontier_markdown(setting: str, rows: list[tuple], per_layer: bool) -> str:
@@ -469,8 +526,10 @@ def frontier_markdown(setting: str, rows: list[tuple], per_layer: bool) -> str:
     lines = [f"**Accuracy against state: {setting}** (best val-picked accuracy over the test "
              f"mix at each {unit} a mixer ran; front: no smaller state of that mixer scores as "
              "high)", "", f"| mixer | {unit} | accuracy | front |", "| --- | ---: | ---: | :---: |"]
-    lines += [f"| {mixer} | {state:,} | {accuracy:.3f} | {'*' if front else ''} |"
+    lines += [f"| {mixer} | {state:,} | {accuracy:.3f} | {_front_mark(front)} |"
               for mixer, state, accuracy, front in rows]
+    if any(front is None for *_, front in rows):
+        lines += ["", PUBLISHED_POINTS_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -483,7 +542,9 @@ def frontier_table(setting: str, rows: list[tuple], per_layer: bool) -> Table:
         table.add_column(header, justify="left" if index == 0 else "right",
                          no_wrap=index == 0, overflow="fold")
     for mixer, state, accuracy, front in rows:
-        table.add_row(escape(mixer), f"{state:,}", f"{accuracy:.3f}", "*" if front else "")
+        table.add_row(escape(mixer), f"{state:,}", f"{accuracy:.3f}", _front_mark(front))
+    if any(front is None for *_, front in rows):
+        table.caption += "; " + PUBLISHED_POINTS_NOTE
     return table
 
 
@@ -770,8 +831,9 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     if scores:
         reference = load_mad_reference()
         show(lambda: mad_markdown(scores, reference), lambda: mad_table(scores, reference))
-    frontier = frontier_rows(runs, summary) if tables != "settings" else {}
     per_layer = all(run.get("state_bytes_per_layer") for run in runs if run.get("status") == "ok")
+    frontier = (frontier_rows(runs, summary, load_reference(FRONTIER_REFERENCE), per_layer)
+                if tables != "settings" else {})
     for setting, rows in frontier.items():
         show(lambda: frontier_markdown(setting, rows, per_layer),
              lambda: frontier_table(setting, rows, per_layer))
