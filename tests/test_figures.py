@@ -291,3 +291,35 @@ def test_compare_figures_keep_the_legend_off_the_data(tmp_path, monkeypatch):
     assert legend_overlaps(figure) == []
     colors = {bars.get_label(): bars.lines[0].get_color() for bars in figure.axes[0].containers}
     assert colors["hla2-chunk"] == colors["hla2-triton"] == styles.color("hla2")
+
+
+def test_the_state_plot_draws_the_published_frontier_points_hollow(tmp_path, monkeypatch):
+    """frontier_points places each mapped architecture's published points under the first
+    mixer of the setting that is one of its mixers, at their states over the model (as the
+    runs' state_bytes of two layers); the state plot draws them hollow in that mixer's
+    colour, the d_model plot not at all."""
+    from hla_bench.recall.report import FRONTIER_REFERENCE, frontier_points, load_reference
+    from test_report import _protocol_run
+
+    reference = load_reference(FRONTIER_REFERENCE)
+    runs = [_protocol_run(mixer, state, 0.9, 0.5, reference)
+            for mixer, state in (("sdpa:window=16", 8192), ("sdpa:window=32", 16384),
+                                 ("based", 70980), ("hla2", 4096))]
+    summary = summarize(runs)
+    placed = frontier_points(runs, summary, reference)
+    figures = reference["points"]
+    sliding = (figures["based-figure2"]["Sliding Window"]
+               + figures["zoology-results"]["Sliding Window"])
+    assert set(placed) == {"frontier"} and set(placed["frontier"]) == {"sdpa:window=16", "based"}
+    assert sorted(placed["frontier"]["sdpa:window=16"]) == sorted(map(tuple, sliding))
+    drawn = _capture(monkeypatch)
+    recall_report.plot_recall(summary, tmp_path, "png", frontier=placed)
+    hollow = [line for line in drawn["recall_accuracy_vs_state.png"].axes[0].lines
+              if line.get_markerfacecolor() == "none"]
+    assert {line.get_markeredgecolor() for line in hollow} == {styles.color("sdpa:window=16"),
+                                                               styles.color("based")}
+    based = figures["based-figure2"]["Based"] + figures["zoology-results"]["Based"]
+    assert sorted(x for line in hollow for x in line.get_xdata()) == sorted(
+        state for state, _ in sliding + based)
+    d_model = drawn["recall_accuracy_vs_d_model.png"].axes[0].lines
+    assert not [line for line in d_model if line.get_markerfacecolor() == "none"]

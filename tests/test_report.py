@@ -475,3 +475,4 @@ def test_the_published_frontier_states_are_this_projects_counts_over_two_layers(
     known = {mixer.name for mixer in registry.all_mixers()}
     for names in reference["architectures_in_hla_bench"].values():
         assert all(name.rstrip(":") in known for name in names), names
+

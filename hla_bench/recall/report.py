@@ -561,7 +561,7 @@ def zoology_curves(runs: list[dict], reference: dict) -> dict[str, dict[str, dic
 
 
 PLOT_COLUMNS = 4  # panels per row of a recall plot (a MAD suite has 66 settings)
-PUBLISHED_NOTE = "hollow: published, read from its figure (Zoology Fig. 2)"
+PUBLISHED_NOTE = "hollow: published, read from its figure (configs/published/)"
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -698,15 +698,38 @@ def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_
     return figure
 
 
+def frontier_points(runs: list[dict], summary: dict,
+                    reference: dict | None) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{setting: {mixer: [(state bytes over the model, accuracy)]}}: for the settings tested
+    on a published frontier file's test mix, the points of each architecture it maps to a
+    mixer of the setting, under the first such mixer (its colour in the plots). The file's
+    states are over the figures' models (`layers` layers), as `state_bytes` of runs with as
+    many."""
+    if not reference:
+        return {}
+    protocol = {tuple(pair) for pair in reference["test_mix"]}
+    placed: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for setting in {run["setting"] for run in runs if _mix_pairs(run) == protocol}:
+        for architecture, names in reference["architectures_in_hla_bench"].items():
+            mixer = next((m for m in summary.get(setting, {}) if _is_architecture(m, names)),
+                         None)
+            points = [(state, accuracy) for _, state, accuracy
+                      in published_points(reference, architecture, per_layer=False)]
+            if mixer is not None and points:
+                placed.setdefault(setting, {}).setdefault(mixer, []).extend(points)
+    return placed
+
+
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                 published: dict | None = None, matches: dict | None = None,
-                mixers: str | None = None) -> list[Path]:
+                mixers: str | None = None, frontier: dict | None = None) -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
     (with each mixer's Pareto front) and against d_model, one panel per setting plus the
     overall (`_panel_points`), a colour per mixer by family (`hla_bench.results.styles`), one legend
     outside the panels. `published` ({setting: {"Zoology: NAME": {d_model: accuracy}}},
     Zoology's Figure 2) draws, for an architecture `matches` maps to an hla-bench mixer,
-    hollow markers of that mixer's colour. Past styles.MAX_SERIES mixers, the files
+    hollow markers of that mixer's colour, and so do against state the points of
+    `frontier` (`frontier_points`). Past styles.MAX_SERIES mixers, the files
     `recall_accuracy_vs_*.FMT` are an overview and `recall_accuracy_vs_*-FAMILY.FMT` hold
     each family; `mixers` (comma-separated globs) chooses the mixers instead, in one
     figure."""
@@ -722,6 +745,10 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
     for name, x_key in zip(RECALL_PLOT_NAMES, ("state_bytes", "d_model")):
         panels = _panel_points(summary, x_key)
         placed = _published_points(summary, published, matches, x_key)
+        if x_key == "state_bytes":
+            for setting, by_mixer in (frontier or {}).items():
+                for mixer, points in by_mixer.items():
+                    placed.setdefault(setting, {}).setdefault(mixer, []).extend(points)
         ranked = {mixer: -statistics.fmean(y for points in panels.values()
                                            for x, y, _, _ in points.get(mixer, []) or [(0, 0, 0, 0)])
                   for mixer in every}
@@ -843,7 +870,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
     if plots_dir is None or not summary:
         return []
     paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None,
-                        (zoology or {}).get("architectures_in_hla_bench"), mixers)
+                        (zoology or {}).get("architectures_in_hla_bench"), mixers,
+                        frontier_points(runs, summary, load_reference(FRONTIER_REFERENCE)))
     for path in paths:
         console.print(f"plot written to {path}", markup=False, highlight=False, soft_wrap=True)
     return paths
