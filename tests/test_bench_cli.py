@@ -62,12 +62,12 @@ def test_bench_point_timeout_recorded_in_results_and_table(runner, fake_mixers, 
     result = runner.invoke(main, ["bench", "--mixers", "fake-slow,fake-fast", "--seq-lens", "16",
                                   "--heads", "1", "--head-dim", "4", "--device", "cpu",
                                   "--modes", "fwd", "--repeats", "1", "--warmup", "0",
-                                  "--point-timeout-s", "1", "--out", str(out)])
+                                  "--point-timeout-s", "3", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "timeout" in result.output
     by = {p["mixer"]: p for p in results.load(out)["points"]}
     assert by["fake-slow"]["status"] == "timeout" and by["fake-fast"]["status"] == "ok"
-    assert results.load(out)["sweeps"][0]["point_timeout_s"] == 1
+    assert results.load(out)["sweeps"][0]["point_timeout_s"] == 3
     bad = runner.invoke(main, ["bench", "--mixers", "fake-fast", "--point-timeout-s", "0"])
     assert bad.exit_code == 2
 

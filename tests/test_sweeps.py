@@ -53,7 +53,7 @@ def _raising(error):
 
 def _slow_op(**options):
     def op(q, k, v, initial_state=None, output_final_state=False):
-        for _ in range(100):  # 5 s in short Python steps, as an autotuning loop would take
+        for _ in range(200):  # 10 s in short Python steps, as an autotuning loop would take
             time.sleep(0.05)
         return v, None
     return op
@@ -72,7 +72,7 @@ FAKES = [
                    forms=("op",)),
     registry.Mixer("fake-broken", "fake", "raises", _raising(ValueError("broken on purpose")),
                    forms=("op",)),
-    registry.Mixer("fake-slow", "fake", "takes 5 s a call", _slow_op, forms=("op",)),
+    registry.Mixer("fake-slow", "fake", "takes 10 s a call", _slow_op, forms=("op",)),
     registry.Mixer("fake-missing", "fake", "needs a package that is not here", _fast_op,
                    options={"scale": 1.0}, requires=("no_such_package_for_hla_bench",)),
 ]
@@ -356,16 +356,16 @@ def test_runner_records_every_status_and_goes_on(fake_mixers):
 
 
 def test_point_timeout_is_a_result_and_the_sweep_goes_on(fake_mixers):
-    # 1 s: room for the fast points on a loaded 2-core machine; a slow point takes 5 s, so
-    # the sweep's two slow points alone would take 10 s without the timeout (the bound
+    # 3 s: room for the fast points on a loaded 2-core machine; a slow point takes 10 s, so
+    # the sweep's two slow points alone would take 20 s without the timeout (the bound
     # leaves room for a loaded machine's process starts)
-    sweep = tiny_sweep(["fake-slow", "fake-fast"], warmup=0, repeats=1, point_timeout_s=1)
+    sweep = tiny_sweep(["fake-slow", "fake-fast"], warmup=0, repeats=1, point_timeout_s=3)
     start = time.perf_counter()
     by = {(p["mixer"], p["seq_len"]): p for p in run_sweeps([sweep])}
-    assert time.perf_counter() - start < 9
+    assert time.perf_counter() - start < 18
     slow = by["fake-slow", 16]
     assert slow["status"] == "timeout" and slow["median_ms"] is None
-    assert "stopped after 1 s" in slow["reason"] and "point_timeout_s" in slow["reason"]
+    assert "stopped after 3 s" in slow["reason"] and "point_timeout_s" in slow["reason"]
     assert by["fake-slow", 32]["status"] == "timeout"  # tried again: not a size limit
     assert by["fake-fast", 16]["status"] == by["fake-fast", 32]["status"] == "ok"
 
