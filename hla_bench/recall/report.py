@@ -449,6 +449,14 @@ def _mix_pairs(run: dict) -> set[tuple[int, int]]:
     return pairs
 
 
+def _protocol_settings(runs: list[dict], reference: dict | None) -> set[str]:
+    """The settings whose runs were tested on a published frontier file's `test_mix`."""
+    if not reference:
+        return set()
+    protocol = {tuple(pair) for pair in reference["test_mix"]}
+    return {run["setting"] for run in runs if _mix_pairs(run) == protocol}
+
+
 def _is_architecture(mixer: str, names: list[str]) -> bool:
     """Whether `mixer` (a name or variant label) is one of an architecture's hla-bench mixers
     (a name ending in ":" stands for every variant of that mixer)."""
@@ -480,8 +488,7 @@ def frontier_rows(runs: list[dict], summary: dict, reference: dict | None = None
     published points of each architecture it maps to a mixer of the setting, after that
     architecture's last mixer, as rows (figure: architecture, state, accuracy, None)."""
     mixed = {run["setting"] for run in runs if len(run.get("test_slices") or []) > 1}
-    protocol = ({tuple(pair) for pair in reference["test_mix"]} if reference else set())
-    published = {run["setting"] for run in runs if protocol and _mix_pairs(run) == protocol}
+    published = _protocol_settings(runs, reference)
     architectures = (reference or {}).get("architectures_in_hla_bench") or {}
     table: dict[str, list[tuple]] = {}
     for setting, by_mixer in summary.items():
@@ -705,11 +712,8 @@ def frontier_points(runs: list[dict], summary: dict,
     mixer of the setting, under the first such mixer (its colour in the plots). The file's
     states are over the figures' models (`layers` layers), as `state_bytes` of runs with as
     many."""
-    if not reference:
-        return {}
-    protocol = {tuple(pair) for pair in reference["test_mix"]}
     placed: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for setting in {run["setting"] for run in runs if _mix_pairs(run) == protocol}:
+    for setting in _protocol_settings(runs, reference):
         for architecture, names in reference["architectures_in_hla_bench"].items():
             mixer = next((m for m in summary.get(setting, {}) if _is_architecture(m, names)),
                          None)
