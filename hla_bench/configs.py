@@ -89,6 +89,31 @@ def read_yaml(path: str | Path) -> Any:
     return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
 
 
+class UnreadableConfigError(ValueError):
+    """A config file that is not YAML text; the message names the file and the problem."""
+
+
+class EmptyConfigError(UnreadableConfigError):
+    """A config file with no text but white space: not a mapping of keys to values."""
+
+
+def read_config(text: str) -> tuple[Path, Any]:
+    """A CONFIG argument read in one call: the file `find` gives and its YAML
+    (`read_yaml`). ValueError when there is no such config; UnreadableConfigError (or
+    EmptyConfigError, for a file of white space only) naming the file when it is not
+    UTF-8 text or not valid YAML."""
+    path = find(text)
+    if not path.read_text(encoding="utf-8", errors="replace").strip():
+        raise EmptyConfigError(f"{path} is empty")
+    try:
+        return path, read_yaml(path)
+    except yaml.YAMLError as error:
+        raise UnreadableConfigError(f"{path}: not valid YAML: {yaml_problem(error)}") from None
+    except UnicodeDecodeError as error:
+        raise UnreadableConfigError(f"{path}: not UTF-8 text ({error.reason} at byte "
+                                    f"{error.start})") from None
+
+
 def yaml_problem(error: yaml.YAMLError) -> str:
     """A YAML error in one line: what is wrong and where (line and column)."""
     if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:

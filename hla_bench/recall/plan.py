@@ -345,8 +345,34 @@ def check_layers(specs: list[dict]) -> dict[int, str]:
     return unavailable
 
 
+def read_config_file(config_file: str | None) -> tuple[str | None, dict]:
+    """The recall config file that `config_file` names (a file or a shipped config's name)
+    and its YAML, read in one call (`configs.read_config`): (its path, the parsed YAML);
+    (None, {}) without a file. ConfigError for a missing, empty or unreadable file."""
+    if config_file is None:
+        return None, {}
+    try:
+        path, loaded = configs.read_config(config_file)
+    except configs.EmptyConfigError as error:
+        raise ConfigError(f"{error}: a recall config is a mapping of keys to values "
+                          "(configs/recall-cpu.yaml is one)") from None
+    except configs.UnreadableConfigError as error:
+        raise ConfigError(str(error)) from None
+    except ValueError as error:
+        raise ConfigError(f"--config {error}") from None
+    return str(path), loaded or {}
+
+
 def load_config(path: str | None, overrides: dict) -> dict:
-    """Defaults, then the YAML file, then the command-line options given (checked alike).
+    """Defaults, then the YAML file at `path` (`read_config_file`), then the command-line
+    options given (`merge_config`)."""
+    path, loaded = read_config_file(path)
+    return merge_config(path, loaded, overrides)
+
+
+def merge_config(path: str | None, loaded: Any, overrides: dict) -> dict:
+    """Defaults, then `loaded` (the YAML of the file at `path`), then the command-line
+    options given (checked alike).
     Options replace what the file gives: `mixers` keeps the file's `mixer_options` and
     `mixer_model` of those mixers only, `weight_decays` replaces the file's grid or
     `train.weight_decay`. A file that gives both `weight_decays` and `train.weight_decay`
@@ -356,18 +382,6 @@ def load_config(path: str | None, overrides: dict) -> dict:
         problem = fields[key][1](value) if value is not None and key in fields else None
         if problem:
             raise ConfigError(f"--{key.replace('_', '-')} must be {problem}, got {value!r}")
-    loaded: dict = {}
-    if path:
-        if not Path(path).read_text(encoding="utf-8", errors="replace").strip():
-            raise ConfigError(f"{path} is empty: a recall config is a mapping of keys to "
-                              "values (configs/recall-cpu.yaml is one)")
-        try:
-            loaded = configs.read_yaml(path) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path}: not valid YAML: {configs.yaml_problem(error)}") from None
-        except UnicodeDecodeError as error:
-            raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte "
-                              f"{error.start})") from None
     where = path or "options"
     if not isinstance(loaded, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values")
@@ -696,14 +710,10 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
     and, for a dry run, its table rows (`busy(message)` is held while the FLOPs are
     counted). Every problem is a ConfigError (or a RecallFileError, an OSError) raised here,
     before any work starts, in the order the options are documented."""
-    if config_file is not None:
-        try:
-            config_file = str(configs.find(config_file))
-        except ValueError as error:
-            raise ConfigError(f"--config {error}") from None
+    config_file, loaded = read_config_file(config_file)
     if task is not None and not task.strip():
         raise ConfigError("--task is empty: give a task name (hla-bench tasks list)")
-    config = load_config(config_file, overrides)
+    config = merge_config(config_file, loaded, overrides)
     params = dict(params or {})
     extra_params = extra_params or {}
     given = {key: f"--{key.replace('_', '-')} {value}" for key, value in params.items()}
