@@ -148,13 +148,14 @@ def _stacked(group: list[dict], steps: int, compile: bool = False) -> dict:
 def _profile(group: list[dict], steps: int, compile: bool, gemm: float, rows: int = 16) -> dict:
     """Where one stacked step's GPU time goes, the group alone on the GPU (once every group
     has warmed up, one group at a time): the wall time of a replayed graph step, the time
-    its matmul FLOPs take at `gemm` TFLOP/s (hla_bench.recall.pool.step_flops per run),
+    its matmul FLOPs take at `gemm` TFLOP/s (hla_bench.recall.plan.step_flops per run),
     then torch.profiler over `steps` steps of the same trainer without the graph (the graph
     replays the same kernels): its `rows` costliest kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from hla_bench.recall.pool import build_model, step_flops
+    from hla_bench.recall.plan import step_flops
+    from hla_bench.recall.pool import build_model
     from mixers.common import inputs_trusted_finite
     from hla_bench.recall.train import RunSpec, _GroupTrainer, _Step
 
@@ -219,7 +220,7 @@ def _group(group: list[dict], compile: bool) -> dict:
 def _trained(chosen: list[dict], max_group: int, steps: int, compile: bool) -> dict:
     """Mode groups: the cell's groups trained at once for about `steps` steps each (whole
     epochs of the config's data, no early stop)."""
-    from hla_bench.recall.pool import plan_groups
+    from hla_bench.recall.plan import plan_groups
     from hla_bench.recall.train import RunSpec
 
     runs = []
@@ -268,7 +269,7 @@ def cell_runs(specs: list[dict], cell: str) -> list[dict]:
     which must name one setting of the config (Zoology's panels differ in it), or a
     setting's label as the results name it (`in_context_recall vocab_size=32`: a MAD
     config has many settings of one length)."""
-    from hla_bench.recall.pool import seq_len_of
+    from hla_bench.recall.plan import seq_len_of
 
     key, sep, width = cell.rpartition(":")
     if not (sep and key.strip() and width.strip().isdigit()):
@@ -351,7 +352,7 @@ def main() -> None:
     from hla_bench.processes import cuda_mps_active
     from hla_bench.recall.plan import (ConfigError, check_layers, check_mixer_options,
                                        load_config, plan_runs)
-    from hla_bench.recall.pool import plan_groups, seq_len_of
+    from hla_bench.recall.plan import plan_groups, seq_len_of
 
     config = load_config(str(configs.find(args.config)), {})
     if args.mixers != "all":

@@ -8,7 +8,7 @@ import torch
 from hla_bench.registry import get
 from mixers.linear_attn import (FEATURE_MAPS, feature_size, linear_attn, linear_attn_flops,
                                 linear_attn_naive, linear_attn_step, state_shapes)
-from hla_bench.recall.pool import state_bytes
+from hla_bench.recall.plan import state_bytes
 
 taylor = FEATURE_MAPS["taylor"]
 

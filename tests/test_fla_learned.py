@@ -476,7 +476,8 @@ def test_a_recall_run_is_ok_or_unsupported_with_flas_reason(name):
     """One tiny MQAR run through the harness's group runner as zoology-frontier runs it
     (captured steps, torch.compile): trained (one run a group), or where fla refuses the
     backward recorded as unsupported with fla's reason."""
-    from hla_bench.recall.pool import plan_groups, run_group
+    from hla_bench.recall.plan import plan_groups
+    from hla_bench.recall.pool import run_group
     from hla_bench.recall.train import RunSpec
 
     runs = [RunSpec(task="mqar", params=dict(vocab_size=256, seq_len=64, num_kv_pairs=4),

@@ -176,7 +176,7 @@ def test_triton_matches_chunk_on_cuda():
 def test_recall_state_bytes_count_the_blocks_ssd_state():
     """A Mamba-2 block holds heads x d_state x head dim floats whatever its head split:
     d_state 64 x expand 2 x d_model 64 = 8,192 a layer, 32 KiB a layer in float32."""
-    from hla_bench.recall.pool import state_bytes
+    from hla_bench.recall.plan import state_bytes
 
     for options in ({}, {"layer_head_dim": 64}, {"layer_head_dim": 16}):
         assert state_bytes("mamba2-ssd", options, d_model=64, n_heads=1, n_layers=2,

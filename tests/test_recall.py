@@ -20,7 +20,8 @@ from hla_bench.recall.report import render_recall, summarize
 from hla_bench.results.load import RecallFileError, validate_recall
 from hla_bench.results.store import dump_results
 from hla_bench.recall.plan import default_workers
-from hla_bench.recall.pool import build_model, run_groups, state_bytes, step_flops
+from hla_bench.recall.plan import state_bytes, step_flops
+from hla_bench.recall.pool import build_model, run_groups
 from mixers.layer import MixerLayer
 from tasks import IGNORE
 from hla_bench.recall.model import TinyLM, labelled_rows
@@ -843,7 +844,7 @@ def test_configs_in_the_repository_are_valid():
     from pathlib import Path
 
     from hla_bench.recall.plan import plan_runs
-    from hla_bench.recall.pool import plan_groups
+    from hla_bench.recall.plan import plan_groups
 
     checked = []
     for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
@@ -862,7 +863,7 @@ def test_configs_in_the_repository_are_valid():
 
 def test_weight_decay_grid_plans_every_lr_wd_and_seed_in_one_group_per_cell(tmp_path):
     from hla_bench.recall.plan import plan_runs
-    from hla_bench.recall.pool import plan_groups
+    from hla_bench.recall.plan import plan_groups
 
     config = validate_config({
         "mixers": ["hla2", "linear-attn"], "d_model": [32], "lrs": [1e-3, 3e-3],
@@ -1429,19 +1430,19 @@ def test_step_flops_scale_with_the_batch_and_count_depthwise_convolutions_by_the
 
 def test_step_flops_count_on_the_cpu_where_the_meta_device_cannot_run_a_step_and_else_none(
         monkeypatch):
-    from hla_bench.recall import pool
+    from hla_bench.recall import plan
 
     spec = tiny_spec(mixer="linear-attn", batch_size=3)
     on_meta = step_flops(spec)
-    counted = pool._counted_step
+    counted = plan._counted_step
 
     def meta_refused(spec, inputs, labels, count, device):
         if device == "meta":
             raise NotImplementedError("an op without a meta kernel")
         return counted(spec, inputs, labels, count, device)
 
-    monkeypatch.setattr(pool, "_counted_step", meta_refused)
-    monkeypatch.setattr(pool, "_STEP_FLOPS", {})
+    monkeypatch.setattr(plan, "_counted_step", meta_refused)
+    monkeypatch.setattr(plan, "_STEP_FLOPS", {})
     assert step_flops(spec) == on_meta > 0
     on_cuda_only = tiny_spec(mixer="linear-attn", mixer_options={"impl": "triton"})
     assert step_flops(on_cuda_only) is None or torch.cuda.is_available()

@@ -9,7 +9,8 @@ import torch
 from grids import parametrize
 import tasks
 from hla_bench import registry
-from hla_bench.recall.pool import build_model, stackable
+from hla_bench.recall.plan import stackable
+from hla_bench.recall.pool import build_model
 from tasks import IGNORE
 from hla_bench.recall.stacked import FlatAdamW, StackedLM, labelled_rows
 from hla_bench.recall.train import (TIMING_FIELDS, RunSpec, _GroupTrainer, lr_factors,
@@ -441,7 +442,7 @@ def test_flat_adamw_weight_decay_per_row_is_torch_adamw_per_row():
 
 @pytest.mark.slow
 def test_runs_differing_in_weight_decay_train_as_one_group_equal_to_each_alone():
-    from hla_bench.recall.pool import plan_groups
+    from hla_bench.recall.plan import plan_groups
 
     runs = [spec(mixer="hla2", lr=lr, weight_decay=wd, seed=seed, run_id=i, epochs=3)
             for i, (lr, wd, seed) in enumerate([(1e-2, 0.0, 0), (1e-2, 0.5, 0), (3e-3, 0.5, 1)])]

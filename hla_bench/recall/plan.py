@@ -30,11 +30,12 @@ import torch
 import yaml
 
 import tasks
+from tasks import IGNORE
 from hla_bench import configs, registry
 from hla_bench.results.load import validate_recall
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.results.store import StoreError, read_resumable
-from hla_bench.recall.pool import failed_result, plan_groups, seq_len_of, step_flops
+from hla_bench.recall.pool import build_model, failed_result, layer_state_bytes, seq_lens
 from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
                                      default_config, int_from, nonempty_text)
 from hla_bench.recall.train import RunSpec, group_key, steps_per_epoch
@@ -549,6 +550,120 @@ def plan_rows(specs: list[dict], max_group: int,
             row.update(flops=flops, uncounted=sorted(uncounted))
         rows.append(row)
     return rows
+
+
+# --- the groups and their costs ------------------------------------------------------
+
+def plan_groups(specs: list[dict], max_runs: int) -> list[list[dict]]:
+    """Specs grouped by `group_key` (first-seen order), at most `max_runs` a group; runs of
+    a mixer that cannot train stacked form groups of one."""
+    groups: dict[str, list[dict]] = {}
+    for spec in specs:
+        groups.setdefault(group_key(spec), []).append(spec)
+    planned = []
+    for members in groups.values():
+        size = max(1, max_runs) if stackable(members[0]) else 1
+        planned += [members[start:start + size] for start in range(0, len(members), size)]
+    return planned
+
+
+def stackable(spec: dict) -> bool:
+    """Whether runs of `spec`'s shape can train stacked (their mixer layer says how)."""
+    run = RunSpec(**spec)
+    try:
+        layer = registry.get(run.mixer).layer(run.d_model, run.n_heads, **run.mixer_options)
+    except (registry.MixerUnavailableError, NotImplementedError):
+        return False  # it cannot run here, or not at this shape; the sweep records why
+    return callable(getattr(layer, "forward_stacked", None))
+
+
+def seq_len_of(spec: dict) -> int:
+    """A run's sequence length: its task's default where its setting leaves it out; with a
+    training mix, the longest of its training slices."""
+    return max(seq_lens(spec, "train"))
+
+
+def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
+                seq_len: int) -> int | None:
+    """Recurrent state (KV cache for softmax attention) per sequence of the whole layer stack
+    after `seq_len` tokens, in float32 bytes (`layer_state_bytes` x the layers); None where
+    unknown."""
+    size = layer_state_bytes(mixer, mixer_options, d_model, n_heads, seq_len)
+    return None if size is None else size * n_layers
+
+
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding,
+                         _dilation, transposed, _output_padding, _groups, output_mask,
+                         out_shape=None, **_) -> int:
+    """A convolution's backward as torch's flop counter should count it: the forward's
+    FLOPs (which know the groups of a depthwise convolution) for each gradient asked for."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    return conv_flop_count(x_shape, w_shape, grad_out_shape, transposed) * (
+        int(output_mask[0]) + int(output_mask[1]))
+
+
+# What a run's training step computes depends on these fields alone (not on its learning
+# rate, seed, data sizes or schedule)
+STEP_FIELDS = ("task", "params", "mixer", "mixer_options", "d_model", "n_layers", "n_heads",
+               "state_mixer", "norm", "head", "swiglu_hidden", "decoder", "positions",
+               "batch_size")
+_STEP_FLOPS: dict[str, int | None] = {}
+
+
+def step_flops(spec: dict) -> int | None:
+    """The matmul FLOPs of one training step of `spec`'s model (forward and backward of a
+    batch): one example of its task through the model, counted by torch.utils.flop_counter
+    (matmuls, attention and convolutions; no elementwise work), times the batch size. The
+    model runs on the meta device (shapes only, no arithmetic), or on the CPU where an op
+    needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
+    kernels compute the same sums). None where the mixer cannot run on the CPU. Remembered
+    per step shape (STEP_FIELDS)."""
+    if spec.get("train_mix"):  # a step of each slice, weighted by the slice's batches
+        batches = [math.ceil(int(entry["count"]) / spec["batch_size"])
+                   for entry in spec["train_mix"]]
+        counts = []
+        for entry in spec["train_mix"]:
+            params = {**spec["params"], **{k: v for k, v in entry.items() if k != "count"}}
+            counts.append(step_flops({**spec, "params": params, "train_mix": None,
+                                      "test_mix": None}))
+        if any(count is None for count in counts):
+            return None
+        return round(sum(c * b for c, b in zip(counts, batches)) / sum(batches))
+    key = repr([(name, spec.get(name)) for name in STEP_FIELDS])
+    if key not in _STEP_FLOPS:
+        _STEP_FLOPS[key] = _step_flops(spec)
+    return _STEP_FLOPS[key]
+
+
+def _step_flops(spec: dict) -> int | None:
+    run = RunSpec(**spec)
+    inputs, labels = tasks.get(run.task).make("train", 1, run.seed, **run.params)
+    count = int((labels != IGNORE).sum())  # the rows the head reads, known without data
+    for device in ("meta", "cpu"):
+        try:
+            return _counted_step(spec, inputs, labels, count, device) * run.batch_size
+        except registry.MixerUnavailableError:
+            return None
+        except (RuntimeError, NotImplementedError, ValueError):
+            # an op without a meta kernel: count on the CPU; one that cannot run on the CPU
+            # either (say impl="triton"): not counted
+            if device == "cpu":
+                return None
+
+
+def _counted_step(spec: dict, inputs, labels, count: int, device: str) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        with torch.device(device):
+            model = build_model(spec)
+        counter = FlopCounterMode(display=False, custom_mapping={
+            torch.ops.aten.convolution_backward: _conv_backward_flops})
+        with counter:
+            model.loss(inputs.to(device), labels.to(device), count).backward()
+    return counter.get_total_flops()
 
 
 # --- a sweep from the command line -------------------------------------------------------

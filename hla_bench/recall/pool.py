@@ -2,8 +2,8 @@
 of worker processes, and the summary of a sweep's runs.
 
 `hla_bench.recall.train.train_group` trains one group (runs that differ only in lr, weight
-decay and seed) as one stacked model. Here a sweep's runs are planned into groups
-(`plan_groups`), the groups go to worker processes (spawned: CUDA needs it) or to a Dask
+decay and seed) as one stacked model. Here the groups a sweep's plan made
+(`hla_bench.recall.plan.plan_groups`) go to worker processes (spawned: CUDA needs it) or to a Dask
 cluster (`run_sweep`, the one entry for either), and every finished run comes back as an
 event so the caller can store it at once. A group that runs
 out of memory beside other groups waits for them: it goes back to the head of the queue and,
@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib
-import math
 import os
 import queue as queue_module
 import signal
@@ -42,9 +41,8 @@ from hla_bench.processes import exit_with_parent
 from hla_bench.safe_files import path_in, refuse_symlink
 from mixers import dispatch
 from mixers.common import inputs_trusted_finite
-from tasks import IGNORE
 from hla_bench.recall.model import TinyLM
-from hla_bench.recall.train import Interrupted, RunSpec, group_key, train_group
+from hla_bench.recall.train import Interrupted, RunSpec, train_group
 
 def build_model(spec: dict) -> TinyLM:
     """The tiny LM of one run, its mixer layers from the registry. Positions (`positions`):
@@ -66,86 +64,6 @@ def build_model(spec: dict) -> TinyLM:
                   decoder=run.decoder)
 
 
-def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding,
-                         _dilation, transposed, _output_padding, _groups, output_mask,
-                         out_shape=None, **_) -> int:
-    """A convolution's backward as torch's flop counter should count it: the forward's
-    FLOPs (which know the groups of a depthwise convolution) for each gradient asked for."""
-    from torch.utils.flop_counter import conv_flop_count
-
-    return conv_flop_count(x_shape, w_shape, grad_out_shape, transposed) * (
-        int(output_mask[0]) + int(output_mask[1]))
-
-
-# What a run's training step computes depends on these fields alone (not on its learning
-# rate, seed, data sizes or schedule)
-STEP_FIELDS = ("task", "params", "mixer", "mixer_options", "d_model", "n_layers", "n_heads",
-               "state_mixer", "norm", "head", "swiglu_hidden", "decoder", "positions",
-               "batch_size")
-_STEP_FLOPS: dict[str, int | None] = {}
-
-
-def step_flops(spec: dict) -> int | None:
-    """The matmul FLOPs of one training step of `spec`'s model (forward and backward of a
-    batch): one example of its task through the model, counted by torch.utils.flop_counter
-    (matmuls, attention and convolutions; no elementwise work), times the batch size. The
-    model runs on the meta device (shapes only, no arithmetic), or on the CPU where an op
-    needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
-    kernels compute the same sums). None where the mixer cannot run on the CPU. Remembered
-    per step shape (STEP_FIELDS)."""
-    if spec.get("train_mix"):  # a step of each slice, weighted by the slice's batches
-        batches = [math.ceil(int(entry["count"]) / spec["batch_size"])
-                   for entry in spec["train_mix"]]
-        counts = []
-        for entry in spec["train_mix"]:
-            params = {**spec["params"], **{k: v for k, v in entry.items() if k != "count"}}
-            counts.append(step_flops({**spec, "params": params, "train_mix": None,
-                                      "test_mix": None}))
-        if any(count is None for count in counts):
-            return None
-        return round(sum(c * b for c, b in zip(counts, batches)) / sum(batches))
-    key = repr([(name, spec.get(name)) for name in STEP_FIELDS])
-    if key not in _STEP_FLOPS:
-        _STEP_FLOPS[key] = _step_flops(spec)
-    return _STEP_FLOPS[key]
-
-
-def _step_flops(spec: dict) -> int | None:
-    run = RunSpec(**spec)
-    inputs, labels = tasks.get(run.task).make("train", 1, run.seed, **run.params)
-    count = int((labels != IGNORE).sum())  # the rows the head reads, known without data
-    for device in ("meta", "cpu"):
-        try:
-            return _counted_step(spec, inputs, labels, count, device) * run.batch_size
-        except registry.MixerUnavailableError:
-            return None
-        except (RuntimeError, NotImplementedError, ValueError):
-            # an op without a meta kernel: count on the CPU; one that cannot run on the CPU
-            # either (say impl="triton"): not counted
-            if device == "cpu":
-                return None
-
-
-def _counted_step(spec: dict, inputs, labels, count: int, device: str) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec["seed"])
-        with torch.device(device):
-            model = build_model(spec)
-        counter = FlopCounterMode(display=False, custom_mapping={
-            torch.ops.aten.convolution_backward: _conv_backward_flops})
-        with counter:
-            model.loss(inputs.to(device), labels.to(device), count).backward()
-    return counter.get_total_flops()
-
-
-def seq_len_of(spec: dict) -> int:
-    """A run's sequence length: its task's default where its setting leaves it out; with a
-    training mix, the longest of its training slices."""
-    return max(seq_lens(spec, "train"))
-
-
 def seq_lens(spec: dict, part: str | None = None) -> list[int]:
     """The sequence length of each slice of a run's training mix (`part` "train"), test mix
     ("test") or both (None); a part without a mix is one slice of the setting's params."""
@@ -158,16 +76,6 @@ def seq_lens(spec: dict, part: str | None = None) -> list[int]:
             {k: v for k, v in entry.items() if k != "count"} for entry in mix]
         lengths += [int({**params, **entry}["seq_len"]) for entry in entries]
     return lengths
-
-
-def stackable(spec: dict) -> bool:
-    """Whether runs of `spec`'s shape can train stacked (their mixer layer says how)."""
-    run = RunSpec(**spec)
-    try:
-        layer = registry.get(run.mixer).layer(run.d_model, run.n_heads, **run.mixer_options)
-    except (registry.MixerUnavailableError, NotImplementedError):
-        return False  # it cannot run here, or not at this shape; the sweep records why
-    return callable(getattr(layer, "forward_stacked", None))
 
 
 def layer_state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int,
@@ -194,28 +102,6 @@ def layer_state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: in
         return int(decoder.state_bytes(state))
     except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
         return None
-
-
-def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
-                seq_len: int) -> int | None:
-    """Recurrent state (KV cache for softmax attention) per sequence of the whole layer stack
-    after `seq_len` tokens, in float32 bytes (`layer_state_bytes` x the layers); None where
-    unknown."""
-    size = layer_state_bytes(mixer, mixer_options, d_model, n_heads, seq_len)
-    return None if size is None else size * n_layers
-
-
-def plan_groups(specs: list[dict], max_runs: int) -> list[list[dict]]:
-    """Specs grouped by `group_key` (first-seen order), at most `max_runs` a group; runs of
-    a mixer that cannot train stacked form groups of one."""
-    groups: dict[str, list[dict]] = {}
-    for spec in specs:
-        groups.setdefault(group_key(spec), []).append(spec)
-    planned = []
-    for members in groups.values():
-        size = max(1, max_runs) if stackable(members[0]) else 1
-        planned += [members[start:start + size] for start in range(0, len(members), size)]
-    return planned
 
 
 def group_name(group: list[dict]) -> str:
