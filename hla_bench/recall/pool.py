@@ -71,7 +71,7 @@ def seq_lens(spec: dict, part: str | None = None) -> list[int]:
     params = task.resolve_params(spec["params"])
     lengths = []
     for name in ("train", "test") if part is None else (part,):
-        mix = spec.get(f"{name}_mix")
+        mix = spec[f"{name}_mix"] if f"{name}_mix" in spec else None
         entries = [{}] if mix is None else [
             {k: v for k, v in entry.items() if k != "count"} for entry in mix]
         lengths += [int({**params, **entry}["seq_len"]) for entry in entries]
@@ -256,8 +256,9 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     for result in results:
         result["state_bytes_per_layer"] = size
         result["state_bytes"] = None if size is None else size * first["n_layers"]
-        for part in result.get("test_slices") or []:
-            part["state_bytes_per_layer"] = per_layer.get(part["seq_len"])
+        for part in (result["test_slices"] if "test_slices" in result else None) or []:
+            length = part["seq_len"]
+            part["state_bytes_per_layer"] = per_layer[length] if length in per_layer else None
     return results
 
 
