@@ -147,7 +147,7 @@ HAND_COUNTS = {
 
 @pytest.mark.parametrize("name", NAMES)
 def test_state_bytes_equal_a_hand_count_for_two_shapes(name):
-    from hla_bench.recall.pool import layer_state_bytes
+    from hla_bench.recall.plan import layer_state_bytes
 
     entry = registry.get(name)
     for (d_model, heads, length), elements in zip(((64, 1, 64), (128, 2, 256)),
@@ -476,7 +476,7 @@ def test_a_recall_run_is_ok_or_unsupported_with_flas_reason(name):
     """One tiny MQAR run through the harness's group runner as zoology-frontier runs it
     (captured steps, torch.compile): trained (one run a group), or where fla refuses the
     backward recorded as unsupported with fla's reason."""
-    from hla_bench.recall.plan import plan_groups
+    from hla_bench.recall.plan import plan_groups, resolve_shapes
     from hla_bench.recall.pool import run_group
     from hla_bench.recall.train import RunSpec
 
@@ -486,7 +486,9 @@ def test_a_recall_run_is_ok_or_unsupported_with_flas_reason(name):
                     state_mixer="identity", positions="none", device="cuda").as_dict()
             for i, lr in enumerate((1e-3, 3e-3))]
     assert [len(group) for group in plan_groups(runs, 4)] == [1, 1]
-    results = run_group(runs[:1], lambda event: None, graphs=True, compile=True)
+    shapes = resolve_shapes(runs)
+    results = run_group(runs[:1], lambda event: None, graphs=True, compile=True,
+                        state_bytes={0: shapes[0].state()})
     (result,) = results
     if result["status"] == "unsupported":
         assert name == "fla-gated-deltanet", result["error"]

@@ -78,7 +78,10 @@ def test_a_training_mix_never_mixes_lengths_in_a_batch(monkeypatch):
 def test_test_slices_are_scored_separately_and_together_over_their_positions():
     """One training, three test mixes: each slice's accuracy in the mix is the accuracy of a
     run tested on that slice alone, and the mix's accuracy counts every position once."""
-    both, = run_group([mix_spec()], lambda event: None)
+    from hla_bench.recall.plan import resolve_shapes
+
+    planned = {run_id: shape.state() for run_id, shape in resolve_shapes([mix_spec()]).items()}
+    both, = run_group([mix_spec()], lambda event: None, state_bytes=planned)
     alone_a, = run_group([mix_spec(test_mix=[SLICE_A])], lambda event: None)
     alone_b, = run_group([mix_spec(test_mix=[{**SLICE_B}])], lambda event: None)
     assert both["status"] == alone_a["status"] == alone_b["status"] == "ok"
@@ -92,7 +95,8 @@ def test_test_slices_are_scored_separately_and_together_over_their_positions():
     assert both["test_accuracy"] == pytest.approx(mix, abs=1e-4)
     assert both["seq_len"] == 48 and both["resolved"]["num_test"] == 22
     assert len(both["curve"][-1]["slices"]) == 2
-    # the KV cache of sdpa grows with the slice's length; the run records the longest
+    # the KV cache of sdpa grows with the slice's length (the plan counts it); the run
+    # records the longest
     assert [p["state_bytes_per_layer"] for p in parts] == [16 * 2 * 16 * 4, 48 * 2 * 16 * 4]
     assert both["state_bytes_per_layer"] == 48 * 2 * 16 * 4
     assert both["state_bytes"] == 2 * both["state_bytes_per_layer"]

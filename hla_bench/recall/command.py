@@ -311,7 +311,8 @@ def recall(config_file, task, only_tasks, seq_len, num_kv_pairs, vocab_size, ext
             complete = run_with_progress(
                 groups, min(workers, max(1, len(groups))), console, on_results, client=client,
                 deadline=deadline, checkpoint_dir=str(checkpoints),
-                graphs=config["graphs"], compile=config["compile"])
+                graphs=config["graphs"], compile=config["compile"],
+                state_bytes=left.state_bytes)
         finally:
             if client is not None:
                 client.close()

@@ -35,7 +35,7 @@ from hla_bench import configs, registry
 from hla_bench.results.load import validate_recall
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.results.store import StoreError, read_resumable
-from hla_bench.recall.pool import build_model, failed_result, layer_state_bytes, seq_lens
+from hla_bench.recall.pool import build_model, failed_result, seq_lens
 from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
                                      default_config, int_from, nonempty_text)
 from hla_bench.recall.train import RunSpec, group_key, steps_per_epoch
@@ -522,12 +522,14 @@ def check_recall_file(data: Any) -> None:
 
 
 def plan_rows(specs: list[dict], max_group: int,
-              step_flops: Callable[[dict], int | None] | None = None) -> list[dict]:
+              step_flops: Callable[[dict], int | None] | None = None,
+              shapes: dict[int, Shape] | None = None) -> list[dict]:
     """Per (task setting, d_model): the mixers, runs, stacked groups and their sizes
     (`stacks`), the most steps a run
     takes (every epoch, no early stop) and the most model steps of all its runs; with
     `step_flops` (a run's FLOPs per training step, None where unknown) also the most FLOPs
-    of its runs (`flops`) and the mixers not counted (`uncounted`)."""
+    of its runs (`flops`) and the mixers not counted (`uncounted`). `shapes`: the plan's
+    (`resolve_shapes`), else resolved for the groups."""
     cells: dict[tuple[str, int], list[dict]] = {}
     for spec in specs:
         cells.setdefault((spec["setting"], spec["d_model"]), []).append(spec)
@@ -535,7 +537,7 @@ def plan_rows(specs: list[dict], max_group: int,
     for (setting, d_model), runs in cells.items():
         first = runs[0]
         steps = first["epochs"] * steps_per_epoch(first, tasks.get(first["task"]).num_train)
-        groups = plan_groups(runs, max_group)
+        groups = plan_groups(runs, max_group, shapes)
         sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
                "mixers": len({_given(spec, "variant") or spec["mixer"] for spec in runs}),
@@ -559,15 +561,58 @@ def plan_rows(specs: list[dict], max_group: int,
 
 # --- the groups and their costs ------------------------------------------------------
 
-def plan_groups(specs: list[dict], max_runs: int) -> list[list[dict]]:
+@dataclass
+class Shape:
+    """What the runs of one group shape (`group_key`: runs that differ only in learning
+    rate, weight decay and seed) need from the registry and their task, resolved once when
+    the sweep is planned (`resolve_shapes`)."""
+
+    key: str  # the shape's `group_key`
+    mixer: str  # the registry entry's name
+    stackable: bool  # its runs can train stacked (`stackable`)
+    seq_len: int  # its training sequence length (`seq_len_of`)
+    # recurrent state of one layer per sequence in float32 bytes (`layer_state_bytes`), at
+    # the test length (the longest test slice's) and at each test slice's own length
+    state_bytes_per_layer: int | None
+    slice_state_bytes: dict[int, int | None]
+
+    def state(self) -> dict:
+        """The state bytes a trained run's record holds, as `pool.run_group` takes them."""
+        return {"per_layer": self.state_bytes_per_layer, "slices": self.slice_state_bytes}
+
+
+def resolve_shapes(specs: list[dict]) -> dict[int, Shape]:
+    """run_id -> the `Shape` of each run of `specs`: every registry lookup the groups need,
+    once per shape."""
+    by_key: dict[str, Shape] = {}
+    shapes = {}
+    for spec in specs:
+        key = group_key(spec)
+        if key not in by_key:
+            tested = seq_lens(spec, "test")
+            per_layer = {length: layer_state_bytes(spec["mixer"], spec["mixer_options"],
+                                                   spec["d_model"], spec["n_heads"], length)
+                         for length in set(tested)}
+            by_key[key] = Shape(key=key, mixer=spec["mixer"], stackable=stackable(spec),
+                                seq_len=max(seq_lens(spec, "train")),
+                                state_bytes_per_layer=per_layer[max(tested)],
+                                slice_state_bytes=per_layer)
+        shapes[spec["run_id"]] = by_key[key]
+    return shapes
+
+
+def plan_groups(specs: list[dict], max_runs: int,
+                shapes: dict[int, Shape] | None = None) -> list[list[dict]]:
     """Specs grouped by `group_key` (first-seen order), at most `max_runs` a group; runs of
-    a mixer that cannot train stacked form groups of one."""
+    a mixer that cannot train stacked form groups of one. `shapes`: the plan's
+    (`resolve_shapes`), else resolved here."""
+    shapes = resolve_shapes(specs) if shapes is None else shapes
     groups: dict[str, list[dict]] = {}
     for spec in specs:
-        groups.setdefault(group_key(spec), []).append(spec)
+        groups.setdefault(shapes[spec["run_id"]].key, []).append(spec)
     planned = []
     for members in groups.values():
-        size = max(1, max_runs) if stackable(members[0]) else 1
+        size = max(1, max_runs) if shapes[members[0]["run_id"]].stackable else 1
         planned += [members[start:start + size] for start in range(0, len(members), size)]
     return planned
 
@@ -586,6 +631,32 @@ def seq_len_of(spec: dict) -> int:
     """A run's sequence length: its task's default where its setting leaves it out; with a
     training mix, the longest of its training slices."""
     return max(seq_lens(spec, "train"))
+
+
+def layer_state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int,
+                      seq_len: int) -> int | None:
+    """Recurrent state (KV cache for softmax attention) of one layer per sequence after
+    `seq_len` tokens, in float32 bytes: the registry entry's count (`Mixer.state_bytes`),
+    else its decoder's state; None when neither is known."""
+    try:
+        entry = registry.get(mixer)
+    except registry.UnknownMixerError:
+        return None
+    try:
+        counted = entry.state_bytes(d_model, n_heads, seq_len, **mixer_options)
+    except ValueError:
+        return None
+    if counted is not None:
+        return int(counted)
+    if entry.build_decoder is None:
+        return None
+    try:
+        heads, head_dim, value_dim = entry.state_dims(d_model, n_heads, **mixer_options)
+        decoder = entry.decoder(**mixer_options)
+        state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, "cpu", torch.float32)
+        return int(decoder.state_bytes(state))
+    except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
+        return None
 
 
 def state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int, n_layers: int,
@@ -761,12 +832,15 @@ def assign_devices(specs: list[dict], device: str) -> list[dict]:
     return placed
 
 
-def order_groups(groups: list[list[dict]], largest_first: bool = False) -> list[list[dict]]:
+def order_groups(groups: list[list[dict]], largest_first: bool = False,
+                 shapes: dict[int, Shape] | None = None) -> list[list[dict]]:
     """The order groups start in: by width x sequence length, the cheapest first (or with
-    `largest_first` the costliest first); groups of one size keep the plan's order."""
+    `largest_first` the costliest first); groups of one size keep the plan's order.
+    `shapes`: the plan's (`resolve_shapes`), else the lengths are found here."""
     def size(group: list[dict]) -> int:
         spec = group[0]
-        return spec["d_model"] * seq_len_of(spec)
+        return spec["d_model"] * (seq_len_of(spec) if shapes is None
+                                  else shapes[spec["run_id"]].seq_len)
 
     return sorted(groups, key=lambda group: -size(group) if largest_first else size(group))
 
@@ -788,6 +862,8 @@ class SweepPlan:
     # a dry run of --resume: (runs finished in --out, runs planned); None otherwise
     resumed: tuple[int, int] | None = None
     rows: list[dict] = field(default_factory=list)  # a dry run's `plan_rows` (with FLOPs)
+    # run_id -> its shape, as the registry and its task give it (`resolve_shapes`)
+    shapes: dict[int, Shape] = field(default_factory=dict)
 
     def left(self, finished: set[str]) -> "RunsLeft":
         """What the runs not in `finished` (their `run_key`s) come to: the failed records of
@@ -801,9 +877,11 @@ class SweepPlan:
                 failed.append(failed_result(spec, "unavailable", reason))
             else:
                 runnable.append(spec)
-        groups = order_groups(plan_groups(runnable, self.config["max_group"]),
-                              self.largest_first)
-        return RunsLeft(failed=failed, groups=groups, runs=len(runnable))
+        groups = order_groups(plan_groups(runnable, self.config["max_group"], self.shapes),
+                              self.largest_first, self.shapes)
+        state_bytes = {spec["run_id"]: self.shapes[spec["run_id"]].state() for spec in runnable}
+        return RunsLeft(failed=failed, groups=groups, runs=len(runnable),
+                        state_bytes=state_bytes)
 
 
 @dataclass
@@ -813,6 +891,8 @@ class RunsLeft:
     failed: list[dict]  # records of runs whose mixer cannot run here, to store as they are
     groups: list[list[dict]]  # the runs to train, grouped, in the order they start
     runs: int  # the runs in `groups`
+    # run_id -> the state bytes its record holds (`Shape.state`), for `pool.run_group`
+    state_bytes: dict[int, dict] = field(default_factory=dict)
 
 
 def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = None,
@@ -894,7 +974,7 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
     workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
     plan = SweepPlan(config=config, device=device, mode=mode, specs=specs,
                      unavailable=unavailable, workers=workers, largest_first=largest_first,
-                     absent=absent)
+                     absent=absent, shapes=resolve_shapes(specs))
     if dry_run:
         left = specs
         if mode == "resume" and Path(out).exists():
@@ -902,5 +982,5 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
             left = [spec for spec in specs if run_key(spec) not in finished]
             plan.resumed = (len(specs) - len(left), len(specs))
         with busy("counting each step shape's FLOPs"):  # one traced step a shape
-            plan.rows = plan_rows(left, config["max_group"], step_flops)
+            plan.rows = plan_rows(left, config["max_group"], step_flops, plan.shapes)
     return plan

@@ -78,32 +78,6 @@ def seq_lens(spec: dict, part: str | None = None) -> list[int]:
     return lengths
 
 
-def layer_state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: int,
-                      seq_len: int) -> int | None:
-    """Recurrent state (KV cache for softmax attention) of one layer per sequence after
-    `seq_len` tokens, in float32 bytes: the registry entry's count (`Mixer.state_bytes`),
-    else its decoder's state; None when neither is known."""
-    try:
-        entry = registry.get(mixer)
-    except registry.UnknownMixerError:
-        return None
-    try:
-        counted = entry.state_bytes(d_model, n_heads, seq_len, **mixer_options)
-    except ValueError:
-        return None
-    if counted is not None:
-        return int(counted)
-    if entry.build_decoder is None:
-        return None
-    try:
-        heads, head_dim, value_dim = entry.state_dims(d_model, n_heads, **mixer_options)
-        decoder = entry.decoder(**mixer_options)
-        state = decoder.init_state(1, heads, head_dim, value_dim, seq_len, "cpu", torch.float32)
-        return int(decoder.state_bytes(state))
-    except (registry.MixerUnavailableError, NotImplementedError, RuntimeError, ValueError):
-        return None
-
-
 def group_name(group: list[dict]) -> str:
     """A stable file name for a group's checkpoint (from its runs' specs)."""
     text = "\n".join(repr(sorted((k, repr(v)) for k, v in spec.items() if k != "device"))
@@ -196,9 +170,12 @@ def is_oom(error: BaseException) -> bool:
 def run_group(group: list[dict], progress: Callable[[dict], None], *,
               deadline: float | None = None, checkpoint_dir: str | None = None,
               graphs: bool = True, compile: bool = False, shared: bool = False,
-              isolated: bool = True) -> list[dict] | str | None:
+              isolated: bool = True,
+              state_bytes: dict[int, dict] | None = None) -> list[dict] | str | None:
     """Train one group; returns its results, or None when stopped at the deadline (its
-    checkpoint holds the state). Out of memory: with `shared` (other groups may run during
+    checkpoint holds the state). `state_bytes`: run_id -> the state bytes the plan counted
+    for the run (`hla_bench.recall.plan.Shape.state`), which its record holds (None
+    where the plan gave none). Out of memory: with `shared` (other groups may run during
     its run) RETRY_WITH_FEWER, else the group splits in two and retries. A CUDA
     fault: RETRY_ALONE unless `isolated` (no other group ran beside it), else its failed
     results as a CudaFault."""
@@ -243,16 +220,13 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     if split:  # out of memory alone: each half gets the memory the whole group had
         half = len(group) // 2
         parts = [run_group(part, progress, deadline=deadline, checkpoint_dir=checkpoint_dir,
-                           graphs=graphs, compile=compile)
+                           graphs=graphs, compile=compile, state_bytes=state_bytes)
                  for part in (group[:half], group[half:])]
         return None if any(part is None for part in parts) else parts[0] + parts[1]
     first = group[0]  # the runs of a group share the mixer, its options and the shapes
-    # at the test length: the longest test slice's; each test slice also at its own
-    seq_len = max(seq_lens(first, "test"))
-    per_layer = {length: layer_state_bytes(first["mixer"], first["mixer_options"],
-                                           first["d_model"], first["n_heads"], length)
-                 for length in set(seq_lens(first, "test"))}
-    size = per_layer[seq_len]
+    planned = (state_bytes[first["run_id"]] if state_bytes and first["run_id"] in state_bytes
+               else {"per_layer": None, "slices": {}})
+    size, per_layer = planned["per_layer"], planned["slices"]
     for result in results:
         result["state_bytes_per_layer"] = size
         result["state_bytes"] = None if size is None else size * first["n_layers"]
@@ -304,8 +278,8 @@ def run_groups(groups: list[list[dict]], workers: int,
                on_event: Callable[[list[int], dict], None],
                on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
                checkpoint_dir: str | None = None, graphs: bool = True,
-               compile: bool = False) -> bool:
-    """Run every group; `on_event(run_ids, event)` sees progress, `on_results(results)` each
+               compile: bool = False, state_bytes: dict[int, dict] | None = None) -> bool:
+    """Run every group (`run_group`, with the plan's `state_bytes`); `on_event(run_ids, event)` sees progress, `on_results(results)` each
     finished group. Returns False when the deadline stopped some group (checkpointed) or
     left some unstarted. One worker runs in this process; more are spawned processes, killed
     STOP_GRACE_S seconds after the deadline if they have not returned by then. A group that
@@ -318,7 +292,7 @@ def run_groups(groups: list[list[dict]], workers: int,
     a CUDA fault ends the sweep (False): the process cannot use the GPU again, and --resume
     continues in a fresh one."""
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
-               "compile": compile}
+               "compile": compile, "state_bytes": state_bytes}
     complete = True
     if workers <= 1:
         for group in groups:
@@ -454,7 +428,8 @@ def run_sweep(groups: list[list[dict]], workers: int,
               **options) -> bool:
     """A sweep's groups, in their order: on `workers` local worker processes
     (`run_groups`), or on the Dask cluster of `client` (`run_groups_dask`); `options` are
-    theirs (deadline, checkpoint_dir, graphs, compile). False when the deadline left work."""
+    theirs (deadline, checkpoint_dir, graphs, compile, state_bytes). False when the deadline
+    left work."""
     if client is not None:
         return run_groups_dask(client, groups, on_event, on_results, **options)
     return run_groups(groups, workers, on_event, on_results, **options)
@@ -473,7 +448,7 @@ def run_groups_dask(client, groups: list[list[dict]],
                     on_event: Callable[[list[int], dict], None],
                     on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
                     checkpoint_dir: str | None = None, graphs: bool = True,
-                    compile: bool = False,
+                    compile: bool = False, state_bytes: dict[int, dict] | None = None,
                     task: Callable[[list[dict], dict], list[dict] | None] = _recall_task) -> bool:
     """`run_groups` on a Dask cluster (`hla_bench.dask_executor`): every group is one `task`;
     results reach `on_results` as each task finishes. Returns False when the deadline left
@@ -482,7 +457,7 @@ def run_groups_dask(client, groups: list[list[dict]],
 
     distributed = load_distributed()
     options = {"deadline": deadline, "checkpoint_dir": checkpoint_dir, "graphs": graphs,
-               "compile": compile}
+               "compile": compile, "state_bytes": state_bytes}
     futures = {}
     for group in groups:
         cuda = str(group[0]["device"]).startswith("cuda")
