@@ -30,15 +30,16 @@ import torch
 import yaml
 
 import tasks
+from tasks import get as task_named
 from tasks import IGNORE
 from hla_bench import configs, registry
 from hla_bench.results.load import validate_recall
 from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.results.store import StoreError, read_resumable
-from hla_bench.recall.pool import build_model, failed_result, seq_lens
+from hla_bench.recall.pool import build_model, failed_result
 from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
                                      default_config, int_from, nonempty_text)
-from hla_bench.recall.train import RunSpec, group_key, steps_per_epoch
+from hla_bench.recall.train import RunSpec, group_key, seq_lens, steps_per_epoch
 
 
 class ConfigError(ValueError):
@@ -140,7 +141,7 @@ def check_given_params(settings: list[dict], given: dict[str, str], task: str | 
     labels: dict[str, int] = {}
     for index, setting in enumerate(settings):
         try:
-            entry = tasks.get(setting["task"])
+            entry = task_named(setting["task"])
             entry.make("test", 1, 0, **setting["params"])
         except (ValueError, TypeError) as error:
             if task:
@@ -194,7 +195,7 @@ def _check_plan(config: dict, where: str) -> None:
     labels: dict[str, int] = {}
     for index, setting in enumerate(config["settings"]):
         try:
-            task = tasks.get(setting["task"])
+            task = task_named(setting["task"])
             task.make("test", 1, 0, **setting["params"])
         except ValueError as error:
             raise ConfigError(f"{where}.settings[{index}]: {error}") from None
@@ -451,7 +452,7 @@ def plan_runs(config: dict, device: str) -> list[dict]:
     train.weight_decay."""
     specs = []
     for setting in config["settings"]:
-        task = tasks.get(setting["task"])
+        task = task_named(setting["task"])
         params = setting["params"]
         train = {**config["train"], **_given(setting, "train", {})}
         decays = config["weight_decays"] or [train["weight_decay"]]
@@ -536,7 +537,7 @@ def plan_rows(specs: list[dict], max_group: int,
     rows = []
     for (setting, d_model), runs in cells.items():
         first = runs[0]
-        steps = first["epochs"] * steps_per_epoch(first, tasks.get(first["task"]).num_train)
+        steps = first["epochs"] * steps_per_epoch(first, task_named(first["task"]).num_train)
         groups = plan_groups(runs, max_group, shapes)
         sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
@@ -589,12 +590,12 @@ def resolve_shapes(specs: list[dict]) -> dict[int, Shape]:
     for spec in specs:
         key = group_key(spec)
         if key not in by_key:
-            tested = seq_lens(spec, "test")
+            trained, tested = seq_lens(spec, "train"), seq_lens(spec, "test")
             per_layer = {length: layer_state_bytes(spec["mixer"], spec["mixer_options"],
                                                    spec["d_model"], spec["n_heads"], length)
                          for length in set(tested)}
             by_key[key] = Shape(key=key, mixer=spec["mixer"], stackable=stackable(spec),
-                                seq_len=max(seq_lens(spec, "train")),
+                                seq_len=max(trained),
                                 state_bytes_per_layer=per_layer[max(tested)],
                                 slice_state_bytes=per_layer)
         shapes[spec["run_id"]] = by_key[key]
@@ -714,7 +715,7 @@ def step_flops(spec: dict) -> int | None:
 
 def _step_flops(spec: dict) -> int | None:
     run = RunSpec(**spec)
-    inputs, labels = tasks.get(run.task).make("train", 1, run.seed, **run.params)
+    inputs, labels = task_named(run.task).make("train", 1, run.seed, **run.params)
     count = int((labels != IGNORE).sum())  # the rows the head reads, known without data
     for device in ("meta", "cpu"):
         try:

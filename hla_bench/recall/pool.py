@@ -35,14 +35,14 @@ from typing import Callable
 
 import torch
 
-import tasks
+from tasks import get as task_named
 from hla_bench import registry
 from hla_bench.processes import exit_with_parent
 from hla_bench.safe_files import path_in, refuse_symlink
 from mixers import dispatch
 from mixers.common import inputs_trusted_finite
 from hla_bench.recall.model import TinyLM
-from hla_bench.recall.train import Interrupted, RunSpec, train_group
+from hla_bench.recall.train import Interrupted, RunSpec, seq_lens, train_group
 
 def build_model(spec: dict) -> TinyLM:
     """The tiny LM of one run, its mixer layers from the registry. Positions (`positions`):
@@ -50,7 +50,7 @@ def build_model(spec: dict) -> TinyLM:
     their state), "learned" every mixer, "none" no mixer. Its length is the longest of
     the run's sequences (every slice of its mixes)."""
     run = RunSpec(**spec)
-    task = tasks.get(run.task)
+    task = task_named(run.task)
     params = task.resolve_params(run.params)
     entry = registry.get(run.mixer)
     positions = run.positions == "learned" or (run.positions == "auto"
@@ -62,20 +62,6 @@ def build_model(spec: dict) -> TinyLM:
                   max_len=max(seq_lens(spec)), readout=task.readout, init=run.init,
                   norm=run.norm, head=run.head, swiglu_hidden=run.swiglu_hidden,
                   decoder=run.decoder)
-
-
-def seq_lens(spec: dict, part: str | None = None) -> list[int]:
-    """The sequence length of each slice of a run's training mix (`part` "train"), test mix
-    ("test") or both (None); a part without a mix is one slice of the setting's params."""
-    task = tasks.get(spec["task"])
-    params = task.resolve_params(spec["params"])
-    lengths = []
-    for name in ("train", "test") if part is None else (part,):
-        mix = spec[f"{name}_mix"] if f"{name}_mix" in spec else None
-        entries = [{}] if mix is None else [
-            {k: v for k, v in entry.items() if k != "count"} for entry in mix]
-        lengths += [int({**params, **entry}["seq_len"]) for entry in entries]
-    return lengths
 
 
 def group_name(group: list[dict]) -> str:
@@ -179,8 +165,8 @@ def run_group(group: list[dict], progress: Callable[[dict], None], *,
     its run) RETRY_WITH_FEWER, else the group splits in two and retries. A CUDA
     fault: RETRY_ALONE unless `isolated` (no other group ran beside it), else its failed
     results as a CudaFault."""
-    checkpoint = (path_in(checkpoint_dir, group_name(group), "checkpoint name", ".pt")
-                  if checkpoint_dir else None)
+    name = group_name(group)
+    checkpoint = path_in(checkpoint_dir, name, "checkpoint name", ".pt") if checkpoint_dir else None
     split = False
     try:
         # what the group's first eager forward ran: its first training step's (eager on the
@@ -279,8 +265,8 @@ def run_groups(groups: list[list[dict]], workers: int,
                on_results: Callable[[list[dict]], None], *, deadline: float | None = None,
                checkpoint_dir: str | None = None, graphs: bool = True,
                compile: bool = False, state_bytes: dict[int, dict] | None = None) -> bool:
-    """Run every group (`run_group`, with the plan's `state_bytes`); `on_event(run_ids, event)` sees progress, `on_results(results)` each
-    finished group. Returns False when the deadline stopped some group (checkpointed) or
+    """Run every group (`run_group`, with the plan's `state_bytes`); `on_event(run_ids,
+    event)` sees progress, `on_results(results)` each finished group. Returns False when the deadline stopped some group (checkpointed) or
     left some unstarted. One worker runs in this process; more are spawned processes, killed
     STOP_GRACE_S seconds after the deadline if they have not returned by then. A group that
     runs out of memory beside others goes back to the head of the queue, and until it has

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 import tasks
 from tasks import IGNORE, Splits
+from tasks import get as task_named
 from tasks.mad import MAD_METRIC_BATCH, macro_accuracy
 from hla_bench.recall.model import TinyLM, at_least_float32
 from hla_bench.recall.stacked import FlatAdamW, StackedLM
@@ -152,6 +153,20 @@ def group_key(spec: dict) -> str:
     and id (a field a stored run lacks, from a file older than the field, reads as None)."""
     return repr(sorted((key, repr(spec.get(key))) for key in SPEC_FIELDS
                        if key not in PER_RUN_FIELDS))
+
+
+def seq_lens(spec: dict, part: str | None = None) -> list[int]:
+    """The sequence length of each slice of a run's training mix (`part` "train"), test mix
+    ("test") or both (None); a part without a mix is one slice of the setting's params."""
+    task = task_named(spec["task"])
+    params = task.resolve_params(spec["params"])
+    lengths = []
+    for name in ("train", "test") if part is None else (part,):
+        mix = spec[f"{name}_mix"] if f"{name}_mix" in spec else None
+        entries = [{}] if mix is None else [
+            {k: v for k, v in entry.items() if k != "count"} for entry in mix]
+        lengths += [int({**params, **entry}["seq_len"]) for entry in entries]
+    return lengths
 
 
 def checkpoint_key(specs: list[dict]) -> str:
