@@ -568,7 +568,9 @@ class Shape:
     rate, weight decay and seed) need from the registry and their task, resolved once when
     the sweep is planned (`resolve_shapes`)."""
 
-    key: str  # the shape's `group_key`
+    # the shape's `group_key` as planned: before the runs are placed on devices (the runs
+    # of one shape are placed on one)
+    key: str
     mixer: str  # the registry entry's name
     stackable: bool  # its runs can train stacked (`stackable`)
     seq_len: int  # its training sequence length (`seq_len_of`)
@@ -819,16 +821,16 @@ def default_workers(device: str, workers_per_gpu: int = 2) -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def assign_devices(specs: list[dict], device: str) -> list[dict]:
+def assign_devices(specs: list[dict], device: str, shapes: dict[int, Shape]) -> list[dict]:
     """Spread groups over the visible GPUs round-robin when `device` is plain "cuda" (the
-    runs of one group stay on one device)."""
+    runs of one group shape, `shapes` as `resolve_shapes` gave them, stay on one device)."""
     if device != "cuda":
         return [{**spec, "device": device} for spec in specs]
     count = max(1, torch.cuda.device_count())
     keys: dict[str, int] = {}
     placed = []
     for spec in specs:
-        slot = keys.setdefault(group_key(spec), len(keys))
+        slot = keys.setdefault(shapes[spec["run_id"]].key, len(keys))
         placed.append({**spec, "device": f"cuda:{slot % count}"})
     return placed
 
@@ -964,8 +966,10 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
             if _given(overrides, "graphs"):
                 raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
             config["graphs"] = False  # nothing is replayed off CUDA: the header says so
-    specs = assign_devices(plan_runs(config, device), device)
+    specs = plan_runs(config, device)
     unavailable = check_layers(specs)
+    shapes = resolve_shapes(specs)
+    specs = assign_devices(specs, device, shapes)
     mode = store_mode(out, resume, overwrite)
     problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
     if plots_dir is not None and not problem:  # a plot there that is a symbolic link
@@ -975,7 +979,7 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
     workers = config["workers"] or default_workers(device, config["workers_per_gpu"])
     plan = SweepPlan(config=config, device=device, mode=mode, specs=specs,
                      unavailable=unavailable, workers=workers, largest_first=largest_first,
-                     absent=absent, shapes=resolve_shapes(specs))
+                     absent=absent, shapes=shapes)
     if dry_run:
         left = specs
         if mode == "resume" and Path(out).exists():
