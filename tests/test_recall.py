@@ -1390,10 +1390,16 @@ def test_a_layer_that_does_not_implement_a_shape_is_left_to_the_sweep_to_record(
     from hla_bench.recall.plan import ConfigError, check_layers
 
     class Refusing:
+        name = "refusing"
+        build_decoder = None  # no decoder: no state bytes either
+
         def __init__(self, error):
             self.error = error
 
         def unavailable_reason(self, options):
+            return None
+
+        def state_bytes(self, d_model, n_heads, seq_len, **options):
             return None
 
         def layer(self, d_model, n_heads, **options):

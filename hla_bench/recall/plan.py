@@ -329,27 +329,9 @@ def check_layers(specs: list[dict]) -> dict[int, str]:
     refuses) is a ConfigError before any run. Mixers that cannot run here are skipped: the
     sweep records them as unavailable (returned: run_id -> why, for each such run); so are
     shapes a layer says it does not implement (a NotImplementedError, say a head dim above its
-    kernel's largest), recorded as unsupported."""
-    reasons: dict[tuple, str | None] = {}  # shape -> why its mixer cannot run here
-    unavailable = {}
-    for spec in specs:
-        options = spec["mixer_options"]
-        shape = (spec["mixer"], spec["d_model"], spec["n_heads"], repr(sorted(options.items())))
-        if shape not in reasons:
-            entry = registry.get(spec["mixer"])
-            reasons[shape] = entry.unavailable_reason(options)
-            if not reasons[shape]:
-                try:
-                    with torch.device("meta"):  # shapes and checks only: no memory, any width
-                        entry.layer(spec["d_model"], spec["n_heads"], **options)
-                except NotImplementedError:
-                    pass
-                except (ValueError, TypeError) as error:
-                    raise ConfigError(f"{spec['mixer']} at d_model {spec['d_model']} with "
-                                      f"{spec['n_heads']} head(s): {error}") from None
-        if reasons[shape]:
-            unavailable[spec["run_id"]] = reasons[shape]
-    return unavailable
+    kernel's largest), recorded as unsupported. The checks of `resolve_shapes`."""
+    return {run_id: shape.unavailable for run_id, shape in resolve_shapes(specs).items()
+            if shape.unavailable}
 
 
 def read_config_file(config_file: str | None) -> tuple[str | None, dict]:
@@ -572,6 +554,7 @@ class Shape:
     # of one shape are placed on one)
     key: str
     mixer: str  # the registry entry's name
+    unavailable: str | None  # why the mixer cannot run here (`Mixer.unavailable_reason`)
     stackable: bool  # its runs can train stacked (`stackable`)
     seq_len: int  # its training sequence length (`seq_len_of`)
     # recurrent state of one layer per sequence in float32 bytes (`layer_state_bytes`), at
@@ -593,15 +576,35 @@ def resolve_shapes(specs: list[dict]) -> dict[int, Shape]:
         key = group_key(spec)
         if key not in by_key:
             trained, tested = seq_lens(spec, "train"), seq_lens(spec, "test")
-            per_layer = {length: layer_state_bytes(spec["mixer"], spec["mixer_options"],
-                                                   spec["d_model"], spec["n_heads"], length)
-                         for length in set(tested)}
-            by_key[key] = Shape(key=key, mixer=spec["mixer"], stackable=stackable(spec),
-                                seq_len=max(trained),
-                                state_bytes_per_layer=per_layer[max(tested)],
-                                slice_state_bytes=per_layer)
+            by_key[key] = _resolve(registry.get(spec["mixer"]), spec, key, max(trained), tested)
         shapes[spec["run_id"]] = by_key[key]
     return shapes
+
+
+def _resolve(entry: registry.Mixer, spec: dict, key: str, seq_len: int,
+             tested: list[int]) -> Shape:
+    """The `Shape` of `spec` from its registry entry: why it cannot run here, else its layer
+    built on the meta device (a ValueError or TypeError is a ConfigError: say d_model 64 in
+    3 heads, or a head dim its kernel refuses; a NotImplementedError, a shape it does not
+    implement, is left to the run to record as unsupported); whether it trains stacked; its
+    state bytes at each test length."""
+    run = RunSpec(**spec)
+    options = run.mixer_options
+    reason = entry.unavailable_reason(options)
+    if not reason:
+        try:
+            with torch.device("meta"):  # shapes and checks only: no memory, any width
+                entry.layer(run.d_model, run.n_heads, **options)
+        except NotImplementedError:
+            pass
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"{run.mixer} at d_model {run.d_model} with "
+                              f"{run.n_heads} head(s): {error}") from None
+    per_layer = {length: _entry_state_bytes(entry, options, run.d_model, run.n_heads, length)
+                 for length in set(tested)}
+    return Shape(key=key, mixer=entry.name, unavailable=reason,
+                 stackable=_entry_stackable(entry, run), seq_len=seq_len,
+                 state_bytes_per_layer=per_layer[max(tested)], slice_state_bytes=per_layer)
 
 
 def plan_groups(specs: list[dict], max_runs: int,
@@ -623,8 +626,12 @@ def plan_groups(specs: list[dict], max_runs: int,
 def stackable(spec: dict) -> bool:
     """Whether runs of `spec`'s shape can train stacked (their mixer layer says how)."""
     run = RunSpec(**spec)
+    return _entry_stackable(registry.get(run.mixer), run)
+
+
+def _entry_stackable(entry: registry.Mixer, run: RunSpec) -> bool:
     try:
-        layer = registry.get(run.mixer).layer(run.d_model, run.n_heads, **run.mixer_options)
+        layer = entry.layer(run.d_model, run.n_heads, **run.mixer_options)
     except (registry.MixerUnavailableError, NotImplementedError):
         return False  # it cannot run here, or not at this shape; the sweep records why
     return callable(getattr(layer, "forward_stacked", None))
@@ -645,6 +652,11 @@ def layer_state_bytes(mixer: str, mixer_options: dict, d_model: int, n_heads: in
         entry = registry.get(mixer)
     except registry.UnknownMixerError:
         return None
+    return _entry_state_bytes(entry, mixer_options, d_model, n_heads, seq_len)
+
+
+def _entry_state_bytes(entry: registry.Mixer, mixer_options: dict, d_model: int,
+                       n_heads: int, seq_len: int) -> int | None:
     try:
         counted = entry.state_bytes(d_model, n_heads, seq_len, **mixer_options)
     except ValueError:
@@ -967,8 +979,9 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
                 raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
             config["graphs"] = False  # nothing is replayed off CUDA: the header says so
     specs = plan_runs(config, device)
-    unavailable = check_layers(specs)
     shapes = resolve_shapes(specs)
+    unavailable = {run_id: shape.unavailable for run_id, shape in shapes.items()
+                   if shape.unavailable}
     specs = assign_devices(specs, device, shapes)
     mode = store_mode(out, resume, overwrite)
     problem = plots_dir_problem(plots_dir) if plots_dir is not None else None
