@@ -54,6 +54,14 @@
 # scratch folder, their results file copied into OUT every 30 s and when they stop: a
 # recall sweep's group checkpoints (gigabytes at d_model 512) stay behind, so a group cut
 # short starts over in the next call, while every finished run is kept.
+# Compiled code outlives the machine: torch.compile's caches (inductor's FX graphs and
+# AOTAutograd's, TORCHINDUCTOR_CACHE_DIR) and Triton's kernels and autotuning choices
+# (TRITON_CACHE_DIR) live in one folder, unpacked at the start from COMPILE_CACHE (default
+# .compile-cache.tar, carried in; PREVIOUS/compile-cache.tar where that is missing) and
+# packed into OUT/compile-cache.tar when the stages end, unless it grew past
+# COMPILE_CACHE_MB (default 48) megabytes. A later call that carries it back compiles only
+# what no earlier call did (a cache entry is keyed by the code, shapes, GPU and versions, so
+# a stale one is never used).
 set -uo pipefail
 usage="usage: gpu_runs.sh STAGE[,STAGE...] OUT [PREVIOUS]"
 stages=${1:?$usage}
@@ -78,6 +86,27 @@ mkdir -p "$out"
 # choices: a later stage on this machine (bench-b after bench-a) skips both and times the
 # same kernel configurations.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TRITON_CACHE_AUTOTUNING=1
+compile_cache=$(mktemp -d /tmp/gpu-runs-compile-cache.XXXXXX)
+export TORCHINDUCTOR_CACHE_DIR="$compile_cache/inductor" TRITON_CACHE_DIR="$compile_cache/triton"
+mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"
+packed=${COMPILE_CACHE:-.compile-cache.tar}
+[[ -f "$packed" || -z "$previous" ]] || packed="$previous/compile-cache.tar"
+if [[ -f "$packed" ]]; then
+    tar -xf "$packed" -C "$compile_cache" &&
+        echo "compile cache: $(du -sh "$compile_cache" | cut -f1) from $packed"
+fi
+pack_compile_cache() {
+    local size
+    size=$(du -sm "$compile_cache" | cut -f1)
+    if ((size <= ${COMPILE_CACHE_MB:-48})); then
+        tar -cf "$out/compile-cache.tar" -C "$compile_cache" . &&
+            echo "compile cache: ${size} MB into $out/compile-cache.tar"
+    else
+        echo "compile cache: ${size} MB, over COMPILE_CACHE_MB=${COMPILE_CACHE_MB:-48}: not packed"
+    fi
+    rm -rf "$compile_cache"
+}
+trap pack_compile_cache EXIT
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1

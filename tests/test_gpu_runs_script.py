@@ -90,3 +90,32 @@ def test_layer_parts_runs_on_the_cpu(tmp_path):
                                            "no output norm", "none of the three", "operator")
     ] + [("-", "conv: Conv1d"), ("-", "conv: shifted sums"), ("-", "conv: shifted sums, compiled")]
     assert all(r["mode"] == "fwd" and r["median_ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_compile_cache_comes_in_and_goes_out_packed(tmp_path):
+    """COMPILE_CACHE's folder is unpacked where torch.compile and Triton keep their caches
+    and packed into OUT/compile-cache.tar when the script ends, a stage that fails included;
+    past COMPILE_CACHE_MB it is not packed."""
+    import os
+    import tarfile
+
+    seed = tmp_path / "seed"
+    (seed / "inductor").mkdir(parents=True)
+    (seed / "inductor" / "entry").write_text("compiled")
+    packed = tmp_path / "in.tar"
+    with tarfile.open(packed, "w") as archive:
+        archive.add(seed, arcname=".")
+    env = {**os.environ, "COMPILE_CACHE": str(packed), "TIME_LIMIT": "30"}
+    # bench-a asks for CUDA: on this machine the stage fails at once
+    done = subprocess.run(["bash", str(SCRIPT), "bench-a", str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True)
+    assert f"from {packed}" in done.stdout, done.stdout + done.stderr
+    with tarfile.open(tmp_path / "out" / "compile-cache.tar") as archive:
+        names = archive.getnames()
+        assert "./inductor/entry" in names and "./triton" in names
+        assert archive.extractfile("./inductor/entry").read() == b"compiled"
+    done = subprocess.run(["bash", str(SCRIPT), "bench-a", str(tmp_path / "big")],
+                          env={**env, "COMPILE_CACHE_MB": "0"}, capture_output=True, text=True)
+    assert "over COMPILE_CACHE_MB=0: not packed" in done.stdout
+    assert not (tmp_path / "big" / "compile-cache.tar").exists()
