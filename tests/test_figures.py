@@ -323,3 +323,41 @@ def test_the_state_plot_draws_the_published_frontier_points_hollow(tmp_path, mon
         state for state, _ in sliding + based)
     d_model = drawn["recall_accuracy_vs_d_model.png"].axes[0].lines
     assert not [line for line in d_model if line.get_markerfacecolor() == "none"]
+
+
+def test_a_setting_tested_on_a_mix_has_a_panel_per_test_slice(monkeypatch, tmp_path):
+    """slice_summary scores each run on each test slice (the lr still picked on validation
+    over the mix) at its state after that slice; the figures put the slices' panels after
+    their setting's, and the overall mean counts the settings alone."""
+    def run(mixer, lr, val, slices, per_layer):
+        return {"setting": "mix", "mixer": mixer, "d_model": 64, "lr": lr, "seed": 0,
+                "status": "ok", "val_accuracy": val, "test_accuracy": 0.5, "steps": 10,
+                "n_layers": 2, "state_bytes_per_layer": per_layer[-1],
+                "state_bytes": 2 * per_layer[-1],
+                "test_slices": [{"slice": f"seq_len={t}", "seq_len": t, "accuracy": a,
+                                 "state_bytes_per_layer": b}
+                                for t, a, b in zip((64, 256), slices, per_layer)]}
+
+    runs = [run("sdpa", 1e-3, 0.9, (1.0, 0.8), (64 * 512, 256 * 512)),
+            run("sdpa", 1e-2, 0.5, (1.0, 0.99), (64 * 512, 256 * 512)),  # rejected on val
+            run("hla2", 1e-3, 0.9, (0.9, 0.6), (4096, 4096)),
+            {**run("hla2", 1e-3, 0.9, (0.9, 0.6), (4096, 4096)), "setting": "other"}]
+    slices = recall_report.slice_summary(runs)
+    assert set(slices) == {f"{s}{recall_report.SLICE_PANEL}seq_len={t}"
+                           for s in ("mix", "other") for t in (64, 256)}
+    long = slices[f"mix{recall_report.SLICE_PANEL}seq_len=256"]
+    assert long["sdpa"][64]["score"]["mean"] == 0.8  # the val-picked run's slice accuracy
+    assert long["sdpa"][64]["state_bytes"] == 2 * 256 * 512  # at the slice's own length
+    assert long["hla2"][64]["state_bytes"] == 2 * 4096
+    figures = _capture(monkeypatch)
+    recall_report.plot_recall(summarize(runs), tmp_path, "png", slices=slices)
+    titles = [ax.get_title().replace("\n", " ")
+              for ax in figures["recall_accuracy_vs_state.png"].axes if ax.get_visible()]
+    assert titles == ["mix", f"mix{recall_report.SLICE_PANEL}seq_len=64",
+                      f"mix{recall_report.SLICE_PANEL}seq_len=256", "other",
+                      f"other{recall_report.SLICE_PANEL}seq_len=64",
+                      f"other{recall_report.SLICE_PANEL}seq_len=256",
+                      "overall: mean over the 2 settings"]
+    ys = [y for line in figures["recall_accuracy_vs_state.png"].axes[2].lines
+          for y in line.get_ydata()]
+    assert 0.8 in ys and 0.6 in ys and 0.99 not in ys

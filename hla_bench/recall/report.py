@@ -581,18 +581,57 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return front
 
 
-def _panel_points(summary: dict, x_key: str) -> dict[str, dict[str, list[tuple]]]:
-    """{panel: {mixer: [(x, mean, std, d_model)]}}: a panel per setting, then "overall"
-    (with more than one setting): a mixer's mean score over every setting at a d_model it
-    scored in all of them, at the largest state among them (the state that serves each)."""
+SLICE_PANEL = " | test slice "  # joins a setting and one of its test slices in a panel's name
+
+
+def slice_summary(runs: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
+    """`summarize` of each test slice of the settings tested on a mix of more than one
+    slice, as a setting of its own named SETTING | test slice SLICE: each run's accuracy on
+    that slice (the learning rate still picked on validation over the mix, as the setting's
+    score) at its state after that slice's length."""
+    parts = []
+    for run in runs:
+        slices = run.get("test_slices") or []
+        if run.get("status") != "ok" or len(slices) < 2:
+            continue
+        for part in slices:
+            if part.get("accuracy") is None:
+                continue
+            per_layer = part.get("state_bytes_per_layer")
+            parts.append({**run, "setting": f"{run['setting']}{SLICE_PANEL}{part['slice']}",
+                          "test_accuracy": part["accuracy"],
+                          "state_bytes_per_layer": per_layer,
+                          "state_bytes": (None if per_layer is None or not run.get("n_layers")
+                                          else per_layer * run["n_layers"])})
+    return summarize(parts)
+
+
+def _cell_points(by_mixer: dict, x_key: str) -> dict[str, list[tuple]]:
+    """{mixer: [(x, mean, std, d_model)]} of one setting's scored cells."""
+    points: dict[str, list[tuple]] = {}
+    for mixer, cells in by_mixer.items():
+        for d_model, cell in cells.items():
+            x = int(d_model) if x_key == "d_model" else cell.get("state_bytes")
+            if cell["score"] is not None and x:
+                points.setdefault(mixer, []).append(
+                    (x, cell["score"]["mean"], cell["score"]["std"], int(d_model)))
+    return points
+
+
+def _panel_points(summary: dict, x_key: str,
+                  slices: dict | None = None) -> dict[str, dict[str, list[tuple]]]:
+    """{panel: {mixer: [(x, mean, std, d_model)]}}: a panel per setting, each followed by
+    its test slices' panels (`slices`, `slice_summary`), then "overall" (with more than one
+    setting): a mixer's mean score over every setting at a d_model it scored in all of them,
+    at the largest state among them (the state that serves each)."""
     panels: dict[str, dict[str, list[tuple]]] = {}
     for setting, by_mixer in summary.items():
-        for mixer, cells in by_mixer.items():
-            for d_model, cell in cells.items():
-                x = int(d_model) if x_key == "d_model" else cell.get("state_bytes")
-                if cell["score"] is not None and x:
-                    panels.setdefault(setting, {}).setdefault(mixer, []).append(
-                        (x, cell["score"]["mean"], cell["score"]["std"], int(d_model)))
+        points = _cell_points(by_mixer, x_key)
+        if points:
+            panels[setting] = points
+        for name, slice_mixers in (slices or {}).items():
+            if name.startswith(setting + SLICE_PANEL) and _cell_points(slice_mixers, x_key):
+                panels[name] = _cell_points(slice_mixers, x_key)
     if len(summary) > 1:
         overall: dict[str, list[tuple]] = {}
         mixers = dict.fromkeys(m for by_mixer in summary.values() for m in by_mixer)
@@ -680,7 +719,8 @@ def recall_figure(plt: Any, panels: dict, published: dict, mixers: list[str], x_
                 ax.plot(*zip(*shown), linestyle="none", marker=look.marker, markersize=10,
                         markerfacecolor="none", markeredgecolor=look.color, markeredgewidth=1.4)
                 xs_all += [x for x, _ in shown]
-        title = (f"overall: mean over the {len(names) - 1} settings" if panel == "overall"
+        settings = [name for name in names if name != "overall" and SLICE_PANEL not in name]
+        title = (f"overall: mean over the {len(settings)} settings" if panel == "overall"
                  else textwrap.fill(panel, 44))  # whole, on as many lines
         ax.set_title(title, fontsize=8)
         if x_key == "d_model":
@@ -726,14 +766,16 @@ def frontier_points(runs: list[dict], summary: dict,
 
 def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                 published: dict | None = None, matches: dict | None = None,
-                mixers: str | None = None, frontier: dict | None = None) -> list[Path]:
+                mixers: str | None = None, frontier: dict | None = None,
+                slices: dict | None = None) -> list[Path]:
     """Accuracy (val-picked, error bars: std over seeds) against recurrent state per sequence
     (with each mixer's Pareto front) and against d_model, one panel per setting plus the
     overall (`_panel_points`), a colour per mixer by family (`hla_bench.results.styles`), one legend
     outside the panels. `published` ({setting: {"Zoology: NAME": {d_model: accuracy}}},
     Zoology's Figure 2) draws, for an architecture `matches` maps to an hla-bench mixer,
     hollow markers of that mixer's colour, and so do against state the points of
-    `frontier` (`frontier_points`). Past styles.MAX_SERIES mixers, the files
+    `frontier` (`frontier_points`). `slices` (`slice_summary`) adds a panel per test slice
+    after each setting tested on a mix. Past styles.MAX_SERIES mixers, the files
     `recall_accuracy_vs_*.FMT` are an overview and `recall_accuracy_vs_*-FAMILY.FMT` hold
     each family; `mixers` (comma-separated globs) chooses the mixers instead, in one
     figure."""
@@ -747,7 +789,7 @@ def plot_recall(summary: dict, plots_dir: str | Path, fmt: str = "png",
                         for label in curves} - set(matches))
     paths = []
     for name, x_key in zip(RECALL_PLOT_NAMES, ("state_bytes", "d_model")):
-        panels = _panel_points(summary, x_key)
+        panels = _panel_points(summary, x_key, slices)
         placed = _published_points(summary, published, matches, x_key)
         if x_key == "state_bytes":
             for setting, by_mixer in (frontier or {}).items():
@@ -875,7 +917,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         return []
     paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None,
                         (zoology or {}).get("architectures_in_hla_bench"), mixers,
-                        frontier_points(runs, summary, load_reference(FRONTIER_REFERENCE)))
+                        frontier_points(runs, summary, load_reference(FRONTIER_REFERENCE)),
+                        slice_summary(runs))
     for path in paths:
         console.print(f"plot written to {path}", markup=False, highlight=False, soft_wrap=True)
     return paths
