@@ -181,7 +181,9 @@ def test_the_frontier_and_mad_budget_configs_plan_what_their_headers_state():
     frontier = load_config(str(configs.find("zoology-frontier")), {})
     specs = plan_runs(frontier, "cuda")
     check_layers(specs)
-    assert len(specs) == 25 * 2 * 4  # mixer variants x d_model x learning rates
+    # mixer variants x d_model x learning rates, and the 3 Based variants at d_model 48
+    assert len(specs) == 25 * 2 * 4 + 3 * 4
+    assert {s["mixer"] for s in specs if s["d_model"] == 48} == {"based"}
     spec = specs[0]
     assert [(e["seq_len"], e["num_kv_pairs"], e["count"]) for e in spec["train_mix"]] == [
         (64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000),

@@ -2,6 +2,7 @@
 resume and the `recall` / `tasks` commands."""
 
 import importlib.metadata
+import re
 import time
 from pathlib import Path
 
@@ -932,6 +933,32 @@ def test_mixer_model_overrides_the_model_of_one_mixer(tmp_path):
     narrowed = load_config(str(path), {"mixers": ["hla2"]})
     assert narrowed["mixer_options"] == {} and narrowed["mixer_model"] == {}
     assert load_config(str(path), {})["mixer_model"] == {"mamba2-ssd": {"n_layers": 4}}
+
+
+def test_mixer_d_model_gives_a_mixer_or_label_its_own_widths(tmp_path):
+    """`mixer_d_model` replaces `d_model` for the mixers and labels it names (a label's
+    entry before its mixer's); `--d-model` replaces every mixer's widths, `--mixers` keeps
+    the entries of those mixers; unknown names and bad widths are ConfigErrors."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "mixers": ["sdpa", "hla2", "hla2:label=hla2-wide"], "d_model": [32, 64],
+        "mixer_d_model": {"hla2": [16], "hla2-wide": [128]}, "lrs": [1e-3]}))
+    config = load_config(str(path), {})
+    widths = {}
+    for spec in plan_runs(config, "cpu"):
+        widths.setdefault(spec["variant"] or spec["mixer"], []).append(spec["d_model"])
+    assert widths == {"sdpa": [32, 64], "hla2": [16], "hla2-wide": [128]}
+    overridden = load_config(str(path), {"d_model": [48]})
+    assert overridden["mixer_d_model"] == {}
+    assert {spec["d_model"] for spec in plan_runs(overridden, "cpu")} == {48}
+    assert load_config(str(path), {"mixers": ["sdpa", "hla2"]})["mixer_d_model"] == {
+        "hla2": [16]}
+    for bad, message in (({"mamba2-ssd": [64]}, "names mixers not in `mixers`: mamba2-ssd"),
+                         ({"hla2": []}, "mixer_d_model.hla2 must be a non-empty list"),
+                         ({"hla2": [0]}, "mixer_d_model.hla2 must be")):
+        path.write_text(yaml.safe_dump({"mixers": ["hla2"], "mixer_d_model": bad}))
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(str(path), {})
 
 
 def test_run_key_reads_a_field_a_stored_run_lacks_as_its_default():

@@ -38,7 +38,7 @@ from hla_bench.results.plots import planned_plots_problem, plots_dir_problem
 from hla_bench.results.store import StoreError, read_resumable
 from hla_bench.recall.pool import build_model, failed_result
 from hla_bench.recall.schema import (MODEL_FIELDS, SECTIONS, TOP_FIELDS, TRAIN_FIELDS,
-                                     default_config, int_from, nonempty_text)
+                                     default_config, int_from, list_of, nonempty_text)
 from hla_bench.recall.train import RunSpec, group_key, seq_lens, steps_per_epoch
 
 
@@ -239,10 +239,15 @@ def _check_plan(config: dict, where: str) -> None:
     if twice:
         raise ConfigError(f"{where}.mixers: {twice[0]!r} is given twice")
     named = {name for name, _, _ in variants} | set(labels)
-    for key in ("mixer_options", "mixer_model"):
+    for key in ("mixer_options", "mixer_model", "mixer_d_model"):
         unknown = sorted(set(config[key]) - named)
         if unknown:
             raise ConfigError(f"{where}.{key} names mixers not in `mixers`: {', '.join(unknown)}")
+    for mixer, widths in config["mixer_d_model"].items():
+        problem = list_of(int_from(1))(widths)
+        if problem or not widths:
+            raise ConfigError(f"{where}.mixer_d_model.{mixer} must be "
+                              f"{problem or 'a non-empty list'} (model widths), got {widths!r}")
     for mixer, model in config["mixer_model"].items():
         checked = _check_section(f"{where}.mixer_model.{mixer}", model, MODEL_FIELDS)
         for index, setting in enumerate(config["settings"]):
@@ -311,9 +316,10 @@ def check_mixer_options(config: dict, device: str) -> None:
     """Option values a mixer's layer rejects (say `impl: trtion`, `decay: 1.5`) are a
     ConfigError before any run: each mixer with options runs one small forward with them,
     and is blamed only when the same forward with its defaults succeeds."""
-    d_model, n_heads = min(config["d_model"]), config["model"]["n_heads"]
+    n_heads = config["model"]["n_heads"]
     for text in config["mixers"]:
         mixer, own, label = mixer_variant(text)
+        d_model = min(variant_widths(config, mixer, label))
         options = variant_options(config, mixer, own, label)
         if not options or registry.get(mixer).unavailable_reason(options):
             continue
@@ -362,9 +368,10 @@ def load_config(path: str | None, overrides: dict) -> dict:
 def merge_config(path: str | None, loaded: Any, overrides: dict) -> dict:
     """Defaults, then `loaded` (the YAML of the file at `path`), then the command-line
     options given (checked alike).
-    Options replace what the file gives: `mixers` keeps the file's `mixer_options` and
-    `mixer_model` of those mixers only, `weight_decays` replaces the file's grid or
-    `train.weight_decay`. A file that gives both `weight_decays` and `train.weight_decay`
+    Options replace what the file gives: `mixers` keeps the file's `mixer_options`,
+    `mixer_model` and `mixer_d_model` of those mixers only, `d_model` replaces every
+    mixer's widths (the file's `mixer_d_model` too), `weight_decays` replaces the file's
+    grid or `train.weight_decay`. A file that gives both `weight_decays` and `train.weight_decay`
     is refused (one of them would be ignored)."""
     for key, value in overrides.items():  # an option's own problem names the option
         fields = {**TOP_FIELDS, **MODEL_FIELDS, **TRAIN_FIELDS}
@@ -390,10 +397,12 @@ def merge_config(path: str | None, loaded: Any, overrides: dict) -> dict:
             except ValueError as error:
                 raise ConfigError(f"--mixers: {error}") from None
             kept |= {name, label}
-        for key in ("mixer_options", "mixer_model"):
+        for key in ("mixer_options", "mixer_model", "mixer_d_model"):
             if isinstance(_given(merged, key), dict):
                 merged[key] = {mixer: value for mixer, value in merged[key].items()
                                if mixer in kept}
+    if _given(overrides, "d_model") is not None:
+        merged.pop("mixer_d_model", None)
     for key, value in overrides.items():
         if value is None:
             continue
@@ -427,8 +436,18 @@ def setting_label(task: str, params: dict, train: dict | None = None, model: dic
                     + mix_parts)
 
 
+def variant_widths(config: dict, mixer: str, label: str) -> list[int]:
+    """A variant's model widths: its label's `mixer_d_model`, else its mixer's, else the
+    config's `d_model`."""
+    widths = config["mixer_d_model"]
+    if label != mixer and label in widths:
+        return widths[label]
+    return widths[mixer] if mixer in widths else config["d_model"]
+
+
 def plan_runs(config: dict, device: str) -> list[dict]:
-    """One spec per (setting, mixer, d_model, lr, weight decay, seed). A run's model is the
+    """One spec per (setting, mixer, d_model, lr, weight decay, seed), the widths those of
+    `variant_widths`. A run's model is the
     config's, then the mixer's `mixer_model` keys, then the setting's `model` keys (the two
     never set the same key); its weight decays are `weight_decays`, else the setting's
     train.weight_decay."""
@@ -445,7 +464,7 @@ def plan_runs(config: dict, device: str) -> list[dict]:
             mixer, own, variant = mixer_variant(text)
             model = {**config["model"], **variant_model(config, mixer, variant),
                      **_given(setting, "model", {})}
-            for d_model in config["d_model"]:
+            for d_model in variant_widths(config, mixer, variant):
                 for lr in config["lrs"]:
                     for weight_decay in decays:
                         for seed in config["seeds"]:

@@ -216,6 +216,9 @@ class RecallConfig:
                             "for that mixer's runs.")
     d_model: list[int] = key([64], list_of(int_from(1)), "Comma-separated model widths.",
                              ("list", int))
+    # per mixer (or variant label), the widths of its runs in place of `d_model`
+    mixer_d_model: dict = key({}, mapping, "Per mixer (or variant label), the model widths of "
+                              "its runs, in place of `d_model`.")
     lrs: list[float] = key([1e-3, 3e-3], list_of(number_in(0, open_low=True, high=None)),
                            "Comma-separated learning rates.", ("list", float))
     # the weight-decay grid; null: each setting's train.weight_decay alone
