@@ -83,12 +83,6 @@ def environment(device: str) -> dict:
 
 # --- the command -------------------------------------------------------------------------
 
-def mixer_label(run: dict) -> str:
-    """A run's mixer as its config names it: its variant ("sdpa:window=64"), else the
-    mixer's name."""
-    return (run["variant"] if "variant" in run else None) or run["mixer"]
-
-
 def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                       on_results, client=None, **options) -> bool:
     """The groups under a rich display: an overall bar of runs, a bar per running group,
@@ -99,7 +93,7 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     total = sum(len(group) for group in groups)
     names = {tuple(spec["run_id"] for spec in group):
-             escape(f"{mixer_label(group[0])} d={group[0]['d_model']} "
+             escape(f"{group[0].get('variant') or group[0]['mixer']} d={group[0]['d_model']} "
                     f"x{len(group)} "
                     f"[{group[0]['setting']}]") for group in groups}
     plain = not console.is_terminal
@@ -153,7 +147,7 @@ def run_with_progress(groups: list[list[dict]], workers: int, console: Console,
             if key in bars:
                 progress.remove_task(bars.pop(key))
             for result in results:
-                where = escape(f"{mixer_label(result)} "
+                where = escape(f"{result.get('variant') or result['mixer']} "
                                f"d={result['d_model']} lr={result['lr']:g} "
                                f"wd={result['weight_decay']:g} seed={result['seed']} "
                                f"[{result['setting']}]")

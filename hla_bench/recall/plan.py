@@ -30,7 +30,6 @@ import torch
 import yaml
 
 import tasks
-from tasks import get as task_named
 from tasks import IGNORE
 from hla_bench import configs, registry
 from hla_bench.results.load import validate_recall
@@ -45,10 +44,6 @@ from hla_bench.recall.train import RunSpec, group_key, seq_lens, steps_per_epoch
 class ConfigError(ValueError):
     """A recall config key or value that is not allowed; the message names it."""
 
-
-def _given(values: dict, key: Any, default: Any = None) -> Any:
-    """`values[key]` where `values` has `key`, else `default`."""
-    return values[key] if key in values else default
 
 
 def _check_section(where: str, values: Any, fields: dict) -> dict:
@@ -111,7 +106,7 @@ def _check_settings(settings: Any, where: str) -> list[dict]:
                               f"(accepted: {', '.join(accepted)})")
         if not isinstance(setting["task"], str) or not setting["task"]:
             raise ConfigError(f"{at}.task must be a task name, got {setting['task']!r}")
-        params = _given(setting, "params") or {}
+        params = setting.get("params") or {}
         if not isinstance(params, dict):
             raise ConfigError(f"{at}.params must be a mapping of task parameters, got "
                               f"{params!r}")
@@ -141,7 +136,7 @@ def check_given_params(settings: list[dict], given: dict[str, str], task: str | 
     labels: dict[str, int] = {}
     for index, setting in enumerate(settings):
         try:
-            entry = task_named(setting["task"])
+            entry = tasks.get(setting["task"])
             entry.make("test", 1, 0, **setting["params"])
         except (ValueError, TypeError) as error:
             if task:
@@ -150,8 +145,8 @@ def check_given_params(settings: list[dict], given: dict[str, str], task: str | 
             raise ConfigError(f"{options}: {error} (these command-line values apply to every "
                               f"setting of {source}; the first refused is settings[{index}], "
                               f"task {setting['task']!r})") from None
-        label = setting_label(entry.name, setting["params"], _given(setting, "train"),
-                              _given(setting, "model"), _given(setting, "name"))
+        label = setting_label(entry.name, setting["params"], setting.get("train"),
+                              setting.get("model"), setting.get("name"))
         if label in labels:
             raise ConfigError(f"{options}: these command-line values apply to every setting "
                               f"of {source} and make settings[{labels[label]}] and "
@@ -195,22 +190,22 @@ def _check_plan(config: dict, where: str) -> None:
     labels: dict[str, int] = {}
     for index, setting in enumerate(config["settings"]):
         try:
-            task = task_named(setting["task"])
+            task = tasks.get(setting["task"])
             task.make("test", 1, 0, **setting["params"])
         except ValueError as error:
             raise ConfigError(f"{where}.settings[{index}]: {error}") from None
         except TypeError as error:
             raise ConfigError(f"{where}.settings[{index}]: a task parameter of the wrong type "
                               f"({error}); params: {setting['params']}") from None
-        train = {**config["train"], **_given(setting, "train", {})}
+        train = {**config["train"], **setting.get("train", {})}
         for key in MIX_KEYS:
-            for slot, entry in enumerate(_given(setting, key) or []):
+            for slot, entry in enumerate(setting.get(key) or []):
                 try:
                     params, _ = tasks.mix_entry(task, setting["params"], entry)
                     task.make("test", 1, 0, **params)
                 except (ValueError, TypeError) as error:
                     raise ConfigError(f"{where}.settings[{index}].{key}[{slot}]: {error}") from None
-            if _given(setting, key) and train[MIX_COUNTS[key]] is not None:
+            if setting.get(key) and train[MIX_COUNTS[key]] is not None:
                 raise ConfigError(f"{where}.settings[{index}]: {key} gives each slice's count; "
                                   f"leave train.{MIX_COUNTS[key]} out (it is "
                                   f"{train[MIX_COUNTS[key]]})")
@@ -218,14 +213,14 @@ def _check_plan(config: dict, where: str) -> None:
             raise ConfigError(f"{where}.settings[{index}]: a mix is scored over every labelled "
                               f"position of its slices: metric must be micro, not "
                               f"{train['metric']}")
-        label = setting_label(task.name, setting["params"], _given(setting, "train"),
-                              _given(setting, "model"), _given(setting, "name"),
+        label = setting_label(task.name, setting["params"], setting.get("train"),
+                              setting.get("model"), setting.get("name"),
                               {key: setting[key] for key in MIX_KEYS if key in setting})
         if label in labels:
             raise ConfigError(f"{where}.settings[{labels[label]}] and settings[{index}] have the "
                               f"same label {label!r}; give one a `name` or remove the duplicate")
         labels[label] = index
-        if config["weight_decays"] is not None and "weight_decay" in _given(setting, "train", {}):
+        if config["weight_decays"] is not None and "weight_decay" in setting.get("train", {}):
             raise ConfigError(f"{where}.settings[{index}].train.weight_decay: the config has a "
                               "`weight_decays` grid; give the weight decays there")
     variants = []
@@ -251,7 +246,7 @@ def _check_plan(config: dict, where: str) -> None:
     for mixer, model in config["mixer_model"].items():
         checked = _check_section(f"{where}.mixer_model.{mixer}", model, MODEL_FIELDS)
         for index, setting in enumerate(config["settings"]):
-            both = sorted(set(checked) & set(_given(setting, "model", {})))
+            both = sorted(set(checked) & set(setting.get("model", {})))
             if both:
                 raise ConfigError(f"{where}.settings[{index}].model and mixer_model.{mixer} both "
                                   f"set {', '.join(both)}")
@@ -286,14 +281,14 @@ def mixer_variant(text: str) -> tuple[str, dict, str]:
 def variant_options(config: dict, mixer: str, own: dict, label: str) -> dict:
     """A variant's mixer options: `mixer_options` of its mixer, then of its label, then its
     own."""
-    return {**(_given(config["mixer_options"], mixer) or {}),
-            **((_given(config["mixer_options"], label) or {}) if label != mixer else {}), **own}
+    return {**(config["mixer_options"].get(mixer) or {}),
+            **((config["mixer_options"].get(label) or {}) if label != mixer else {}), **own}
 
 
 def variant_model(config: dict, mixer: str, label: str) -> dict:
     """A variant's `mixer_model` keys: its mixer's, then its label's."""
-    return {**_given(config["mixer_model"], mixer, {}),
-            **(_given(config["mixer_model"], label, {}) if label != mixer else {})}
+    return {**config["mixer_model"].get(mixer, {}),
+            **(config["mixer_model"].get(label, {}) if label != mixer else {})}
 
 
 def _layer_rejects(mixer: str, options: dict, d_model: int, n_heads: int,
@@ -382,14 +377,14 @@ def merge_config(path: str | None, loaded: Any, overrides: dict) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values")
     merged = copy.deepcopy(loaded)
-    train = _given(merged, "train")
+    train = merged.get("train")
     if isinstance(train, dict) and "weight_decay" in train:
-        if _given(overrides, "weight_decays") is not None:
+        if overrides.get("weight_decays") is not None:
             del train["weight_decay"]
-        elif _given(merged, "weight_decays") is not None:
+        elif merged.get("weight_decays") is not None:
             raise ConfigError(f"{where}: give `weight_decays` (a grid) or train.weight_decay, "
                               "not both")
-    if _given(overrides, "mixers") is not None:
+    if overrides.get("mixers") is not None:
         kept = set()
         for text in overrides["mixers"]:
             try:
@@ -398,10 +393,10 @@ def merge_config(path: str | None, loaded: Any, overrides: dict) -> dict:
                 raise ConfigError(f"--mixers: {error}") from None
             kept |= {name, label}
         for key in ("mixer_options", "mixer_model", "mixer_d_model"):
-            if isinstance(_given(merged, key), dict):
+            if isinstance(merged.get(key), dict):
                 merged[key] = {mixer: value for mixer, value in merged[key].items()
                                if mixer in kept}
-    if _given(overrides, "d_model") is not None:
+    if overrides.get("d_model") is not None:
         merged.pop("mixer_d_model", None)
     for key, value in overrides.items():
         if value is None:
@@ -453,17 +448,17 @@ def plan_runs(config: dict, device: str) -> list[dict]:
     train.weight_decay."""
     specs = []
     for setting in config["settings"]:
-        task = task_named(setting["task"])
+        task = tasks.get(setting["task"])
         params = setting["params"]
-        train = {**config["train"], **_given(setting, "train", {})}
+        train = {**config["train"], **setting.get("train", {})}
         decays = config["weight_decays"] or [train["weight_decay"]]
         mixes = {key: setting[key] for key in MIX_KEYS if key in setting}
-        label = setting_label(task.name, params, _given(setting, "train"), _given(setting, "model"),
-                              _given(setting, "name"), mixes)
+        label = setting_label(task.name, params, setting.get("train"), setting.get("model"),
+                              setting.get("name"), mixes)
         for text in config["mixers"]:
             mixer, own, variant = mixer_variant(text)
             model = {**config["model"], **variant_model(config, mixer, variant),
-                     **_given(setting, "model", {})}
+                     **setting.get("model", {})}
             for d_model in variant_widths(config, mixer, variant):
                 for lr in config["lrs"]:
                     for weight_decay in decays:
@@ -490,21 +485,21 @@ def option_conflicts(records: list[dict], specs: list[dict]) -> list[str]:
     impl=parallel): resuming would add the new run beside the stored one, and both would
     count in one cell of the report. One line per such run."""
     def identity(run: dict) -> tuple:
-        return (run["setting"], _given(run, "variant") or run["mixer"], int(run["d_model"]),
+        return (run["setting"], run.get("variant") or run["mixer"], int(run["d_model"]),
                 float(run["lr"]),
-                float(_given(run, "weight_decay", _SPEC_DEFAULTS["weight_decay"])),
-                int(_given(run, "seed", 0)))
+                float(run.get("weight_decay", _SPEC_DEFAULTS["weight_decay"])),
+                int(run.get("seed", 0)))
 
     planned = {identity(spec): spec for spec in specs}
     keys = {run_key(spec) for spec in specs}
     lines = []
     for run in records:
-        spec = _given(planned, identity(run))
+        spec = planned.get(identity(run))
         if (spec is not None and run_key(run) not in keys
-                and (_given(run, "mixer_options") or {}) != spec["mixer_options"]):
+                and (run.get("mixer_options") or {}) != spec["mixer_options"]):
             lines.append(f"{run['mixer']} d_model={run['d_model']} lr={float(run['lr']):g} "
-                         f"seed={_given(run, 'seed', 0)} [{run['setting']}]: stored "
-                         f"{_given(run, 'mixer_options') or {}}, planned {spec['mixer_options']}")
+                         f"seed={run.get('seed', 0)} [{run['setting']}]: stored "
+                         f"{run.get('mixer_options') or {}}, planned {spec['mixer_options']}")
     return lines
 
 
@@ -512,7 +507,7 @@ def run_key(run: dict) -> str:
     """What identifies a run across sweeps: its spec without the run id and device. A field
     a stored run lacks (it predates the field) counts as the field's default, which is what
     that run trained with."""
-    spec = {key: _given(run, key, _SPEC_DEFAULTS[key]) for key in RunSpec.__dataclass_fields__
+    spec = {key: run.get(key, _SPEC_DEFAULTS[key]) for key in RunSpec.__dataclass_fields__
             if key not in ("run_id", "device")}
     return yaml.safe_dump(spec, sort_keys=True)
 
@@ -538,11 +533,11 @@ def plan_rows(specs: list[dict], max_group: int,
     rows = []
     for (setting, d_model), runs in cells.items():
         first = runs[0]
-        steps = first["epochs"] * steps_per_epoch(first, task_named(first["task"]).num_train)
+        steps = first["epochs"] * steps_per_epoch(first, tasks.get(first["task"]).num_train)
         groups = plan_groups(runs, max_group, shapes)
         sizes = Counter(len(group) for group in groups)
         row = {"setting": setting, "d_model": d_model,
-               "mixers": len({_given(spec, "variant") or spec["mixer"] for spec in runs}),
+               "mixers": len({spec.get("variant") or spec["mixer"] for spec in runs}),
                "runs": len(runs),
                "groups": len(groups), "steps": steps, "model_steps": steps * len(runs),
                # the stacks the groups train as: "9 x 4" is nine stacks of four models
@@ -729,7 +724,7 @@ def step_flops(spec: dict) -> int | None:
     needs real tensors; either way its mixers run their PyTorch forms (on CUDA the Triton
     kernels compute the same sums). None where the mixer cannot run on the CPU. Remembered
     per step shape (STEP_FIELDS)."""
-    if _given(spec, "train_mix"):  # a step of each slice, weighted by the slice's batches
+    if spec.get("train_mix"):  # a step of each slice, weighted by the slice's batches
         batches = [math.ceil(int(entry["count"]) / spec["batch_size"])
                    for entry in spec["train_mix"]]
         counts = []
@@ -740,7 +735,7 @@ def step_flops(spec: dict) -> int | None:
         if any(count is None for count in counts):
             return None
         return round(sum(c * b for c, b in zip(counts, batches)) / sum(batches))
-    key = repr([(name, _given(spec, name)) for name in STEP_FIELDS])
+    key = repr([(name, spec.get(name)) for name in STEP_FIELDS])
     if key not in _STEP_FLOPS:
         _STEP_FLOPS[key] = _step_flops(spec)
     return _STEP_FLOPS[key]
@@ -748,7 +743,7 @@ def step_flops(spec: dict) -> int | None:
 
 def _step_flops(spec: dict) -> int | None:
     run = RunSpec(**spec)
-    inputs, labels = task_named(run.task).make("train", 1, run.seed, **run.params)
+    inputs, labels = tasks.get(run.task).make("train", 1, run.seed, **run.params)
     count = int((labels != IGNORE).sum())  # the rows the head reads, known without data
     for device in ("meta", "cpu"):
         try:
@@ -818,7 +813,7 @@ def check_repeats(path: str | Path, records: list[dict], specs: list[dict]) -> N
 def kept_keys(records: list[dict]) -> set[str]:
     """The keys of the runs among `records` that finished (FINISHED_STATUSES): a resume
     keeps them."""
-    return {run_key(run) for run in records if _given(run, "status") in FINISHED_STATUSES}
+    return {run_key(run) for run in records if run.get("status") in FINISHED_STATUSES}
 
 
 def finished_keys(out: str, config: dict, specs: list[dict]) -> set[str]:
@@ -906,7 +901,7 @@ class SweepPlan:
         for spec in self.specs:
             if run_key(spec) in finished:
                 continue
-            reason = _given(self.unavailable, spec["run_id"])
+            reason = self.unavailable.get(spec["run_id"])
             if reason:
                 failed.append(failed_result(spec, "unavailable", reason))
             else:
@@ -994,7 +989,7 @@ def plan_sweep(config_file: str | None, overrides: dict, *, task: str | None = N
     if not absent:
         check_mixer_options(config, device)
         if not device.startswith("cuda"):
-            if _given(overrides, "graphs"):
+            if overrides.get("graphs"):
                 raise ConfigError(f"--graphs replays CUDA graphs: the device is {device}")
             config["graphs"] = False  # nothing is replayed off CUDA: the header says so
     specs = plan_runs(config, device)

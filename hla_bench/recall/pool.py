@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from tasks import get as task_named
+import tasks
 from hla_bench import registry
 from hla_bench.processes import exit_with_parent
 from hla_bench.safe_files import path_in, refuse_symlink
@@ -50,7 +50,7 @@ def build_model(spec: dict) -> TinyLM:
     their state), "learned" every mixer, "none" no mixer. Its length is the longest of
     the run's sequences (every slice of its mixes)."""
     run = RunSpec(**spec)
-    task = task_named(run.task)
+    task = tasks.get(run.task)
     params = task.resolve_params(run.params)
     entry = registry.get(run.mixer)
     positions = run.positions == "learned" or (run.positions == "auto"

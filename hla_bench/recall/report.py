@@ -630,8 +630,10 @@ def _panel_points(summary: dict, x_key: str,
         if points:
             panels[setting] = points
         for name, slice_mixers in (slices or {}).items():
-            if name.startswith(setting + SLICE_PANEL) and _cell_points(slice_mixers, x_key):
-                panels[name] = _cell_points(slice_mixers, x_key)
+            slice_points = (_cell_points(slice_mixers, x_key)
+                            if name.startswith(setting + SLICE_PANEL) else None)
+            if slice_points:
+                panels[name] = slice_points
     if len(summary) > 1:
         overall: dict[str, list[tuple]] = {}
         mixers = dict.fromkeys(m for by_mixer in summary.values() for m in by_mixer)
@@ -905,7 +907,8 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         reference = load_mad_reference()
         show(lambda: mad_markdown(scores, reference), lambda: mad_table(scores, reference))
     per_layer = all(run.get("state_bytes_per_layer") for run in runs if run.get("status") == "ok")
-    frontier = (frontier_rows(runs, summary, load_reference(FRONTIER_REFERENCE), per_layer)
+    published_frontier = load_reference(FRONTIER_REFERENCE)
+    frontier = (frontier_rows(runs, summary, published_frontier, per_layer)
                 if tables != "settings" else {})
     for setting, rows in frontier.items():
         show(lambda: frontier_markdown(setting, rows, per_layer),
@@ -917,7 +920,7 @@ def render_recall(data: dict, console: Console, plots_dir: str | Path | None = N
         return []
     paths = plot_recall(summary, plots_dir, fmt, zoology_curves(runs, zoology) if zoology else None,
                         (zoology or {}).get("architectures_in_hla_bench"), mixers,
-                        frontier_points(runs, summary, load_reference(FRONTIER_REFERENCE)),
+                        frontier_points(runs, summary, published_frontier),
                         slice_summary(runs))
     for path in paths:
         console.print(f"plot written to {path}", markup=False, highlight=False, soft_wrap=True)

@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 import tasks
 from tasks import IGNORE, Splits
-from tasks import get as task_named
 from tasks.mad import MAD_METRIC_BATCH, macro_accuracy
 from hla_bench.recall.model import TinyLM, at_least_float32
 from hla_bench.recall.stacked import FlatAdamW, StackedLM
@@ -158,11 +157,11 @@ def group_key(spec: dict) -> str:
 def seq_lens(spec: dict, part: str | None = None) -> list[int]:
     """The sequence length of each slice of a run's training mix (`part` "train"), test mix
     ("test") or both (None); a part without a mix is one slice of the setting's params."""
-    task = task_named(spec["task"])
+    task = tasks.get(spec["task"])
     params = task.resolve_params(spec["params"])
     lengths = []
     for name in ("train", "test") if part is None else (part,):
-        mix = spec[f"{name}_mix"] if f"{name}_mix" in spec else None
+        mix = spec.get(f"{name}_mix")
         entries = [{}] if mix is None else [
             {k: v for k, v in entry.items() if k != "count"} for entry in mix]
         lengths += [int({**params, **entry}["seq_len"]) for entry in entries]
